@@ -1,0 +1,107 @@
+"""Write a model as a single GGUF file the way llama.cpp's converter lays it out.
+
+Used by ``ft synth`` and by tests that turn a ``transformers`` checkpoint into GGUF. Tensors are
+streamed: all tensor infos go into the header first, then each tensor is produced, encoded and
+written one at a time, so a file larger than RAM can be written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from freetoken.checkpoint.names import ours_to_gguf
+from freetoken.config import ModelConfig
+from freetoken.quant import get_format
+
+_ARCH = {"qwen3_moe": "qwen3moe", "gemma3": "gemma3"}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: our name, logical shape, target format name."""
+
+    name: str
+    shape: tuple[int, ...]
+    fmt: str
+
+
+def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    """The architecture keys llama.cpp reads for ``cfg`` (inverse of ModelConfig.from_gguf)."""
+    a = _ARCH[cfg.family]
+    meta: dict[str, Any] = {
+        f"{a}.block_count": cfg.num_layers,
+        f"{a}.context_length": cfg.max_position,
+        f"{a}.embedding_length": cfg.hidden_size,
+        f"{a}.feed_forward_length": cfg.intermediate_size,
+        f"{a}.attention.head_count": cfg.num_heads,
+        f"{a}.attention.head_count_kv": cfg.num_kv_heads,
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+        f"{a}.rope.freq_base": float(cfg.rope_theta),
+    }
+    if cfg.family == "qwen3_moe":
+        meta |= {
+            f"{a}.expert_count": cfg.num_experts,
+            f"{a}.expert_used_count": cfg.top_k,
+            f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
+        }
+    if cfg.family == "gemma3":
+        meta[f"{a}.attention.sliding_window"] = cfg.sliding_window
+    return meta
+
+
+def write_gguf(
+    path: str | Path, cfg: ModelConfig, plans: Iterable[TensorPlan],
+    make: Callable[[TensorPlan], torch.Tensor], extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``cfg``'s metadata, ``extra`` keys (e.g. the tokenizer) and one tensor per plan.
+
+    ``make(plan)`` returns the float tensor for a plan (HF conventions, e.g. Gemma norm ``w``);
+    it is called once per plan, in order, while the data section is written.
+    """
+    path = Path(path)
+    arch = _ARCH[cfg.family]
+    plans = list(plans)
+    w = GGUFWriter(path, arch)
+    for key, value in {**gguf_metadata(cfg), **(extra or {})}.items():
+        _add(w, key, value)
+    for p in plans:
+        fmt = get_format(p.fmt)
+        nbytes = int(np.prod(p.shape[:-1], dtype=np.int64)) * fmt.row_bytes(p.shape[-1])
+        byte_shape = (*p.shape[:-1], fmt.row_bytes(p.shape[-1]))
+        w.add_tensor_info(ours_to_gguf(p.name, cfg.family), byte_shape, np.dtype(np.uint8),
+                          nbytes, raw_dtype=GGMLQuantizationType(fmt.gguf_type))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for p in plans:
+        x = make(p).float()
+        if cfg.family == "gemma3" and p.name.endswith("norm.weight"):
+            x = x + 1.0  # llama.cpp stores Gemma's norm scale as 1 + w
+        qt = get_format(p.fmt).quantize(x.cpu())
+        w.write_tensor_data(qt.data.contiguous().view(torch.uint8).numpy())
+    w.close()
+    return path
+
+
+def _add(w: GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        w.add_array(key, list(value))
+    else:
+        raise TypeError(f"cannot write GGUF metadata {key}={value!r}")

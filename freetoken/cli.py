@@ -1,0 +1,122 @@
+"""The ``ft`` command: argparse only; everything else is built from the frozen config."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from freetoken import __version__, env
+from freetoken.errors import FreeTokenError
+from freetoken.resolve import DEVICES, DTYPES
+
+log = logging.getLogger("freetoken")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every command that loads a model."""
+    from freetoken.moe.strategy import strategy_names
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="Hugging Face model directory or .gguf file "
+                   "(default: the embedded Gemma-3 270M Q4_K_M GGUF)")
+    g.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the model runs (auto: cuda if a GPU is visible, else cpu)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--moe-strategy", default="resident", choices=strategy_names(),
+                   help="where MoE experts live and how a miss is served")
+    g.add_argument("--max-seq-len", type=int, default=4096,
+                   help="KV cache length in tokens (prompt + output); capped by the model")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    from freetoken.engine.detok import Detokenizer
+    from freetoken.engine.engine import Engine, GenerationStats
+    from freetoken.engine.sample import SamplingParams
+    from freetoken.resolve import resolve_engine
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise FreeTokenError(str(e)) from e
+    engine = Engine(resolve_engine(args), progress=sys.stderr.isatty())
+    ids = engine.encode(args.prompt)
+    detok = Detokenizer(engine.tokenizer)
+    stats = GenerationStats()
+    out = sys.stdout
+    if not args.ids:
+        out.write(args.prompt)
+        out.flush()
+    t0 = time.perf_counter()
+    try:
+        tokens = engine.generate(ids, params, stats=stats, on_token=None if args.ids else (
+            lambda t: (out.write(detok.push(t)), out.flush())))
+    except ValueError as e:
+        raise FreeTokenError(str(e)) from e
+    if args.ids:
+        print(" ".join(map(str, tokens)))
+    else:
+        out.write("\n")
+    total = time.perf_counter() - t0
+    print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens; "
+          f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s, "
+          f"total {total:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from freetoken.checkpoint.synth import synth_main
+
+    return synth_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ft", description="FreeToken: serve MoE LLMs on one machine "
+                                "whose GPU is too small for the model.")
+    p.add_argument("--version", action="version", version=f"freetoken {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt on the terminal",
+                       description="Generate a continuation of --prompt, streamed to stdout; "
+                       "timings go to stderr.")
+    add_engine_args(g)
+    s = g.add_argument_group("sampling")
+    s.add_argument("--prompt", default="The capital of France is", help="text to continue")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    s.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    s.add_argument("--ids", action="store_true", help="print output token ids instead of text")
+    g.set_defaults(func=_generate)
+
+    from freetoken.checkpoint.synth import add_synth_args
+
+    y = sub.add_parser("synth", help="write a random-weight checkpoint at a preset geometry",
+                       description="Write a synthetic checkpoint (HF directory or GGUF) with "
+                       "random weights at a real model's geometry, for benches and tests.")
+    add_synth_args(y)
+    y.set_defaults(func=_synth)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=env.log_level(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except FreeTokenError as e:
+        print(f"ft {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: forward context, model runner, sampling, the generate loop."""

@@ -1,0 +1,19 @@
+"""Model families, one short file each, registered by family name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from freetoken.config import ModelConfig
+from freetoken.models.gemma3 import Gemma3ForCausalLM
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODELS: dict[str, type[nn.Module]] = {
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig, strategy: str = "resident") -> nn.Module:
+    """Build the module tree (uninitialised weights) for ``cfg`` on the current default device."""
+    return MODELS[cfg.family](cfg, strategy)

@@ -1,0 +1,89 @@
+"""Blocks shared by every model family: attention, gated MLP, MoE block.
+
+Shapes: T tokens, H hidden, Hq/Hkv query/key-value heads, D head dim, E experts, A active.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.config import ModelConfig
+from freetoken.engine.context import ForwardContext
+from freetoken.layers.activation import ACTIVATIONS
+from freetoken.layers.attention import attention
+from freetoken.layers.linear import Linear
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import Rotary
+from freetoken.moe.strategy import ExpertShape, make_experts
+
+
+class Attention(nn.Module):
+    """q/k/v projections, per-head q_norm/k_norm, rotary, causal attention, o_proj."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer: int, rotary: Rotary, window: int = 0,
+        unit_offset_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        D = cfg.head_dim
+        self.layer, self.window, self.scale = layer, window, cfg.attn_scale
+        self.n_q, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * D)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * D)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * D)
+        self.o_proj = Linear(cfg.num_heads * D, cfg.hidden_size)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, unit_offset_norm)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, unit_offset_norm)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.n_q, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim))
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
+        o = attention(q, k, v, ctx, self.layer, self.scale, self.window)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nn.Module):
+    """Router (``gate``) -> softmax over E -> top-A (renormalised if the model says so) -> experts.
+
+    Where the experts live and how a cache miss is served is the strategy's business.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, strategy: str) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        self.experts = make_experts(strategy, ExpertShape(
+            layer, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
+            cfg.hidden_act,
+        ))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> top-k expert ids (T, A) and their weights (T, A) in x's dtype."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return self.experts(x, ids, weights)

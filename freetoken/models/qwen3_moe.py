@@ -1,0 +1,66 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): pre-norm blocks, q/k-normed GQA attention, routed experts.
+
+    h = x + attn(input_layernorm(x))
+    y = h + moe(post_attention_layernorm(h))      (dense MLP on mlp_only_layers)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.config import ModelConfig
+from freetoken.engine.context import ForwardContext
+from freetoken.layers.embedding import Embedding
+from freetoken.layers.linear import Linear
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import Rotary
+from freetoken.models.blocks import MLP, Attention, MoEBlock
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, strategy: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoEBlock(cfg, layer, strategy) if cfg.moe_layers[layer]
+            else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        )
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, strategy: str) -> None:
+        super().__init__()
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3MoeDecoderLayer(cfg, i, rotary, strategy) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, strategy: str = "resident") -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg, strategy)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """ids (T,) -> logits (T, vocab) in float32."""
+        return self.lm_head(self.model(ids, ctx)).float()

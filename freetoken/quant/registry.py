@@ -1,0 +1,57 @@
+"""The table of weight formats: one row per module, looked up by name or by GGUF type."""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType
+
+from freetoken.quant.base import QuantFormat
+from freetoken.quant.floats import BF16, F16, F32
+from freetoken.quant.fp8_block import FP8Block
+from freetoken.quant.mxfp4 import MXFP4
+from freetoken.quant.nvfp4 import NVFP4
+from freetoken.quant.q4_0 import Q4_0
+from freetoken.quant.q4_k import Q4_K
+from freetoken.quant.q5_0 import Q5_0
+from freetoken.quant.q6_k import Q6_K
+from freetoken.quant.q8_0 import Q8_0
+
+_ALL: tuple[QuantFormat, ...] = (
+    F32,
+    F16,
+    BF16,
+    Q8_0(),
+    Q4_0(),
+    Q5_0(),
+    Q4_K(),
+    Q6_K(),
+    MXFP4(),
+    FP8Block(),
+    NVFP4(),
+)
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in _ALL}
+_BY_GGUF_TYPE: dict[int, QuantFormat] = {f.gguf_type: f for f in _ALL if f.gguf_type is not None}
+
+
+def get_format(name: str) -> QuantFormat:
+    """The format registered as ``name``; ValueError listing the choices otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        choices = ", ".join(FORMATS)
+        raise ValueError(f"unknown quant format {name!r} (choose from {choices})") from None
+
+
+def format_for_gguf_type(t: int) -> QuantFormat:
+    """The format that reads GGUF tensors of GGML type ``t``; ValueError if we have none."""
+    if t in _BY_GGUF_TYPE:
+        return _BY_GGUF_TYPE[t]
+    try:
+        type_name = GGMLQuantizationType(t).name
+    except ValueError:
+        type_name = f"#{t} (not a GGML type)"
+    supported = ", ".join(GGMLQuantizationType(k).name for k in _BY_GGUF_TYPE)
+    raise ValueError(
+        f"unsupported GGUF tensor type {type_name} (supported: {supported}); "
+        "re-quantise the model to one of these"
+    )

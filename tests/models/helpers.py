@@ -1,0 +1,49 @@
+"""Run our model over a token sequence: one prefill chunk, then token-by-token decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.engine.context import ForwardContext
+from freetoken.kvcache.contiguous import ContiguousKV
+from freetoken.models import build_model
+from freetoken.models.loader import load_weights
+
+
+def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              strategy: str = "resident") -> torch.nn.Module:
+    ckpt = open_checkpoint(path)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(ckpt.config, strategy)
+    finally:
+        torch.set_default_dtype(prev)
+    load_weights(model, ckpt, torch.device(device), progress=False)
+    return model
+
+
+@torch.inference_mode()
+def our_logits(model: torch.nn.Module, ids: list[int], prefill: int, device: str = "cpu") -> torch.Tensor:
+    """Logits (len(ids), vocab): first ``prefill`` tokens in one forward, the rest one by one."""
+    cfg = model.config
+    p = next(model.parameters())
+    kv = ContiguousKV(cfg.num_layers, len(ids), cfg.num_kv_heads, cfg.head_dim, p.dtype, device)
+    t = torch.tensor(ids, device=device)
+    out = [model(t[:prefill], ForwardContext.for_tokens(kv, 0, prefill, torch.device(device)))]
+    for i in range(prefill, len(ids)):
+        out.append(model(t[i:i + 1], ForwardContext.for_tokens(kv, i, 1, torch.device(device))))
+    return torch.cat(out).float().cpu()
+
+
+@torch.inference_mode()
+def hf_logits(path: Path | str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model(torch.tensor([ids])).logits[0].float()

@@ -142,6 +142,8 @@ class ModelConfig:
         hidden = int(key("embedding_length"))
         head_dim = int(key("attention.key_length", hidden // heads))
         vocab = meta.get("_vocab_size") or meta.get(f"{arch}.vocab_size")
+        if not vocab:
+            raise CheckpointError("GGUF file has no token_embd.weight tensor; it is incomplete")
         scaling = meta.get(f"{arch}.rope.scaling.type")
         common: dict[str, Any] = dict(
             family=family,

@@ -54,7 +54,8 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _randomise_norms(model: torch.nn.Module) -> None:
     """Norm weights start at 0 or 1; random ones catch a mixed-up norm."""
+    offset = 0.0 if "gemma" in type(model).__name__.lower() else 1.0  # Gemma scales by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "gemma" not in type(model).__name__.lower() else 0.0))
+                p.copy_(torch.randn_like(p) * 0.3 + offset)

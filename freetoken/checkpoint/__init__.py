@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from freetoken.checkpoint.base import Checkpoint
@@ -16,6 +17,8 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     from freetoken.checkpoint.safetensors import HFCheckpoint
 
     path = Path(model).expanduser()
+    if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+        path = _from_hub_cache(str(model))
     if path.is_dir():
         return HFCheckpoint(path)
     if path.is_file():
@@ -23,6 +26,20 @@ def open_checkpoint(model: str | Path) -> Checkpoint:
     raise CheckpointError(
         f"model {str(model)!r} not found: pass a Hugging Face model directory or a .gguf file"
     )
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    """A hub id resolved from the local Hugging Face cache (nothing is downloaded)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache; "
+            f"download it first (hf download {repo_id}) or pass a directory or .gguf file"
+        ) from e
 
 
 def default_model_path() -> Path:

@@ -25,7 +25,8 @@ from freetoken.quant import QuantTensor, format_for_gguf_type
 
 _MAGIC = b"GGUF"
 # GGUF value types: id -> struct code (scalars); 8 = string, 9 = array
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
+            10: "Q", 11: "q", 12: "d"}
 _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
        6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -98,7 +99,9 @@ class GGUFCheckpoint:
         self.chat_template: str | None = self.metadata.get("tokenizer.chat_template")
         self.generation_config: dict[str, Any] = {}
 
-    def _parse(self, buf: memoryview) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
+    def _parse(
+        self, buf: memoryview
+    ) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
         c = _Cursor(buf, self.path)
         if bytes(c.take(4)) != _MAGIC:
             raise CheckpointError(

@@ -67,8 +67,11 @@ class _SafetensorsFile:
     def view(self, name: str) -> torch.Tensor:
         e = self.entries[name]
         start, end = e["data_offsets"]
-        raw = torch.frombuffer(self.map, dtype=torch.uint8, count=end - start,
-                               offset=self.base + start) if end > start else torch.empty(0, dtype=torch.uint8)
+        if end == start:
+            raw = torch.empty(0, dtype=torch.uint8)
+        else:
+            raw = torch.frombuffer(self.map, dtype=torch.uint8, count=end - start,
+                                   offset=self.base + start)
         return raw.view(_DTYPES[e["dtype"]]).view(e["shape"])
 
 
@@ -80,7 +83,8 @@ class HFCheckpoint:
         cfg_path = self.path / "config.json"
         if not cfg_path.exists():
             raise CheckpointError(
-                f"{self.path} has no config.json; pass a Hugging Face model directory or a .gguf file"
+                f"{self.path} has no config.json; "
+                "pass a Hugging Face model directory or a .gguf file"
             )
         try:
             self.hf_config = json.loads(cfg_path.read_text())

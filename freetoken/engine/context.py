@@ -23,6 +23,8 @@ class ForwardContext:
     end: int
 
     @staticmethod
-    def for_tokens(kv: ContiguousKV, start: int, count: int, device: torch.device) -> ForwardContext:
+    def for_tokens(
+        kv: ContiguousKV, start: int, count: int, device: torch.device
+    ) -> ForwardContext:
         positions = torch.arange(start, start + count, device=device)
         return ForwardContext(positions, kv, start, start + count)

@@ -14,7 +14,8 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_position: int, factor: float = 1.0) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta**exponents)
         pos = torch.arange(max_position, dtype=torch.float32) / factor
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -24,7 +24,9 @@ _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_pr
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.gate_up_proj$")
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, device: torch.device, progress: bool = True) -> None:
+def load_weights(
+    model: nn.Module, ckpt: Checkpoint, device: torch.device, progress: bool = True
+) -> None:
     """Copy every checkpoint tensor into ``model``; raise if a parameter stays unfilled."""
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()

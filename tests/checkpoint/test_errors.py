@@ -39,7 +39,7 @@ def test_unknown_architecture(tiny_qwen3_moe, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"'MambaForCausalLM'.*supported: Qwen3MoeForCausalLM"):
+    with pytest.raises(CheckpointError, match=r"'MambaForCausalLM'.*supported: Qwen3Moe"):
         open_checkpoint(d)
 
 
@@ -116,3 +116,9 @@ def test_cli_reports_one_line_and_exits_nonzero(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("ft generate: error: ")
     assert "truncated" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hub_id_not_in_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(CheckpointError, match="neither a local path nor in the Hugging Face cache"):
+        open_checkpoint("Qwen/Qwen3-30B-A3B")

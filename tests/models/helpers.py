@@ -28,7 +28,9 @@ def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str 
 
 
 @torch.inference_mode()
-def our_logits(model: torch.nn.Module, ids: list[int], prefill: int, device: str = "cpu") -> torch.Tensor:
+def our_logits(
+    model: torch.nn.Module, ids: list[int], prefill: int, device: str = "cpu"
+) -> torch.Tensor:
     """Logits (len(ids), vocab): first ``prefill`` tokens in one forward, the rest one by one."""
     cfg = model.config
     p = next(model.parameters())

@@ -17,6 +17,7 @@ from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from tests.models.helpers import load_ours, our_logits
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180]
 
 
@@ -48,7 +49,8 @@ def test_bf16_experts_gguf(tiny_qwen3_moe, tmp_path):
     assert (got.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_q8_0_experts_match_transformers_on_the_same_blocks(tiny_qwen3_moe, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_q8_0_experts_match_transformers_on_the_same_blocks(tiny_qwen3_moe, tmp_path, device):
     from transformers import AutoModelForCausalLM
 
     out = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "m.gguf", _formats("q8_0"))
@@ -60,7 +62,7 @@ def test_q8_0_experts_match_transformers_on_the_same_blocks(tiny_qwen3_moe, tmp_
                 w = p.detach().numpy()
                 p.copy_(torch.from_numpy(dequantize(quantize(w, q8), q8).reshape(w.shape)))
         ref = hf(torch.tensor([IDS])).logits[0]
-    got = our_logits(load_ours(out), IDS, prefill=5)
+    got = our_logits(load_ours(out, device=device), IDS, prefill=5, device=device)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert not np.allclose(ref.numpy(), our_logits(load_ours(tiny_qwen3_moe), IDS, 5).numpy(),
                            atol=1e-6), "q8_0 should change the logits a little"

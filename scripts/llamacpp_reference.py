@@ -56,6 +56,20 @@ PROMPTS: list[str] = [
     # Digits / punctuation.
     "Q: What is 12 + 30? A: 12 + 30 =",
     "Version 3.14.159 (2024-06-01): fixed #42, #7; see https://example.com/a?b=1&c=2.",
+    # More prompts of each kind; the tests compare whole greedy runs on the cases whose every
+    # step is a clear choice for llama.cpp (see the recorded margins).
+    "import numpy as np\n\ndef softmax(x):",
+    "for (int i = 0; i < n; i++) {",
+    "<html>\n<head>\n<title>",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Monday, Tuesday, Wednesday,",
+    "A, B, C, D, E, F,",
+    "Twinkle, twinkle, little star,",
+    "To be, or not to be,",
+    "La capitale de l'Italie est",
+    "SELECT name, age FROM users WHERE",
+    "The quick brown fox",
+    "Once upon a time, there was a",
 ]
 
 
@@ -67,9 +81,15 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def last_logits(llm: Any) -> np.ndarray:
-    """Float32 logits for the last evaluated position (copied)."""
-    return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32, copy=True)
+def last_logits(llm: Any, llama_cpp: Any) -> np.ndarray:
+    """Float32 logits for the last evaluated position (copied).
+
+    With ``logits_all=False`` llama-cpp-python 0.3.x no longer copies logits into
+    ``llm.scores``, so read them straight from the context.
+    """
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    n_vocab = int(llm.n_vocab())
+    return np.array(np.ctypeslib.as_array(ptr, shape=(n_vocab,)), dtype=np.float32, copy=True)
 
 
 def greedy_case(llm: Any, llama_cpp: Any, prompt: str, n_tokens: int) -> dict[str, Any]:
@@ -84,7 +104,7 @@ def greedy_case(llm: Any, llama_cpp: Any, prompt: str, n_tokens: int) -> dict[st
     margins: list[float] = []
     first_eog_step: int | None = None
     for step in range(n_tokens):
-        logits = last_logits(llm)
+        logits = last_logits(llm, llama_cpp)
         top2 = np.argpartition(-logits, 1)[:2]
         top1 = int(np.argmax(logits))
         second = int(top2[0] if int(top2[0]) != top1 else top2[1])

@@ -83,13 +83,23 @@ def write_gguf(
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for p in plans:
-        x = make(p).float()
-        if cfg.family == "gemma3" and p.name.endswith("norm.weight"):
-            x = x + 1.0  # llama.cpp stores Gemma's norm scale as 1 + w
-        qt = get_format(p.fmt).quantize(x.cpu())
-        w.write_tensor_data(qt.data.contiguous().view(torch.uint8).numpy())
+        w.write_tensor_data(_encode(make(p), p, cfg.family).numpy())
     w.close()
     return path
+
+
+def _encode(x: torch.Tensor, p: TensorPlan, family: str) -> torch.Tensor:
+    """Quantise ``x`` on its own device ~64 MiB of rows at a time; bytes on the CPU."""
+    fmt = get_format(p.fmt)
+    rows = x.reshape(-1, p.shape[-1])
+    out = torch.empty(rows.shape[0], fmt.row_bytes(rows.shape[1]), dtype=torch.uint8)
+    step = max(1, (64 << 20) // (4 * rows.shape[1]))
+    for i in range(0, rows.shape[0], step):
+        r = rows[i:i + step].float()
+        if family == "gemma3" and p.name.endswith("norm.weight"):
+            r = r + 1.0  # llama.cpp stores Gemma's norm scale as 1 + w
+        out[i:i + step] = fmt.quantize(r).data.contiguous().view(torch.uint8).cpu()
+    return out
 
 
 def _add(w: GGUFWriter, key: str, value: Any) -> None:

@@ -8,8 +8,9 @@ from torch import nn
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.strategy import Experts, ExpertShape, register
 
-# Up to this many (token, expert) pairs, gathering the chosen experts' weights and running
-# batched matmuls beats one small matmul chain per expert (decode on a GPU).
+# On a GPU, up to this many (token, expert) pairs, gathering the chosen experts' weights and
+# running batched matmuls beats one small matmul chain per expert (kernel launches dominate).
+# On the CPU the gather's copy costs more than it saves.
 GATHER_MAX_PAIRS = 16
 
 
@@ -29,7 +30,7 @@ class ResidentExperts(Experts):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if topk_ids.numel() <= GATHER_MAX_PAIRS:
+        if x.is_cuda and topk_ids.numel() <= GATHER_MAX_PAIRS:
             return self._gathered(x, topk_ids, topk_weights)
         return self._grouped(x, topk_ids, topk_weights)
 

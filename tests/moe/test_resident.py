@@ -28,10 +28,12 @@ def test_fast_paths_match_slow_twin(tokens, act, device):
     x = torch.randn(tokens, 64, device=device)
     ids = torch.stack([torch.randperm(16)[:4] for _ in range(tokens)]).to(device)
     w = torch.softmax(torch.randn(tokens, 4), -1).to(device)
-    path = "gathered" if tokens * 4 <= GATHER_MAX_PAIRS else "grouped"
-    got = e(x, ids, w)
+    small = tokens * 4 <= GATHER_MAX_PAIRS
+    got = e._gathered(x, ids, w) if small else e(x, ids, w)
+    path = "gathered" if small else "grouped"
     torch.testing.assert_close(got, reference_experts(e, x, ids, w), atol=1e-5, rtol=1e-5,
                                msg=f"{path} path")
+    torch.testing.assert_close(e._grouped(x, ids, w), got, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_close_to_float32_twin():

@@ -80,13 +80,13 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def bits(b: torch.Tensor) -> torch.Tensor:
     """Bytes ``(..., k)`` -> their bits ``(..., 8k)``, least significant bit of byte 0 first."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
     return ((b.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
 def pack_bits(q: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`bits`: 0/1 values ``(..., 8k)`` -> bytes ``(..., k)``."""
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32, device=q.device)
     grouped = q.to(torch.int32).reshape(*q.shape[:-1], -1, 8)
     return (grouped * weights).sum(-1).to(torch.uint8)
 

@@ -32,7 +32,8 @@ class MXFP4(BlockFormat):
 
     def dequantize(self, t: QuantTensor) -> torch.Tensor:
         b = self.blocks(t)
-        values = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[nibbles(b[..., 1:]).long()]
+        table = torch.tensor(E2M1_DOUBLED, dtype=torch.float32, device=b.device)
+        values = table[nibbles(b[..., 1:]).long()]
         return (e8m0_half(b[..., :1]) * values).reshape(t.shape)
 
     def quantize(self, x: torch.Tensor) -> QuantTensor:
@@ -41,6 +42,7 @@ class MXFP4(BlockFormat):
         # Largest e2m1 magnitude is 6 = 1.5 * 2**2, hence the -2.
         exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, 0)
         e = exp.clamp(0, 254).to(torch.uint8)
-        grid = e8m0_half(e).unsqueeze(-1) * torch.tensor(E2M1_DOUBLED, dtype=torch.float32)
+        table = torch.tensor(E2M1_DOUBLED, dtype=torch.float32, device=x.device)
+        grid = e8m0_half(e).unsqueeze(-1) * table
         codes = (grid - xb.unsqueeze(-1)).abs().argmin(-1)  # first of ties, like numpy
         return self.pack(x, [e, pack_nibbles(codes)])

@@ -40,7 +40,7 @@ class NVFP4:
         if tuple(ws.shape) != (*lead, cols // GROUP):
             raise ValueError(f"nvfp4: weight_scale {tuple(ws.shape)} does not match {t.shape}")
         codes = torch.stack([t.data & 0x0F, t.data >> 4], dim=-1).flatten(-2).long()
-        values = torch.tensor(E2M1, dtype=torch.float32)[codes]
+        values = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[codes]
         # e2m1 * e4m3 is exact in float32, so only the global scale rounds.
         scaled = values * ws.float().repeat_interleave(GROUP, -1)
         return scaled * ws2.float()
@@ -49,12 +49,12 @@ class NVFP4:
         self.row_bytes(x.shape[-1])
         xg = x.float().unflatten(-1, (-1, GROUP))  # (..., rows, groups, 16)
         amax = xg.abs().amax()
-        ws2 = amax / (6 * E4M3_MAX) if amax > 0 else torch.tensor(1.0)
+        ws2 = amax / (6 * E4M3_MAX) if amax > 0 else torch.tensor(1.0, device=x.device)
         group_scale = (xg.abs().amax(-1) / 6 / ws2).clamp(max=E4M3_MAX)
         ws = group_scale.to(torch.float8_e4m3fn)
         step = (ws.float() * ws2).unsqueeze(-1)
         v = torch.where(step > 0, xg / step, torch.zeros_like(xg))
-        mag = torch.bucketize(v.abs(), torch.tensor(E2M1_EDGES))
+        mag = torch.bucketize(v.abs(), torch.tensor(E2M1_EDGES, device=v.device))
         codes = (mag | (v < 0).long() << 3).to(torch.uint8).flatten(-2)
         data = codes[..., 0::2] | (codes[..., 1::2] << 4)
         scales = {"weight_scale": ws, "weight_scale_2": ws2.reshape(()).float()}

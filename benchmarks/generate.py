@@ -10,6 +10,7 @@ The bandwidth is measured in the same run (a large on-device copy; host memcpy o
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import platform
 import socket
@@ -58,10 +59,21 @@ def read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     return 2 * a.numel() * 4 / best
 
 
-def git_state() -> dict[str, object]:
+def git_state(sha: str | None) -> dict[str, object]:
+    """Commit and dirty flag; sha given where the tree was copied without .git."""
     def run(*cmd: str) -> str:
-        return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+    if sha:
+        return {"sha": sha, "dirty": None}
     return {"sha": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "-s"))}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def main() -> None:
@@ -73,6 +85,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--label", default="")
+    p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
 
@@ -96,9 +109,9 @@ def main() -> None:
     roofline = bw / active
     best = max(r["decode_tokens_per_s"] for r in runs)
     result = {
-        "bench": "generate", "label": args.label, **git_state(),
+        "bench": "generate", "label": args.label, **git_state(args.git_sha),
         "host": socket.gethostname(), "platform": platform.platform(),
-        "cpu": platform.processor(), "torch": torch.__version__,
+        "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         "params": vars(args) | {"out": str(args.out)},
         "model_config": engine.model_config.family, "load_s": load_s,

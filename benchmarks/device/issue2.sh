@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # GPU machine: CUDA parity tests, then the synthetic qwen3-30b-a3b preset fully resident in bf16.
+# Run as: GIT_SHA=<commit> bash benchmarks/device/issue2.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl

@@ -10,8 +10,8 @@ The bandwidth is measured in the same run (a large on-device copy; host memcpy o
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import platform
 import socket
 import subprocess

@@ -1,0 +1,42 @@
+"""Plots for docs/benchmarks.md from the JSON in benchmarks/results/.
+
+    python benchmarks/plot.py      (needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def generate_plot() -> None:
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "benchmarks/results").glob(
+        "generate-*.json"))]
+    if not runs:
+        return
+    labels = [f"{r['label']}\n{r['gpu'] or r['cpu'][:24]}" for r in runs]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    y = range(len(runs))
+    ax.barh(y, [r["roofline_tokens_per_s"] for r in runs], color="#dddddd",
+            label="roofline (copy bandwidth / active bytes per token)")
+    ax.barh(y, [r["decode_tokens_per_s"] for r in runs], color="#3a6ea5", label="measured")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlim(1, 1.5 * max(r["roofline_tokens_per_s"] for r in runs))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("decode tokens/s (batch 1)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/generate.png", dpi=120)
+
+
+if __name__ == "__main__":
+    generate_plot()

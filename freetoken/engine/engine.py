@@ -1,27 +1,20 @@
-"""The model runner for one sequence: load, prefill, decode, stream.
+"""``ft generate``'s engine: one request at a time through the model runner.
 
-``Engine.generate`` is the first engine path: one request at a time with a contiguous KV cache.
-The server's scheduler (continuous batching, paged KV) builds on the same model forward.
+The server's scheduler (engine/scheduler.py) drives the same runner with many sequences.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from freetoken.checkpoint import open_checkpoint
 from freetoken.config import EngineConfig
-from freetoken.engine.context import ForwardContext
+from freetoken.engine.context import Segment
+from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sample import SamplingParams, sample
-from freetoken.kvcache.contiguous import ContiguousKV
-from freetoken.models import build_model
-from freetoken.models.loader import load_weights
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,37 +31,20 @@ class GenerationStats:
 
 
 class Engine:
-    """Owns the model, its tokenizer and a KV cache sized for ``cfg.max_seq_len`` tokens."""
+    """A runner with a KV pool of ``cfg.max_seq_len`` tokens, and the model's tokenizer."""
 
     def __init__(self, cfg: EngineConfig, progress: bool = True) -> None:
-        self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        self.dtype = getattr(torch, cfg.dtype)
-        t0 = time.perf_counter()
-        self.ckpt = open_checkpoint(cfg.model)
-        self.model_config = mc = self.ckpt.config
-        with torch.device(self.device):
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
-            try:
-                self.model = build_model(mc, cfg.moe_strategy)
-            finally:
-                torch.set_default_dtype(prev)
-        load_weights(self.model, self.ckpt, self.device, progress)
-        self.model.eval()
-        self.max_len = min(cfg.max_seq_len, mc.max_position)
-        self.kv = ContiguousKV(mc.num_layers, self.max_len, mc.num_kv_heads, mc.head_dim,
-                               self.dtype, self.device)
-        self.tokenizer = self.ckpt.tokenizer()
-        log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s", self.ckpt.path.name,
-                 mc.family, mc.num_layers, cfg.device, cfg.dtype, time.perf_counter() - t0)
+        self.runner = ModelRunner(cfg, progress=progress)
+        self.model_config = self.runner.model_config
+        self.model = self.runner.model
+        self.max_len = self.runner.max_len
+        self.device = self.runner.device
+        self.tokenizer = self.runner.ckpt.tokenizer()
+        self._pages = self.runner.kv.allocate(self.runner.kv.num_pages)
 
-    @torch.inference_mode()
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         """Run ``ids`` at positions start.. and return the last position's logits (vocab,)."""
-        t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        ctx = ForwardContext.for_tokens(self.kv, start, len(ids), self.device)
-        return self.model(t, ctx)[-1]
+        return self.runner.forward([ids], [Segment(self._pages, start, len(ids))])[0]
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
@@ -97,27 +73,23 @@ class Engine:
         stats.prompt_tokens = len(prompt_ids)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         eos = set(self.model_config.eos_token_ids)
+        limit = min(params.max_tokens, budget)
         t0 = time.perf_counter()
         logits = self.forward(prompt_ids, 0)
         pos = len(prompt_ids)
-        for i in range(min(params.max_tokens, budget)):
+        t_decode = t0
+        for i in range(limit):
             token = sample(logits, params, gen)
-            now = time.perf_counter()
             if i == 0:
-                stats.prefill_s = now - t0
-                t_decode = now
+                t_decode = time.perf_counter()
+                stats.prefill_s = t_decode - t0
             stats.output_tokens += 1
             if on_token:
                 on_token(token)
             yield token
-            if token in eos or i + 1 == min(params.max_tokens, budget):
+            if token in eos or i + 1 == limit:
                 break
             logits = self.forward([token], pos)
             pos += 1
         if stats.output_tokens > 1:
-            self._sync()
             stats.decode_s = time.perf_counter() - t_decode
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()

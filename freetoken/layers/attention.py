@@ -1,4 +1,4 @@
-"""Causal self-attention over the KV cache, full or sliding-window, grouped-query."""
+"""Causal self-attention over the paged KV cache, full or sliding-window, grouped-query."""
 
 from __future__ import annotations
 
@@ -14,25 +14,17 @@ def attention(
 ) -> torch.Tensor:
     """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> (T, Hq, D).
 
-    Query at position p sees keys at positions j <= p, and with a window W only p - j < W.
+    The new keys are written to their slots first; then each sequence's queries (padded to
+    (B, Tq)) attend over its keys (padded to (B, S)). Query at position p sees keys j <= p,
+    and with a window W only p - j < W.
     """
-    k_all, v_all = ctx.kv.store(layer, ctx.positions, k, v, ctx.end)
-    first = max(0, ctx.start - window + 1) if window else 0
-    k_all, v_all = k_all[first:], v_all[first:]
-    T = q.shape[0]
-    mask = None
-    if T > 1:  # one query sees every key in [first, end)
-        q_pos = ctx.positions[:, None]
-        k_pos = torch.arange(first, ctx.end, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if window:
-            mask &= q_pos - k_pos < window
+    ctx.kv.store(layer, ctx.slots, k, v)
+    keys = ctx.kv.k[layer][ctx.k_slots].transpose(1, 2)  # (B, Hkv, S, D)
+    values = ctx.kv.v[layer][ctx.k_slots].transpose(1, 2)
+    queries = q[ctx.q_index].transpose(1, 2)  # (B, Hq, Tq, D)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k_all.transpose(0, 1).unsqueeze(0),
-        v_all.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
+        queries, keys, values, attn_mask=ctx.masks[window], scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.squeeze(0).transpose(0, 1)
+    out = out.transpose(1, 2)  # (B, Tq, Hq, D)
+    return out[0] if ctx.single else out[ctx.q_valid]

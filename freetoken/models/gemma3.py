@@ -73,8 +73,11 @@ class Gemma3ForCausalLM(nn.Module):
         self.softcap = cfg.final_logit_softcapping
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """ids (T,) -> logits (T, vocab) in float32."""
-        logits = self.lm_head(self.model(ids, ctx)).float()
+        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
+        h = self.model(ids, ctx)
+        if ctx.logit_rows is not None:
+            h = h[ctx.logit_rows]
+        logits = self.lm_head(h).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

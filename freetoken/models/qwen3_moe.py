@@ -62,5 +62,8 @@ class Qwen3MoeForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """ids (T,) -> logits (T, vocab) in float32."""
-        return self.lm_head(self.model(ids, ctx)).float()
+        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
+        h = self.model(ids, ctx)
+        if ctx.logit_rows is not None:
+            h = h[ctx.logit_rows]
+        return self.lm_head(h).float()

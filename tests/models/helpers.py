@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from freetoken.checkpoint import open_checkpoint
-from freetoken.engine.context import ForwardContext
-from freetoken.kvcache.contiguous import ContiguousKV
+from freetoken.engine.context import ForwardContext, Segment
+from freetoken.kvcache.paged import PagedKV
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
 
@@ -32,13 +32,20 @@ def our_logits(
     model: torch.nn.Module, ids: list[int], prefill: int, device: str = "cpu"
 ) -> torch.Tensor:
     """Logits (len(ids), vocab): first ``prefill`` tokens in one forward, the rest one by one."""
-    cfg = model.config
+    cfg, dev = model.config, torch.device(device)
     p = next(model.parameters())
-    kv = ContiguousKV(cfg.num_layers, len(ids), cfg.num_kv_heads, cfg.head_dim, p.dtype, device)
+    page = 4  # small pages: a sequence spans several, in a scrambled order
+    kv = PagedKV(cfg.num_layers, -(-len(ids) // page) + 3, page, cfg.num_kv_heads, cfg.head_dim,
+                 p.dtype, device)
+    pages = kv.allocate(kv.num_pages)[::-1][: -(-len(ids) // page)]
+    windows = (0, cfg.sliding_window) if any(cfg.sliding_layers) else (0,)
     t = torch.tensor(ids, device=device)
-    out = [model(t[:prefill], ForwardContext.for_tokens(kv, 0, prefill, torch.device(device)))]
-    for i in range(prefill, len(ids)):
-        out.append(model(t[i:i + 1], ForwardContext.for_tokens(kv, i, 1, torch.device(device))))
+
+    def run(start: int, end: int) -> torch.Tensor:
+        ctx = ForwardContext.build(kv, [Segment(pages, start, end - start)], dev, windows, True)
+        return model(t[start:end], ctx)
+
+    out = [run(0, prefill)] + [run(i, i + 1) for i in range(prefill, len(ids))]
     return torch.cat(out).float().cpu()
 
 

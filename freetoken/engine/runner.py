@@ -1,0 +1,66 @@
+"""The model runner: builds and loads the model, owns the KV pool, runs one batched forward."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from freetoken.checkpoint import Checkpoint, open_checkpoint
+from freetoken.config import EngineConfig
+from freetoken.engine.context import ForwardContext, Segment
+from freetoken.kvcache.paged import PagedKV
+from freetoken.models import build_model
+from freetoken.models.loader import load_weights
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model and the KV pool. Called from the engine thread only."""
+
+    def __init__(self, cfg: EngineConfig, kv_tokens: int | None = None, page_size: int = 64,
+                 progress: bool = True, ckpt: Checkpoint | None = None) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        t0 = time.perf_counter()
+        self.ckpt = ckpt or open_checkpoint(cfg.model)
+        self.model_config = mc = self.ckpt.config
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(mc, cfg.moe_strategy)
+        finally:
+            torch.set_default_dtype(prev)
+        load_weights(self.model, self.ckpt, self.device, progress)
+        self.model.eval()
+        self.load_s = time.perf_counter() - t0
+        self.max_len = min(cfg.max_seq_len, mc.max_position)
+        tokens = kv_tokens or self.max_len
+        self.page_size = page_size
+        self.kv = PagedKV(mc.num_layers, math.ceil(tokens / page_size), page_size,
+                          mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        windows = {0} | ({mc.sliding_window} if any(mc.sliding_layers) else set())
+        self.windows = tuple(sorted(windows))
+        log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s; KV pool %d pages x %d tokens",
+                 self.ckpt.path.name, mc.family, mc.num_layers, cfg.device, cfg.dtype,
+                 self.load_s, self.kv.num_pages, page_size)
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[list[int]], segments: list[Segment],
+                all_logits: bool = False) -> torch.Tensor:
+        """New tokens of each segment -> float32 logits of each segment's last token (B, V).
+
+        With ``all_logits``, logits of every new token (T, V) instead.
+        """
+        flat = [t for seq in tokens for t in seq]
+        ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        ctx = ForwardContext.build(self.kv, segments, self.device, self.windows, all_logits)
+        return self.model(ids, ctx)

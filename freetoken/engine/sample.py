@@ -16,6 +16,11 @@ class SamplingParams:
     top_k: int = 0
     max_tokens: int = 128
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -26,6 +31,21 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+
+
+def apply_penalties(logits: torch.Tensor, output: list[int], p: SamplingParams) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over the tokens generated so far."""
+    if not output or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+        return logits
+    ids, counts = torch.tensor(output).unique(return_counts=True)
+    ids = ids.to(logits.device)
+    penalty = counts.to(logits) * p.frequency_penalty + p.presence_penalty
+    return logits.index_put((ids,), -penalty, accumulate=True)
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
@@ -37,10 +57,12 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
     if p.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return int(torch.multinomial(probs.cpu().float(), 1, generator=gen))

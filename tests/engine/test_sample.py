@@ -48,3 +48,19 @@ def test_sampling_follows_the_distribution():
 def test_invalid_values_are_rejected(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad).validate()
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    g = torch.Generator().manual_seed(0)
+    seen = {sample(logits, SamplingParams(temperature=1.0, min_p=0.5), g) for _ in range(300)}
+    assert seen == {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_penalties_follow_openai_definition():
+    from freetoken.engine.sample import apply_penalties
+
+    logits = torch.zeros(5)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits, [1, 1, 3], p)
+    assert out.tolist() == [0.0, -1.0, 0.0, -0.75, 0.0]

@@ -1,0 +1,177 @@
+"""Continuous batching: admit by KV budget, chunk prefills, decode every running sequence.
+
+Each ``step`` runs one forward that mixes the next prefill chunks (up to ``max_prefill_tokens``
+new prompt tokens) with one decode token of every sequence that has finished its prefill, then
+samples. A request is admitted only when pages for its prompt plus ``max_tokens`` can be
+reserved, so a running sequence never runs out of KV mid-generation (no preemption); requests
+that do not fit yet wait in FIFO order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken.engine.context import Segment
+from freetoken.engine.runner import ModelRunner
+from freetoken.engine.sample import SamplingParams, apply_penalties, sample
+from freetoken.kvcache.radix import PrefixCache
+
+
+@dataclass
+class Sequence:
+    """Engine-side state of one request."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is written
+    cached: int = 0  # prompt tokens reused from the prefix cache
+    generator: torch.Generator | None = None
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One sampled token (or a finish without one) of a request, sent to the API process."""
+
+    rid: str
+    token: int | None
+    finish_reason: str | None  # None while running; "stop", "length", "abort", "error"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, max_running: int = 16,
+                 max_prefill_tokens: int = 2048, prefix_cache: bool = True) -> None:
+        self.runner = runner
+        self.kv = runner.kv
+        self.cache = PrefixCache(self.kv) if prefix_cache else None
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.eos = set(runner.model_config.eos_token_ids)
+        self.prefix_hit_tokens = 0
+
+    # -- requests in and out ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> Event | None:
+        """Queue a request; an immediate error Event if it can never fit."""
+        need = len(seq.prompt) + seq.params.max_tokens
+        if need > self.runner.max_len or self.runner.pages_for(need) > self.kv.num_pages:
+            return Event(seq.rid, None, "error", len(seq.prompt), 0, 0,
+                         f"prompt ({len(seq.prompt)} tokens) + max_tokens "
+                         f"({seq.params.max_tokens}) exceeds the context of "
+                         f"{min(self.runner.max_len, self.kv.num_pages * self.kv.page_size)}")
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        self.waiting.append(seq)
+        return None
+
+    def abort(self, rid: str) -> Event | None:
+        for seq in list(self.waiting):
+            if seq.rid == rid:
+                self.waiting.remove(seq)
+                return self._event(seq, None, "abort")
+        for seq in self.running:
+            if seq.rid == rid:
+                self._finish(seq)
+                return self._event(seq, None, "abort")
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one engine step ----------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        self._admit()
+        if not self.running:
+            return []
+        batch, chunks, budget = [], [], self.max_prefill_tokens
+        for seq in self.running:
+            if seq.prefilling:
+                if budget <= 0:
+                    continue
+                n = min(budget, len(seq.prompt) - seq.computed)
+                budget -= n
+                chunks.append(seq.prompt[seq.computed:seq.computed + n])
+            else:
+                n = 1
+                chunks.append([seq.output[-1]])
+            batch.append((seq, Segment(seq.pages, seq.computed, n)))
+        logits = self.runner.forward(chunks, [s for _, s in batch])
+        events = []
+        for (seq, segment), row in zip(batch, logits, strict=True):
+            seq.computed += segment.count
+            if seq.prefilling:
+                continue
+            row = apply_penalties(row, seq.output, seq.params)
+            token = sample(row, seq.params, seq.generator)
+            seq.output.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                self._finish(seq)
+            events.append(self._event(seq, token, reason))
+        return events
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output) >= p.max_tokens:
+            return "length"
+        return None
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            total = self.runner.pages_for(len(seq.prompt) + seq.params.max_tokens)
+            # the last prompt token is always computed: its logits give the first output token
+            shared = self.cache.match(seq.prompt, (len(seq.prompt) - 1) // self.kv.page_size) \
+                if self.cache else []
+            need = total - len(shared)
+            if need > self.kv.free_pages and self.cache:
+                self.cache.evict(need - self.kv.free_pages)
+            if need > self.kv.free_pages:
+                self.kv.release(shared)
+                return
+            self.waiting.popleft()
+            seq.pages = shared + self.kv.allocate(need)
+            seq.cached = seq.computed = len(shared) * self.kv.page_size
+            self.prefix_hit_tokens += seq.cached
+            self.running.append(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        if self.cache:
+            self.cache.insert(seq.tokens[:seq.computed], seq.pages)
+        self.kv.release(seq.pages)
+        seq.pages = []
+
+    def _event(self, seq: Sequence, token: int | None, reason: str | None) -> Event:
+        return Event(seq.rid, token, reason, len(seq.prompt), seq.cached, len(seq.output))
+
+    def stats(self) -> dict[str, float]:
+        used = self.kv.num_pages - self.kv.free_pages
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "kv_pages_total": self.kv.num_pages, "kv_pages_used": used,
+            "kv_usage": used / self.kv.num_pages,
+            "prefix_cache_pages": self.cache.cached_pages if self.cache else 0,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+        }

@@ -69,6 +69,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from freetoken.server.serve import serve
+
+    return serve(args)
+
+
 def _synth(args: argparse.Namespace) -> int:
     from freetoken.checkpoint.synth import synth_main
 
@@ -94,6 +100,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="seed for sampling")
     s.add_argument("--ids", action="store_true", help="print output token ids instead of text")
     g.set_defaults(func=_generate)
+
+    v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Load the model in an engine process and serve "
+                       "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
+                       "and /v1/stats.")
+    add_engine_args(v)
+    h = v.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    h.add_argument("--port", type=int, default=1919, help="port to listen on")
+    h.add_argument("--served-model-name", help="model id clients send (default: file/dir name)")
+    h.add_argument("--chat-template", metavar="FILE",
+                   help="Jinja chat template, for models whose checkpoint has none")
+    h.add_argument("--max-running-requests", type=int, default=16,
+                   help="sequences decoded together in one batch")
+    h.add_argument("--max-prefill-length", type=int, default=2048,
+                   help="prompt tokens prefilled per engine step (longer prompts are chunked)")
+    h.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests in flight beyond which new ones get 503")
+    h.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens")
+    h.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV pool size in tokens (0: from free memory after the weights). A "
+                   "request is admitted when pages for its prompt + max_tokens are free; "
+                   "until then it waits in the queue")
+    h.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of shared prompt prefixes")
+    v.set_defaults(func=_serve)
 
     from freetoken.checkpoint.synth import add_synth_args
 

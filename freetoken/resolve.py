@@ -18,6 +18,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def configure_threads() -> int:
+    """torch's intra-op threads: one per usable core (affinity mask and cgroup quota)."""
+    threads = len(usable_cores())
+    torch.set_num_threads(threads)
+    return threads
+
+
 def resolve_engine(args: Any) -> EngineConfig:
     """Turn parsed engine flags into a frozen EngineConfig, and set torch's CPU threads."""
     device = args.device
@@ -31,8 +38,7 @@ def resolve_engine(args: Any) -> EngineConfig:
     model = str(args.model) if args.model else str(default_model_path())
     if args.max_seq_len < 2:
         raise ConfigError(f"--max-seq-len must be at least 2, got {args.max_seq_len}")
-    threads = len(usable_cores())
-    torch.set_num_threads(threads)
+    threads = configure_threads()
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len,

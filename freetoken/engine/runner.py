@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import torch
@@ -40,7 +41,7 @@ class ModelRunner:
         self.model.eval()
         self.load_s = time.perf_counter() - t0
         self.max_len = min(cfg.max_seq_len, mc.max_position)
-        tokens = kv_tokens or self.max_len
+        tokens = kv_tokens or self._kv_tokens_from_free_memory()
         self.page_size = page_size
         self.kv = PagedKV(mc.num_layers, math.ceil(tokens / page_size), page_size,
                           mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
@@ -49,6 +50,22 @@ class ModelRunner:
         log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s; KV pool %d pages x %d tokens",
                  self.ckpt.path.name, mc.family, mc.num_layers, cfg.device, cfg.dtype,
                  self.load_s, self.kv.num_pages, page_size)
+
+    def _kv_tokens_from_free_memory(self, fraction: float = 0.85) -> int:
+        """KV tokens that fit in ``fraction`` of the GPU memory left after the weights
+        (of a quarter of the host's available memory on the CPU), at least one full context."""
+        mc = self.model_config
+        per_token = PagedKV.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                            self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * fraction
+        else:
+            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
+        tokens = max(self.max_len, int(budget // per_token))
+        log.info("KV pool sized from free %s memory: %d tokens (%.2f GB)", self.device.type,
+                 tokens, tokens * per_token / 1e9)
+        return tokens
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)

@@ -1,0 +1,411 @@
+"""The CPU MoE executor: a pool of pinned C++ workers that compute routed experts from host memory.
+
+Experts stay in their own format (bf16, q8_0, q4_k, ...); the kernels in ``csrc/`` read them
+directly, one weight row at a time for every token routed to the expert. The boundary is an
+async pair: :meth:`CpuMoeExecutor.submit` hands a layer's routed batch to the pool and returns at
+once (the call releases the GIL), :meth:`CpuMoeFuture.wait` blocks until the result is there, so
+the caller (the GPU half of a hybrid step) works in between.
+
+Threads: ``add_layer`` before the first ``submit``; ``submit``/``wait`` from any thread; every
+submitted future must be waited, at most :data:`MAX_IN_FLIGHT` at a time per executor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.resources
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from freetoken.cpus import usable_cores
+from freetoken.quant import QuantTensor
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "libfreetoken_cpu.so"
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
+FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block")
+ACT_KINDS = ("f32", "q8", "bf16")  # how a kernel reads activations
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MAX_IN_FLIGHT = 16  # job slots of the C++ pool
+DEFAULT_SPIN_US = 50
+
+
+class NativeUnavailable(RuntimeError):
+    """The C++ library is missing or failed to load; the message says why and what to do."""
+
+
+def isa_cap_from_env() -> str | None:
+    """FREETOKEN_CPU_ISA: highest ISA tier the kernels may use (scalar, avx2, avx512,
+    avx512_vnni, avx512_bf16); unset means the best this CPU has.
+
+    The one place outside freetoken/env.py that reads a FREETOKEN_* variable, until env.py
+    gains ``cpu_isa()``.
+    """
+    value = os.environ.get("FREETOKEN_CPU_ISA", "").strip().lower()
+    if value and value not in ISAS:
+        raise ValueError(f"FREETOKEN_CPU_ISA={value!r} (choose from {', '.join(ISAS)})")
+    return value or None
+
+
+class _ProjDesc(ctypes.Structure):
+    _fields_ = [
+        ("fmt", ctypes.c_int32),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        ("row_bytes", ctypes.c_int64),
+        ("scale", ctypes.c_void_p),
+        ("scale_row_bytes", ctypes.c_int64),
+        ("scale2", ctypes.c_void_p),
+        ("expert_bytes", ctypes.c_int64),
+    ]
+
+
+def _library_path() -> Path:
+    return Path(str(importlib.resources.files("freetoken") / LIBRARY))
+
+
+@cache
+def native() -> ctypes.CDLL:
+    """The loaded C++ library; :class:`NativeUnavailable` with the reason if it cannot be."""
+    path = _library_path()
+    if not path.exists():
+        raise NativeUnavailable(
+            f"the CPU MoE library ({LIBRARY}) was not built: it is not in {path.parent}; "
+            "reinstall with `pip install -e .` (needs cmake and a C++17 compiler) and read the "
+            "build log"
+        )
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NativeUnavailable(f"the CPU MoE library {path} does not load: {e}") from e
+    c = ctypes
+    sigs: dict[str, tuple[object, list[object]]] = {
+        "ft_best_isa": (c.c_int, []),
+        "ft_isa_name": (c.c_char_p, [c.c_int]),
+        "ft_kernel_isa": (c.c_int, [c.c_int, c.c_int, c.c_int]),
+        "ft_executor_new": (c.c_void_p, [c.c_void_p, c.c_int, c.c_int, c.c_int]),
+        "ft_executor_free": (None, [c.c_void_p]),
+        "ft_executor_threads": (c.c_int, [c.c_void_p]),
+        "ft_executor_isa": (c.c_int, [c.c_void_p]),
+        "ft_add_layer": (c.c_int, [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int,
+                                   c.POINTER(_ProjDesc), c.POINTER(_ProjDesc),
+                                   c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int]),
+        "ft_layer_kernel": (c.c_int, [c.c_void_p, c.c_int, c.c_int, c.POINTER(c.c_int),
+                                      c.POINTER(c.c_int)]),
+        "ft_submit": (c.c_int64, [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p,
+                                  c.c_void_p, c.c_int, c.c_int]),
+        "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64]),
+        "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
+    }
+    for name, (restype, argtypes) in sigs.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+def available() -> str | None:
+    """None when the library loads, else why it does not."""
+    try:
+        native()
+    except NativeUnavailable as e:
+        return str(e)
+    return None
+
+
+def best_isa() -> str:
+    """The highest ISA tier this CPU supports (ignores FREETOKEN_CPU_ISA)."""
+    return ISAS[native().ft_best_isa()]
+
+
+def kernel_isa(fmt: str, act: str, cap: str) -> str | None:
+    """The tier whose kernel (fmt, act) runs with under ``cap``; None if there is none."""
+    tier = native().ft_kernel_isa(FORMATS.index(fmt), ACT_KINDS.index(act), ISAS.index(cap))
+    return ISAS[tier] if tier >= 0 else None
+
+
+def plan_cores(usable: list[int], threads: int | None) -> list[int]:
+    """The core each worker is pinned to: one per usable core, the first left to the main thread.
+
+    With an explicit ``threads`` beyond that, workers wrap around the usable cores.
+    """
+    if not usable:
+        raise ValueError("no usable cores")
+    workers = usable[1:] or usable
+    n = threads if threads is not None else len(workers)
+    if n < 1:
+        raise ValueError(f"--moe-cpu-threads must be at least 1, got {n}")
+    order = workers + [c for c in usable if c not in workers]
+    return [order[i % len(order)] for i in range(n)]
+
+
+def _describe_cores(cores: list[int]) -> str:
+    if cores == list(range(cores[0], cores[0] + len(cores))):
+        return f"core {cores[0]}" if len(cores) == 1 else f"cores {cores[0]}..{cores[-1]}"
+    return "cores " + ",".join(map(str, cores))
+
+
+@dataclass
+class ExpertStack:
+    """One projection of all experts of a layer as the kernels read it: an address per expert.
+
+    ``keep`` holds the tensors the addresses point into, so they outlive the executor's use.
+    """
+
+    fmt: str
+    rows: int
+    cols: int
+    data: np.ndarray  # (E,) uint64 addresses
+    row_bytes: int
+    scale: np.ndarray | None = None  # (E,) uint64 addresses
+    scale_row_bytes: int = 0
+    scale2: np.ndarray | None = None  # (E,) float32
+    expert_bytes: int = 0
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.data)
+
+    @classmethod
+    def from_quant(cls, qts: QuantTensor | list[QuantTensor]) -> ExpertStack:
+        """From one stacked (E, rows, cols) QuantTensor or a list of per-expert (rows, cols)."""
+        stacked = isinstance(qts, QuantTensor)
+        if isinstance(qts, QuantTensor):
+            if len(qts.shape) != 3:
+                raise ValueError(f"stacked experts need shape (E, rows, cols), got {qts.shape}")
+            fmt, (E, rows, cols) = qts.fmt, qts.shape
+            data = [_rows_contiguous(qts.data)]
+            scales = {k: [v] for k, v in qts.scales.items()}
+        else:
+            if not qts:
+                raise ValueError("no experts")
+            fmt, E, (rows, cols) = qts[0].fmt, len(qts), qts[0].shape
+            if any(q.fmt != fmt or q.shape != (rows, cols) for q in qts):
+                raise ValueError("per-expert tensors differ in format or shape")
+            data = [_rows_contiguous(q.data) for q in qts]
+            scales = {k: [q.scales[k] for q in qts] for k in qts[0].scales}
+        if fmt not in FORMATS:
+            raise ValueError(f"no CPU kernel for format {fmt!r} (supported: {', '.join(FORMATS)})")
+        row_bytes = data[0].shape[-1] * data[0].element_size()
+        stack = cls(fmt, rows, cols, _addresses(data, E, stacked), row_bytes)
+        stack.keep = list(data)
+        stack.expert_bytes = rows * stack.row_bytes
+        if fmt == "nvfp4":
+            ws = [_rows_contiguous(s.view(torch.uint8)) for s in scales["weight_scale"]]
+            stack.scale, stack.scale_row_bytes = _addresses(ws, E, stacked), cols // 16
+            ws2 = torch.stack([s.float().reshape(-1) for s in scales["weight_scale_2"]]).reshape(-1)
+            stack.scale2 = (ws2.expand(E) if ws2.numel() == 1 else ws2).numpy().astype(np.float32)
+            stack.keep += ws
+            stack.expert_bytes += rows * (cols // 16)
+        elif fmt == "fp8_block":
+            si = [_rows_contiguous(s.float()) for s in scales["weight_scale_inv"]]
+            stack.scale, stack.scale_row_bytes = _addresses(si, E, stacked), si[0].shape[-1] * 4
+            stack.keep += si
+            stack.expert_bytes += si[0].shape[-2] * si[0].shape[-1] * 4
+        return stack
+
+    def desc(self) -> _ProjDesc:
+        ptr = ctypes.c_void_p
+        return _ProjDesc(
+            FORMATS.index(self.fmt), self.rows, self.cols,
+            ptr(self.data.ctypes.data), self.row_bytes,
+            ptr(self.scale.ctypes.data) if self.scale is not None else None,
+            self.scale_row_bytes,
+            ptr(self.scale2.ctypes.data) if self.scale2 is not None else None,
+            self.expert_bytes,
+        )
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor whose last two axes are contiguous (each expert a block of rows)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dim() >= 2 and (t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]):
+        t = t.contiguous()
+    return t
+
+
+def _addresses(tensors: list[torch.Tensor], E: int, stacked: bool) -> np.ndarray:
+    """Address of each expert's first row: one stacked (E, ...) tensor, or E tensors."""
+    if not stacked:
+        return np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
+    t = tensors[0]
+    step = t.stride(0) * t.element_size()
+    return np.array([t.data_ptr() + e * step for e in range(E)], dtype=np.uint64)
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    experts: int
+    hidden: int
+    intermediate: int
+    fmts: tuple[str, str, str]
+    kernels: tuple[tuple[str, str], ...]  # (isa, act kind) per projection
+
+
+class CpuMoeFuture:
+    """A submitted layer; :meth:`wait` returns its (T, H) float32 result."""
+
+    def __init__(self, executor: CpuMoeExecutor, ticket: int, out: torch.Tensor,
+                 keep: tuple[torch.Tensor, ...]) -> None:
+        self._executor = executor
+        self._ticket = ticket
+        self._out = out
+        self._keep = keep  # inputs the workers read until the job is done
+        self._done = False
+        self.weight_bytes = 0
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            self.weight_bytes = self._executor._wait(self._ticket)
+            self._done = True
+            self._keep = ()
+        return self._out
+
+
+class CpuMoeExecutor:
+    """The pool and the expert banks of every MoE layer it serves.
+
+    ``threads``: workers (``--moe-cpu-threads``); None is one per usable core but the first.
+    ``isa``: the highest tier to use; None is FREETOKEN_CPU_ISA, else the best this CPU has.
+    ``act``: how int formats read activations: "auto" (int8 blocks where a SIMD kernel does it
+    that way), "f32", "q8".
+    """
+
+    def __init__(self, threads: int | None = None, isa: str | None = None,
+                 spin_us: int = DEFAULT_SPIN_US, act: str = "auto") -> None:
+        lib = native()
+        if isa is None:
+            isa = isa_cap_from_env()
+        if isa is not None and isa not in ISAS:
+            raise ValueError(f"unknown ISA {isa!r} (choose from {', '.join(ISAS)})")
+        if act not in ("auto", "f32", "q8"):
+            raise ValueError(f"unknown activation mode {act!r} (choose from auto, f32, q8)")
+        self._act_mode = -1 if act == "auto" else ACT_KINDS.index(act)
+        usable = usable_cores()
+        self.cores = plan_cores(usable, threads)
+        cap = ISAS.index(isa) if isa is not None else len(ISAS) - 1
+        arr = (ctypes.c_int * len(self.cores))(*self.cores)
+        self._lib = lib
+        self._handle = lib.ft_executor_new(arr, len(self.cores), cap, spin_us)
+        self.threads = lib.ft_executor_threads(self._handle)
+        self.isa = ISAS[lib.ft_executor_isa(self._handle)]
+        self.layers: dict[int, LayerInfo] = {}
+        self._stacks: dict[int, tuple[ExpertStack, ...]] = {}
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._announced = False
+        spare = max(1, len(usable) - len(set(self.cores)))
+        if torch.get_num_threads() > spare:
+            log.info("capping torch CPU threads at %d so they leave the MoE pool's cores alone",
+                     spare)
+            torch.set_num_threads(spare)
+
+    def add_layer(self, layer: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack,
+                  activation: str = "silu") -> LayerInfo:
+        """Register a layer's experts: gate/up (E, I, H), down (E, H, I)."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r} (choose from "
+                             f"{', '.join(ACTIVATIONS)})")
+        E, I_, H = gate.num_experts, gate.rows, gate.cols
+        err = ctypes.create_string_buffer(512)
+        descs = [s.desc() for s in (gate, up, down)]
+        rc = self._lib.ft_add_layer(self._handle, layer, E, H, I_, ACTIVATIONS[activation],
+                                    *(ctypes.byref(d) for d in descs), self._act_mode, err, 512)
+        if rc != 0:
+            raise ValueError(f"layer {layer}: {err.value.decode()}")
+        kernels = []
+        for p in range(3):
+            isa, act = ctypes.c_int(), ctypes.c_int()
+            self._lib.ft_layer_kernel(self._handle, layer, p, ctypes.byref(isa),
+                                      ctypes.byref(act))
+            kernels.append((ISAS[isa.value], ACT_KINDS[act.value]))
+        info = LayerInfo(E, H, I_, (gate.fmt, up.fmt, down.fmt), tuple(kernels))
+        self.layers[layer] = info
+        self._stacks[layer] = (gate, up, down)
+        return info
+
+    def submit(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+               layer: int) -> CpuMoeFuture:
+        """Start ``sum_a weights[t, a] * expert_{ids[t, a]}(hidden[t])`` on the pool.
+
+        hidden (T, H), expert_ids/weights (T, A); ids < 0 are skipped. Returns at once.
+        """
+        if layer not in self.layers:
+            raise KeyError(f"layer {layer} has no experts on the CPU executor")
+        x = hidden.detach().to("cpu", torch.float32).contiguous()
+        ids = expert_ids.detach().to("cpu", torch.int64).contiguous()
+        w = weights.detach().to("cpu", torch.float32).contiguous()
+        T, H = x.shape
+        if ids.shape != w.shape or ids.shape[0] != T or H != self.layers[layer].hidden:
+            raise ValueError(f"layer {layer}: hidden {tuple(x.shape)}, ids {tuple(ids.shape)}, "
+                             f"weights {tuple(w.shape)} do not fit H={self.layers[layer].hidden}")
+        if not self._announced:
+            self._announce(ids.shape[1])
+        out = torch.empty(T, H, dtype=torch.float32)
+        if T == 0:
+            fut = CpuMoeFuture(self, -1, out, ())
+            fut._done = True
+            return fut
+        with self._lock:
+            if self._in_flight >= MAX_IN_FLIGHT:
+                raise RuntimeError(f"more than {MAX_IN_FLIGHT} CPU MoE jobs in flight; wait() "
+                                   "on earlier futures first")
+            self._in_flight += 1
+        ticket = self._lib.ft_submit(self._handle, layer, x.data_ptr(), ids.data_ptr(),
+                                     w.data_ptr(), out.data_ptr(), T, ids.shape[1])
+        if ticket < 0:
+            with self._lock:
+                self._in_flight -= 1
+            raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
+        return CpuMoeFuture(self, ticket, out, (x, ids, w))
+
+    def run(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+            layer: int) -> torch.Tensor:
+        """submit + wait."""
+        return self.submit(hidden, expert_ids, weights, layer).wait()
+
+    def _wait(self, ticket: int) -> int:
+        nbytes = int(self._lib.ft_wait(self._handle, ticket))
+        with self._lock:
+            self._in_flight -= 1
+        return nbytes
+
+    def stream_read_seconds(self, buf: torch.Tensor, reps: int = 1) -> float:
+        """Seconds for the workers to read ``buf`` ``reps`` times (the bandwidth ceiling)."""
+        return float(self._lib.ft_stream_read(self._handle, buf.data_ptr(),
+                                              buf.numel() * buf.element_size(), reps))
+
+    def ready_line(self, top_k: int) -> str:
+        infos = list(self.layers.values())
+        fmts = sorted({f for i in infos for f in i.fmts})
+        first = infos[0] if infos else None
+        shape = f"H={first.hidden} I={first.intermediate} experts={first.experts}" if first else ""
+        return (f"CPU MoE executor ready: threads={self.threads} ({_describe_cores(self.cores)}) "
+                f"isa={self.isa} fmt={','.join(fmts) or '-'} {shape} layers={len(infos)} "
+                f"top_k={top_k}")
+
+    def _announce(self, top_k: int) -> None:
+        self._announced = True
+        log.info("%s", self.ready_line(top_k))
+
+    def close(self) -> None:
+        """Stop the workers (every future must have been waited)."""
+        if self._handle:
+            self._lib.ft_executor_free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self.close()

@@ -1,0 +1,179 @@
+"""The engine process and the API process's handle on it.
+
+The engine loop runs in its own process (no GIL shared with HTTP handling) and talks over two
+multiprocessing pipes: requests and aborts in, batches of token events out. The loop blocks on
+the inbound pipe when it has nothing to do, so an idle server uses no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from freetoken.config import EngineConfig
+from freetoken.engine.sample import SamplingParams
+from freetoken.engine.scheduler import Event, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Scheduler and KV settings of the engine process (resolved, frozen)."""
+
+    engine: EngineConfig
+    max_running: int
+    max_prefill_tokens: int
+    page_size: int
+    kv_tokens: int
+    prefix_cache: bool = True
+    stats_interval_s: float = 0.5
+
+
+def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None:
+    """Entry point of the engine process."""
+    from freetoken.engine.runner import ModelRunner
+    from freetoken.resolve import configure_threads
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s", datefmt="%H:%M:%S")
+    try:
+        configure_threads()
+        runner = ModelRunner(cfg.engine, kv_tokens=cfg.kv_tokens, page_size=cfg.page_size,
+                             progress=False)
+        sched = Scheduler(runner, cfg.max_running, cfg.max_prefill_tokens, cfg.prefix_cache)
+    except Exception as e:  # the API process reports it and exits non-zero
+        outbox.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    outbox.send(("ready", {"pid": os.getpid(),
+                           "kv_tokens": runner.kv.num_pages * runner.kv.page_size,
+                           "max_len": runner.max_len, "load_s": runner.load_s}))
+    last_stats = 0.0
+    while True:
+        # block only when idle: a busy engine drains the pipe without waiting
+        if not sched.has_work():
+            inbox.poll(None)
+        events: list[Event] = []
+        while inbox.poll(0):
+            kind, payload = inbox.recv()
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                rid, prompt, params = payload
+                err = sched.add(Sequence(rid, prompt, params))
+                if err:
+                    events.append(err)
+            elif kind == "abort":
+                ev = sched.abort(payload)
+                if ev:
+                    events.append(ev)
+        try:
+            events += sched.step()
+        except Exception:
+            outbox.send(("fatal", traceback.format_exc()))
+            return
+        now = time.monotonic()
+        stats = None
+        if now - last_stats > cfg.stats_interval_s:
+            stats, last_stats = sched.stats(), now
+        if events or stats:
+            outbox.send(("events", (events, stats)))
+
+
+class EngineClient:
+    """The API process's side: start the engine, submit, abort, and route events to requests.
+
+    ``submit`` and ``abort`` are called on the asyncio loop's thread; a reader thread turns
+    events into per-request asyncio queues.
+    """
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        ctx = mp.get_context("spawn")
+        self._to_engine, engine_in = ctx.Pipe(duplex=False)[::-1]
+        engine_out, self._from_engine = ctx.Pipe(duplex=False)[::-1]
+        self.proc = ctx.Process(target=engine_main, args=(cfg, engine_in, engine_out),
+                                name="freetoken-engine", daemon=True)
+        self.proc.start()
+        engine_in.close()
+        engine_out.close()
+        self.queues: dict[str, asyncio.Queue[Event]] = {}
+        self.stats: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+        self.dead: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_death: list[Any] = []
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Block until the engine has loaded the model; raise with its error if it failed."""
+        try:
+            kind, payload = self._from_engine.recv()
+        except EOFError:
+            raise RuntimeError("the engine process died while loading the model") from None
+        if kind != "ready":
+            raise RuntimeError(f"the engine failed to start: {payload}")
+        self.info = payload
+        return payload
+
+    def start_reader(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.loop is not None
+        while True:
+            try:
+                kind, payload = self._from_engine.recv()
+            except (EOFError, OSError):
+                kind, payload = "fatal", "the engine process exited"
+            if kind == "fatal":
+                self.loop.call_soon_threadsafe(self._die, str(payload))
+                return
+            events, stats = payload
+            self.loop.call_soon_threadsafe(self._dispatch, events, stats)
+
+    def _dispatch(self, events: list[Event], stats: dict[str, Any] | None) -> None:
+        if stats:
+            self.stats = stats
+        for e in events:
+            q = self.queues.get(e.rid)
+            if q is not None:
+                q.put_nowait(e)
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+        log.error("engine process failed: %s", reason)
+        for rid, q in self.queues.items():
+            q.put_nowait(Event(rid, None, "error", 0, 0, 0, "the engine process failed"))
+        for callback in self.on_death:
+            callback()
+
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue[Event]:
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        self.queues[rid] = q
+        self._to_engine.send(("add", (rid, prompt, params)))
+        return q
+
+    def abort(self, rid: str) -> None:
+        if self.queues.pop(rid, None) is not None and not self.dead:
+            self._to_engine.send(("abort", rid))
+
+    def done(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    def shutdown(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._to_engine.send(("shutdown", None))
+            except OSError:
+                pass
+            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.proc.terminate()

@@ -1,0 +1,86 @@
+"""``ft serve``: resolve the config, start the engine process, run uvicorn until told to stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from freetoken.errors import ConfigError, FreeTokenError
+
+log = logging.getLogger("freetoken.serve")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from freetoken.checkpoint import open_checkpoint
+    from freetoken.resolve import resolve_engine
+    from freetoken.server.app import ServerState, create_app
+    from freetoken.server.process import EngineClient, ServeConfig
+
+    for flag in ("max_running_requests", "max_prefill_length", "page_size",
+                 "max_queued_requests"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    engine = resolve_engine(args)
+    ckpt = open_checkpoint(engine.model)  # fails fast on a bad checkpoint, before any process
+    template = ckpt.chat_template
+    if args.chat_template:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"--chat-template {path} does not exist")
+        template = path.read_text()
+    tokenizer = ckpt.tokenizer()
+    cfg = ServeConfig(engine=engine, max_running=args.max_running_requests,
+                      max_prefill_tokens=args.max_prefill_length, page_size=args.page_size,
+                      kv_tokens=args.kv_tokens, prefix_cache=not args.no_prefix_cache)
+    log.info("starting the engine process: max_running_requests=%d max_prefill_length=%d "
+             "page_size=%d kv_tokens=%s prefix_cache=%s chat_template=%s",
+             cfg.max_running, cfg.max_prefill_tokens, cfg.page_size, cfg.kv_tokens or "auto",
+             cfg.prefix_cache, "yes" if template else "none")
+    client = EngineClient(cfg)
+    try:
+        info = client.wait_ready()
+    except RuntimeError as e:
+        client.shutdown()
+        raise FreeTokenError(str(e)) from e
+    log.info("engine ready: %d KV tokens, context %d, weights loaded in %.1f s; CUDA graphs: "
+             "not used (eager)", info["kv_tokens"], info["max_len"], info["load_s"])
+    name = args.served_model_name or ckpt.path.name
+    state = ServerState(client=client, tokenizer=tokenizer, model_name=name,
+                        max_len=info["max_len"], chat_template=template,
+                        max_queued=args.max_queued_requests)
+    app = create_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=5)
+    config.load()
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)
+    failed = False
+
+    def engine_died() -> None:
+        nonlocal failed
+        failed = True
+        server.should_exit = True
+
+    client.on_death.append(engine_died)
+
+    async def main() -> None:
+        client.start_reader(asyncio.get_running_loop())
+        await server.startup()
+        if server.should_exit:  # e.g. the port is taken
+            raise FreeTokenError(f"cannot listen on {args.host}:{args.port}")
+        log.info("API server is ready to serve on %s:%d (model %s)", args.host, args.port, name)
+        await server.main_loop()
+        await server.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.shutdown()
+    if failed:
+        log.error("exiting because the engine process failed: %s", client.dead)
+        return 1
+    return 0

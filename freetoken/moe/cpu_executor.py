@@ -97,13 +97,31 @@ def native() -> ctypes.CDLL:
         "ft_executor_free": (None, [c.c_void_p]),
         "ft_executor_threads": (c.c_int, [c.c_void_p]),
         "ft_executor_isa": (c.c_int, [c.c_void_p]),
-        "ft_add_layer": (c.c_int, [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int,
-                                   c.POINTER(_ProjDesc), c.POINTER(_ProjDesc),
-                                   c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int]),
-        "ft_layer_kernel": (c.c_int, [c.c_void_p, c.c_int, c.c_int, c.POINTER(c.c_int),
-                                      c.POINTER(c.c_int)]),
-        "ft_submit": (c.c_int64, [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p,
-                                  c.c_void_p, c.c_int, c.c_int]),
+        "ft_add_layer": (
+            c.c_int,
+            [
+                c.c_void_p,
+                c.c_int,
+                c.c_int,
+                c.c_int,
+                c.c_int,
+                c.c_int,
+                c.POINTER(_ProjDesc),
+                c.POINTER(_ProjDesc),
+                c.POINTER(_ProjDesc),
+                c.c_int,
+                c.c_char_p,
+                c.c_int,
+            ],
+        ),
+        "ft_layer_kernel": (
+            c.c_int,
+            [c.c_void_p, c.c_int, c.c_int, c.POINTER(c.c_int), c.POINTER(c.c_int)],
+        ),
+        "ft_submit": (
+            c.c_int64,
+            [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
+        ),
         "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
     }
@@ -218,8 +236,11 @@ class ExpertStack:
     def desc(self) -> _ProjDesc:
         ptr = ctypes.c_void_p
         return _ProjDesc(
-            FORMATS.index(self.fmt), self.rows, self.cols,
-            ptr(self.data.ctypes.data), self.row_bytes,
+            FORMATS.index(self.fmt),
+            self.rows,
+            self.cols,
+            ptr(self.data.ctypes.data),
+            self.row_bytes,
             ptr(self.scale.ctypes.data) if self.scale is not None else None,
             self.scale_row_bytes,
             ptr(self.scale2.ctypes.data) if self.scale2 is not None else None,
@@ -257,8 +278,13 @@ class LayerInfo:
 class CpuMoeFuture:
     """A submitted layer; :meth:`wait` returns its (T, H) float32 result."""
 
-    def __init__(self, executor: CpuMoeExecutor, ticket: int, out: torch.Tensor,
-                 keep: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        executor: CpuMoeExecutor,
+        ticket: int,
+        out: torch.Tensor,
+        keep: tuple[torch.Tensor, ...],
+    ) -> None:
         self._executor = executor
         self._ticket = ticket
         self._out = out
@@ -283,8 +309,13 @@ class CpuMoeExecutor:
     that way), "f32", "q8".
     """
 
-    def __init__(self, threads: int | None = None, isa: str | None = None,
-                 spin_us: int = DEFAULT_SPIN_US, act: str = "auto") -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        isa: str | None = None,
+        spin_us: int = DEFAULT_SPIN_US,
+        act: str = "auto",
+    ) -> None:
         lib = native()
         if isa is None:
             isa = isa_cap_from_env()
@@ -308,36 +339,54 @@ class CpuMoeExecutor:
         self._announced = False
         spare = max(1, len(usable) - len(set(self.cores)))
         if torch.get_num_threads() > spare:
-            log.info("capping torch CPU threads at %d so they leave the MoE pool's cores alone",
-                     spare)
+            log.info(
+                "capping torch CPU threads at %d so they leave the MoE pool's cores alone", spare
+            )
             torch.set_num_threads(spare)
 
-    def add_layer(self, layer: int, gate: ExpertStack, up: ExpertStack, down: ExpertStack,
-                  activation: str = "silu") -> LayerInfo:
+    def add_layer(
+        self,
+        layer: int,
+        gate: ExpertStack,
+        up: ExpertStack,
+        down: ExpertStack,
+        activation: str = "silu",
+    ) -> LayerInfo:
         """Register a layer's experts: gate/up (E, I, H), down (E, H, I)."""
         if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r} (choose from "
-                             f"{', '.join(ACTIVATIONS)})")
+            raise ValueError(
+                f"unknown activation {activation!r} (choose from {', '.join(ACTIVATIONS)})"
+            )
         E, I_, H = gate.num_experts, gate.rows, gate.cols
         err = ctypes.create_string_buffer(512)
         descs = [s.desc() for s in (gate, up, down)]
-        rc = self._lib.ft_add_layer(self._handle, layer, E, H, I_, ACTIVATIONS[activation],
-                                    *(ctypes.byref(d) for d in descs), self._act_mode, err, 512)
+        rc = self._lib.ft_add_layer(
+            self._handle,
+            layer,
+            E,
+            H,
+            I_,
+            ACTIVATIONS[activation],
+            *(ctypes.byref(d) for d in descs),
+            self._act_mode,
+            err,
+            512,
+        )
         if rc != 0:
             raise ValueError(f"layer {layer}: {err.value.decode()}")
         kernels = []
         for p in range(3):
             isa, act = ctypes.c_int(), ctypes.c_int()
-            self._lib.ft_layer_kernel(self._handle, layer, p, ctypes.byref(isa),
-                                      ctypes.byref(act))
+            self._lib.ft_layer_kernel(self._handle, layer, p, ctypes.byref(isa), ctypes.byref(act))
             kernels.append((ISAS[isa.value], ACT_KINDS[act.value]))
         info = LayerInfo(E, H, I_, (gate.fmt, up.fmt, down.fmt), tuple(kernels))
         self.layers[layer] = info
         self._stacks[layer] = (gate, up, down)
         return info
 
-    def submit(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-               layer: int) -> CpuMoeFuture:
+    def submit(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int
+    ) -> CpuMoeFuture:
         """Start ``sum_a weights[t, a] * expert_{ids[t, a]}(hidden[t])`` on the pool.
 
         hidden (T, H), expert_ids/weights (T, A); ids < 0 are skipped. Returns at once.
@@ -349,8 +398,10 @@ class CpuMoeExecutor:
         w = weights.detach().to("cpu", torch.float32).contiguous()
         T, H = x.shape
         if ids.shape != w.shape or ids.shape[0] != T or H != self.layers[layer].hidden:
-            raise ValueError(f"layer {layer}: hidden {tuple(x.shape)}, ids {tuple(ids.shape)}, "
-                             f"weights {tuple(w.shape)} do not fit H={self.layers[layer].hidden}")
+            raise ValueError(
+                f"layer {layer}: hidden {tuple(x.shape)}, ids {tuple(ids.shape)}, "
+                f"weights {tuple(w.shape)} do not fit H={self.layers[layer].hidden}"
+            )
         if not self._announced:
             self._announce(ids.shape[1])
         out = torch.empty(T, H, dtype=torch.float32)
@@ -360,19 +411,30 @@ class CpuMoeExecutor:
             return fut
         with self._lock:
             if self._in_flight >= MAX_IN_FLIGHT:
-                raise RuntimeError(f"more than {MAX_IN_FLIGHT} CPU MoE jobs in flight; wait() "
-                                   "on earlier futures first")
+                raise RuntimeError(
+                    f"more than {MAX_IN_FLIGHT} CPU MoE jobs in flight; wait() "
+                    "on earlier futures first"
+                )
             self._in_flight += 1
-        ticket = self._lib.ft_submit(self._handle, layer, x.data_ptr(), ids.data_ptr(),
-                                     w.data_ptr(), out.data_ptr(), T, ids.shape[1])
+        ticket = self._lib.ft_submit(
+            self._handle,
+            layer,
+            x.data_ptr(),
+            ids.data_ptr(),
+            w.data_ptr(),
+            out.data_ptr(),
+            T,
+            ids.shape[1],
+        )
         if ticket < 0:
             with self._lock:
                 self._in_flight -= 1
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
         return CpuMoeFuture(self, ticket, out, (x, ids, w))
 
-    def run(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-            layer: int) -> torch.Tensor:
+    def run(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         """submit + wait."""
         return self.submit(hidden, expert_ids, weights, layer).wait()
 
@@ -384,17 +446,22 @@ class CpuMoeExecutor:
 
     def stream_read_seconds(self, buf: torch.Tensor, reps: int = 1) -> float:
         """Seconds for the workers to read ``buf`` ``reps`` times (the bandwidth ceiling)."""
-        return float(self._lib.ft_stream_read(self._handle, buf.data_ptr(),
-                                              buf.numel() * buf.element_size(), reps))
+        return float(
+            self._lib.ft_stream_read(
+                self._handle, buf.data_ptr(), buf.numel() * buf.element_size(), reps
+            )
+        )
 
     def ready_line(self, top_k: int) -> str:
         infos = list(self.layers.values())
         fmts = sorted({f for i in infos for f in i.fmts})
         first = infos[0] if infos else None
         shape = f"H={first.hidden} I={first.intermediate} experts={first.experts}" if first else ""
-        return (f"CPU MoE executor ready: threads={self.threads} ({_describe_cores(self.cores)}) "
-                f"isa={self.isa} fmt={','.join(fmts) or '-'} {shape} layers={len(infos)} "
-                f"top_k={top_k}")
+        return (
+            f"CPU MoE executor ready: threads={self.threads} ({_describe_cores(self.cores)}) "
+            f"isa={self.isa} fmt={','.join(fmts) or '-'} {shape} layers={len(infos)} "
+            f"top_k={top_k}"
+        )
 
     def _announce(self, top_k: int) -> None:
         self._announced = True

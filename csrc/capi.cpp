@@ -1,0 +1,99 @@
+// The C ABI that freetoken/moe/cpu_executor.py loads with ctypes: the one binding file.
+// Pointers are raw host addresses of contiguous tensors the caller keeps alive.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+#include "expert_op.h"
+
+#define FT_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// One projection of all experts, as the caller describes it.
+struct ProjDesc {
+  int32_t fmt;
+  int64_t rows, cols;
+  const uint64_t* data;     // (E) address of each expert's data
+  int64_t row_bytes;
+  const uint64_t* scale;    // (E) or null
+  int64_t scale_row_bytes;
+  const float* scale2;      // (E) or null
+  int64_t expert_bytes;
+};
+
+ft::Proj to_proj(const ProjDesc& d, int E) {
+  ft::Proj p;
+  p.fmt = d.fmt;
+  p.rows = d.rows;
+  p.cols = d.cols;
+  p.expert_bytes = d.expert_bytes;
+  p.experts.resize(E);
+  for (int e = 0; e < E; ++e) {
+    ft::Mat& m = p.experts[e];
+    m.data = (const uint8_t*)(uintptr_t)d.data[e];
+    m.row_bytes = d.row_bytes;
+    m.scale = d.scale ? (const uint8_t*)(uintptr_t)d.scale[e] : nullptr;
+    m.scale_row_bytes = d.scale_row_bytes;
+    m.scale2 = d.scale2 ? d.scale2[e] : 1.0f;
+  }
+  return p;
+}
+
+void copy_error(const std::string& s, char* buf, int len) {
+  if (!buf || len <= 0) return;
+  std::strncpy(buf, s.c_str(), len - 1);
+  buf[len - 1] = 0;
+}
+
+}  // namespace
+
+FT_API int ft_best_isa() { return ft::best_isa(); }
+
+FT_API const char* ft_isa_name(int isa) { return ft::isa_name(isa); }
+
+// The tier of the kernel that (fmt, act) gets under `cap`, or -1 when there is none.
+FT_API int ft_kernel_isa(int fmt, int act, int cap) { return ft::pick_kernel(fmt, act, cap).isa; }
+
+FT_API void* ft_executor_new(const int* cores, int n, int isa_cap, int spin_us) {
+  std::vector<int> c(cores, cores + n);
+  return new ft::Executor(c, isa_cap, spin_us);
+}
+
+FT_API void ft_executor_free(void* ex) { delete (ft::Executor*)ex; }
+
+FT_API int ft_executor_threads(void* ex) { return ((ft::Executor*)ex)->threads(); }
+
+FT_API int ft_executor_isa(void* ex) { return ((ft::Executor*)ex)->isa(); }
+
+// Returns 0, or -1 with the reason in err.
+FT_API int ft_add_layer(void* ex, int layer, int E, int H, int I, int activation,
+                        const ProjDesc* gate, const ProjDesc* up, const ProjDesc* down,
+                        int act_mode, char* err, int err_len) {
+  std::string e = ((ft::Executor*)ex)->add_layer(layer, E, H, I, activation, to_proj(*gate, E),
+                                                 to_proj(*up, E), to_proj(*down, E), act_mode);
+  copy_error(e, err, err_len);
+  return e.empty() ? 0 : -1;
+}
+
+// For proj 0/1/2 (gate/up/down) of a layer: its kernel's tier and activation kind.
+FT_API int ft_layer_kernel(void* ex, int layer, int proj, int* isa, int* act) {
+  const ft::Layer* L = ((ft::Executor*)ex)->layer(layer);
+  if (!L || proj < 0 || proj > 2) return -1;
+  const ft::Proj& p = proj == 0 ? L->gate : proj == 1 ? L->up : L->down;
+  *isa = p.isa;
+  *act = p.act;
+  return 0;
+}
+
+FT_API int64_t ft_submit(void* ex, int layer, const float* x, const int64_t* ids,
+                         const float* w, float* out, int T, int A) {
+  return ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A);
+}
+
+FT_API int64_t ft_wait(void* ex, int64_t ticket) { return ((ft::Executor*)ex)->wait(ticket); }
+
+FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
+  return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);
+}

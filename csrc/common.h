@@ -1,0 +1,172 @@
+// Shared types of the CPU MoE kernels: formats, ISA tiers, weight and activation views, the
+// kernel signature and the dispatch table. Helpers here are `static inline` so that each ISA
+// translation unit, compiled with its own flags, keeps a private copy (no ODR mix-ups).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace ft {
+
+// Weight formats; the numbering is part of the C ABI (freetoken/moe/cpu_executor.py).
+enum Fmt : int {
+  F_BF16 = 0,
+  F_Q8_0 = 1,
+  F_Q4_0 = 2,
+  F_Q5_0 = 3,
+  F_Q4_K = 4,
+  F_Q6_K = 5,
+  F_MXFP4 = 6,
+  F_NVFP4 = 7,
+  F_FP8_BLOCK = 8,
+  F_COUNT = 9,
+};
+
+// ISA tiers, lowest first; a tier may use every instruction of the tiers below it.
+enum Isa : int {
+  ISA_SCALAR = 0,
+  ISA_AVX2 = 1,         // AVX2 + FMA + F16C
+  ISA_AVX512 = 2,       // AVX-512 F, BW, VL, DQ
+  ISA_AVX512_VNNI = 3,  // + VNNI (int8 dot products)
+  ISA_AVX512_BF16 = 4,  // + BF16 dot products
+  ISA_COUNT = 5,
+};
+
+// How a kernel reads its activation vectors.
+enum ActKind : int {
+  ACT_F32 = 0,   // float32
+  ACT_Q8 = 1,    // int8 blocks of 32 with a float scale (q8_0-like)
+  ACT_BF16 = 2,  // bfloat16
+  ACT_COUNT = 3,
+};
+
+// One expert's projection matrix (rows x cols) in its own format.
+struct Mat {
+  const uint8_t* data;      // row r starts at data + r * row_bytes
+  int64_t row_bytes;
+  const uint8_t* scale;     // nvfp4: e4m3 (rows, cols/16); fp8_block: f32 (rows/128, cols/128)
+  int64_t scale_row_bytes;  // bytes between rows of `scale` (per row; per 128 rows for fp8)
+  float scale2;             // nvfp4: the global scale (weight_scale_2)
+};
+
+// Activation vectors of length K, in every representation a kernel may read. Vector v of a
+// call is number vidx[v] (or v when vidx is null) of these arrays.
+struct Act {
+  int64_t K;
+  const float* f;       // (n, K)
+  const uint16_t* bf;   // (n, K) bfloat16 bits
+  const int8_t* q;      // (n, K)
+  const float* d;       // (n, K/32) block scales
+  const float* dl;      // (n, K/4)  block scale repeated for each group of 4
+  const int32_t* gs;    // (n, K/4)  sum of each group of 4 int8 values
+};
+
+// out[v * ldo + (r - r0)] = dot(row r of m, activation vidx[v]) for r in [r0, r1), v < n.
+using GemvFn = void (*)(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+                        const int32_t* vidx, int n, float* out, int64_t ldo);
+
+// Reads `bytes` (a multiple of 64) of memory and returns something that depends on all of it.
+using ReadFn = uint64_t (*)(const uint8_t* p, int64_t bytes);
+
+struct KernelTable {
+  GemvFn fn[F_COUNT][ACT_COUNT][ISA_COUNT];
+  ReadFn read[ISA_COUNT];
+};
+
+// Each ISA translation unit fills the entries it implements.
+void register_scalar(KernelTable& t);
+void register_avx2(KernelTable& t);
+void register_avx512(KernelTable& t);
+void register_avx512_vnni(KernelTable& t);
+void register_avx512_bf16(KernelTable& t);
+
+static inline float fp16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do {
+        man <<= 1;
+        ++e;
+      } while (!(man & 0x400));
+      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3FF) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | man << 13;
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+  uint32_t bits = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, NaNs kept quiet (as ggml and freetoken.quant.floats.to_bf16).
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t n;
+  std::memcpy(&n, &f, 4);
+  if ((n & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((n >> 16) | 64);
+  return (uint16_t)((n + 0x7FFF + ((n >> 16) & 1)) >> 16);
+}
+
+static inline float e4m3_to_f32(uint8_t b) {
+  int e = (b >> 3) & 15, m = b & 7;
+  float v;
+  if (e == 0) {
+    v = (float)m * (1.0f / 512.0f);  // m/8 * 2^-6
+  } else if (e == 15 && m == 7) {
+    v = __builtin_nanf("");
+  } else {
+    uint32_t bits = (uint32_t)(e + 120) << 23 | (uint32_t)m << 20;
+    std::memcpy(&v, &bits, 4);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// 2^(e - 128) as float32, exact for every byte (0 and 1 give subnormals).
+static inline float e8m0_half(uint8_t e) {
+  uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+static inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Twice the e2m1 value of each 4-bit code (exact small integers).
+static const int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Q4_K six-bit sub-block scale and min j (0..7) from the 12 packed bytes.
+static inline void q4k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+}  // namespace ft

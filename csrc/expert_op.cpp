@@ -1,0 +1,377 @@
+#include "expert_op.h"
+
+#include <chrono>
+#include <cmath>
+
+namespace ft {
+namespace {
+
+constexpr int kGroup = 16;     // pairs per kernel call
+constexpr int64_t kMaxChunk = 64;  // rows per work item
+
+int64_t block_of(int fmt) {
+  switch (fmt) {
+    case F_BF16:
+    case F_FP8_BLOCK:
+      return 1;
+    case F_NVFP4:
+      return 16;
+    case F_Q4_K:
+    case F_Q6_K:
+      return 256;
+    default:
+      return 32;
+  }
+}
+
+const char* fmt_name(int fmt) {
+  static const char* names[F_COUNT] = {"bf16",  "q8_0",  "q4_0",  "q5_0",     "q4_k",
+                                       "q6_k",  "mxfp4", "nvfp4", "fp8_block"};
+  return fmt >= 0 && fmt < F_COUNT ? names[fmt] : "unknown";
+}
+
+inline float activate(int kind, float g) {
+  switch (kind) {
+    case ACTV_GELU_TANH:
+      return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    case ACTV_GELU:
+      return 0.5f * g * (1.0f + std::erf(g * 0.7071067811865476f));
+    default:
+      return g / (1.0f + std::exp(-g));
+  }
+}
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+// Act views advanced to vector `first` of K-long vectors.
+Act offset_act(const Act& a, int64_t first) {
+  Act o = a;
+  int64_t K = a.K;
+  if (o.f) o.f += first * K;
+  if (o.bf) o.bf += first * K;
+  if (o.q) o.q += first * K;
+  if (o.d) o.d += first * (K / 32);
+  if (o.dl) o.dl += first * (K / 4);
+  if (o.gs) o.gs += first * (K / 4);
+  return o;
+}
+
+void run_item(void* ctx, int phase, int64_t item, int worker);
+
+}  // namespace
+
+void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    float db = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+    d[b] = db;
+    for (int g = 0; g < 8; ++g) {
+      int32_t s = 0;
+      for (int i = 0; i < 4; ++i) {
+        float v = std::nearbyint(xb[4 * g + i] * id);
+        v = std::fmin(127.0f, std::fmax(-127.0f, v));
+        int8_t qi = (int8_t)v;
+        q[32 * b + 4 * g + i] = qi;
+        s += qi;
+      }
+      gs[8 * b + g] = s;
+      dl[8 * b + g] = db;
+    }
+  }
+}
+
+Executor::Executor(const std::vector<int>& cores, int isa_cap, int spin_us)
+    : pool_(cores, spin_us), isa_(isa_cap < best_isa() ? isa_cap : best_isa()) {
+  if (isa_ < 0) isa_ = ISA_SCALAR;
+}
+
+std::string Executor::set_kernel(Proj& p, int act_mode) {
+  Pick best{nullptr, -1};
+  int best_act = ACT_F32;
+  for (int act = 0; act < ACT_COUNT; ++act) {
+    if (act_mode >= 0 && act != act_mode) continue;
+    if (act == ACT_Q8 && p.cols % 32) continue;
+    Pick k = pick_kernel(p.fmt, act, isa_);
+    if (k.fn && k.isa > best.isa) {
+      best = k;
+      best_act = act;
+    }
+  }
+  if (!best.fn)
+    return std::string("no CPU kernel for ") + fmt_name(p.fmt) +
+           (act_mode == ACT_Q8 ? " with int8 activations" : "") + " at or below isa " +
+           isa_name(isa_);
+  p.fn = best.fn;
+  p.act = best_act;
+  p.isa = best.isa;
+  return "";
+}
+
+std::string Executor::add_layer(int layer, int E, int H, int I, int activation, Proj gate,
+                                Proj up, Proj down, int act_mode) {
+  if (layer < 0 || E <= 0 || H <= 0 || I <= 0) return "layer, E, H and I must be positive";
+  if (activation < ACTV_SILU || activation > ACTV_GELU) return "unknown activation";
+  struct Want {
+    Proj* p;
+    const char* name;
+    int64_t rows, cols;
+  } wants[3] = {{&gate, "gate_proj", I, H}, {&up, "up_proj", I, H}, {&down, "down_proj", H, I}};
+  for (Want& w : wants) {
+    Proj& p = *w.p;
+    if (p.fmt < 0 || p.fmt >= F_COUNT) return std::string(w.name) + ": unknown format";
+    if (p.rows != w.rows || p.cols != w.cols)
+      return std::string(w.name) + ": shape " + std::to_string(p.rows) + "x" +
+             std::to_string(p.cols) + " but the layer needs " + std::to_string(w.rows) + "x" +
+             std::to_string(w.cols);
+    if ((int64_t)p.experts.size() != E)
+      return std::string(w.name) + ": " + std::to_string(p.experts.size()) + " experts, want " +
+             std::to_string(E);
+    if (p.cols % block_of(p.fmt))
+      return std::string(w.name) + ": " + fmt_name(p.fmt) + " rows of " +
+             std::to_string(p.cols) + " are not whole blocks";
+    std::string err = set_kernel(p, act_mode);
+    if (!err.empty()) return std::string(w.name) + ": " + err;
+  }
+  auto L = std::make_unique<Layer>();
+  L->E = E;
+  L->H = H;
+  L->I = I;
+  L->activation = activation;
+  L->gate = std::move(gate);
+  L->up = std::move(up);
+  L->down = std::move(down);
+  L->x_needs[L->gate.act] = true;
+  L->x_needs[L->up.act] = true;
+  std::lock_guard<std::mutex> lock(submit_mu_);
+  if ((int)layers_.size() <= layer) layers_.resize(layer + 1);
+  layers_[layer] = std::move(L);
+  return "";
+}
+
+const Layer* Executor::layer(int layer) const {
+  return layer >= 0 && layer < (int)layers_.size() ? layers_[layer].get() : nullptr;
+}
+
+int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const float* w,
+                         float* out, int T, int A) {
+  std::lock_guard<std::mutex> lock(submit_mu_);
+  const Layer* L = layer(layer_id);
+  if (!L || T <= 0 || A <= 0) return -1;
+  int64_t P = 0;
+  for (int64_t i = 0; i < (int64_t)T * A; ++i) {
+    if (ids[i] >= L->E) return -2;
+    P += ids[i] >= 0;
+  }
+  uint64_t ticket = pool_.reserve();
+  Job& j = jobs_[ticket % Pool::kSlots];
+  const int64_t H = L->H, I = L->I, E = L->E;
+  j.L = L;
+  j.x = x;
+  j.out = out;
+  j.T = T;
+  j.nthreads = threads();
+
+  // Carve the scratch: sizes first, then grow (the slot is free, so nothing reads it now).
+  const bool xbf = L->x_needs[ACT_BF16], xq = L->x_needs[ACT_Q8];
+  const bool hbf = L->down.act == ACT_BF16, hq = L->down.act == ACT_Q8;
+  size_t sizes[] = {
+      (size_t)E * 4,                                  // count
+      (size_t)(E < P ? E : P) * 4,                    // active
+      (size_t)((E < P ? E : P) + 1) * 4,              // start
+      (size_t)P * 4,                                  // ptok
+      (size_t)P * 4,                                  // pw
+      xbf ? (size_t)T * H * 2 : 0,                    // x bf16
+      xq ? (size_t)T * H : 0,                         // x q
+      xq ? (size_t)T * (H / 32) * 4 : 0,              // x d
+      xq ? (size_t)T * (H / 4) * 4 : 0,               // x dl
+      xq ? (size_t)T * (H / 4) * 4 : 0,               // x gs
+      (size_t)P * I * 4,                              // h f32
+      hbf ? (size_t)P * I * 2 : 0,                    // h bf16
+      hq ? (size_t)P * I : 0,                         // h q
+      hq ? (size_t)P * (I / 32) * 4 : 0,              // h d
+      hq ? (size_t)P * (I / 4) * 4 : 0,               // h dl
+      hq ? (size_t)P * (I / 4) * 4 : 0,               // h gs
+  };
+  constexpr int kParts = sizeof sizes / sizeof sizes[0];
+  size_t total = 0;
+  for (size_t s : sizes) total += align64(s);
+  if (j.scratch.size < total) {
+    j.scratch.mem.reset(new uint8_t[total + 64]);
+    j.scratch.size = total;
+  }
+  uint8_t* base = j.scratch.mem.get();
+  base += (64 - (uintptr_t)base % 64) % 64;
+  uint8_t* part[kParts];
+  size_t off = 0;
+  for (int i = 0; i < kParts; off += align64(sizes[i]), ++i)
+    part[i] = sizes[i] ? base + off : nullptr;
+  j.count = (int32_t*)part[0];
+  j.active = (int32_t*)part[1];
+  j.start = (int32_t*)part[2];
+  j.ptok = (int32_t*)part[3];
+  j.pw = (float*)part[4];
+  j.xa = Act{H, x, (uint16_t*)part[5], (int8_t*)part[6], (float*)part[7], (float*)part[8],
+             (int32_t*)part[9]};
+  j.hf = (float*)part[10];
+  j.hbf = (uint16_t*)part[11];
+  j.hq = (int8_t*)part[12];
+  j.hd = (float*)part[13];
+  j.hdl = (float*)part[14];
+  j.hgs = (int32_t*)part[15];
+  j.ha = Act{I, j.hf, j.hbf, j.hq, j.hd, j.hdl, j.hgs};
+
+  // Group the (token, expert) pairs by expert: a counting sort, stable in token order.
+  for (int64_t e = 0; e < E; ++e) j.count[e] = 0;
+  for (int64_t i = 0; i < (int64_t)T * A; ++i)
+    if (ids[i] >= 0) ++j.count[ids[i]];
+  j.n_active = 0;
+  int32_t pos = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!j.count[e]) continue;
+    j.active[j.n_active] = (int32_t)e;
+    j.start[j.n_active++] = pos;
+    int32_t c = j.count[e];
+    j.count[e] = pos;
+    pos += c;
+  }
+  if (j.n_active) j.start[j.n_active] = pos;
+  for (int64_t i = 0; i < (int64_t)T * A; ++i) {
+    if (ids[i] < 0) continue;
+    int32_t p = j.count[ids[i]]++;
+    j.ptok[p] = (int32_t)(i / A);
+    j.pw[p] = w[i];
+  }
+  j.weight_bytes =
+      j.n_active * (L->gate.expert_bytes + L->up.expert_bytes + L->down.expert_bytes);
+
+  // Enough items for every worker to take a few; chunks stay whole q8 blocks.
+  const int64_t target = 4 * (int64_t)j.nthreads;
+  j.c1 = (int64_t)j.n_active * cdiv(I, 64) >= target ? 64 : 32;
+  j.chunks1 = cdiv(I, j.c1);
+  j.c2 = cdiv(H, 64) >= target ? 64 : cdiv(H, 32) >= target ? 32 : 16;
+  int64_t counts[3] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, cdiv(H, j.c2)};
+  pool_.publish(ticket, counts, 3, run_item, &j);
+  return (int64_t)ticket;
+}
+
+int64_t Executor::wait(int64_t ticket) {
+  pool_.wait((uint64_t)ticket);
+  int64_t bytes = jobs_[ticket % Pool::kSlots].weight_bytes;
+  pool_.release((uint64_t)ticket);
+  return bytes;
+}
+
+namespace {
+
+struct ReadJob {
+  ReadFn fn;
+  const uint8_t* buf;
+  int64_t bytes, chunk, chunks;
+  std::atomic<uint64_t> sink{0};
+};
+
+void run_read(void* ctx, int, int64_t item, int) {
+  ReadJob& r = *(ReadJob*)ctx;
+  int64_t c = item % r.chunks;
+  int64_t n = min64(r.chunk, r.bytes - c * r.chunk);
+  r.sink.fetch_xor(r.fn(r.buf + c * r.chunk, n), std::memory_order_relaxed);
+}
+
+}  // namespace
+
+double Executor::stream_read(const uint8_t* buf, int64_t bytes, int reps) {
+  ReadJob r;
+  r.fn = pick_reader(isa_);
+  r.buf = buf;
+  r.bytes = bytes & ~(int64_t)63;
+  r.chunk = 1 << 20;
+  r.chunks = cdiv(r.bytes, r.chunk);
+  int64_t counts[1] = {r.chunks * reps};
+  std::lock_guard<std::mutex> lock(submit_mu_);
+  uint64_t ticket = pool_.reserve();
+  auto t0 = std::chrono::steady_clock::now();
+  pool_.publish(ticket, counts, 1, run_read, &r);
+  pool_.wait(ticket);
+  auto t1 = std::chrono::steady_clock::now();
+  pool_.release(ticket);
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+namespace {
+
+void prepare_x(Job& j, int64_t t) {
+  const Layer& L = *j.L;
+  const int64_t H = L.H;
+  const float* x = j.x + t * H;
+  if (L.x_needs[ACT_BF16]) {
+    uint16_t* o = const_cast<uint16_t*>(j.xa.bf) + t * H;
+    for (int64_t i = 0; i < H; ++i) o[i] = f32_to_bf16(x[i]);
+  }
+  if (L.x_needs[ACT_Q8])
+    quantize_q8(x, H, const_cast<int8_t*>(j.xa.q) + t * H,
+                const_cast<float*>(j.xa.d) + t * (H / 32), const_cast<float*>(j.xa.dl) + t * (H / 4),
+                const_cast<int32_t*>(j.xa.gs) + t * (H / 4));
+}
+
+// Gate and up for rows [i0, i1) of one expert, for all of its pairs; h = act(g) * u.
+void gate_up(Job& j, int64_t item) {
+  const Layer& L = *j.L;
+  const int64_t H = L.H, I = L.I;
+  int64_t ea = item / j.chunks1;
+  int64_t i0 = (item % j.chunks1) * j.c1, i1 = min64(I, i0 + j.c1), rows = i1 - i0;
+  int e = j.active[ea];
+  float g[kGroup * kMaxChunk], u[kGroup * kMaxChunk];
+  for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
+    int n = (int)min64(kGroup, j.start[ea + 1] - p0);
+    L.gate.fn(L.gate.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, g, rows);
+    L.up.fn(L.up.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, u, rows);
+    for (int v = 0; v < n; ++v) {
+      int64_t p = p0 + v;
+      float* h = j.hf + p * I + i0;
+      for (int64_t i = 0; i < rows; ++i) h[i] = activate(L.activation, g[v * rows + i]) * u[v * rows + i];
+      if (L.down.act == ACT_BF16)
+        for (int64_t i = 0; i < rows; ++i) j.hbf[p * I + i0 + i] = f32_to_bf16(h[i]);
+      else if (L.down.act == ACT_Q8)
+        quantize_q8(h, rows, j.hq + p * I + i0, j.hd + p * (I / 32) + i0 / 32,
+                    j.hdl + p * (I / 4) + i0 / 4, j.hgs + p * (I / 4) + i0 / 4);
+    }
+  }
+}
+
+// Down for rows [r0, r1) of every active expert, weighted and summed into out.
+void down_sum(Job& j, int64_t item) {
+  const Layer& L = *j.L;
+  const int64_t H = L.H, I = L.I;
+  int64_t r0 = item * j.c2, r1 = min64(H, r0 + j.c2), rows = r1 - r0;
+  for (int64_t t = 0; t < j.T; ++t) std::memset(j.out + t * H + r0, 0, rows * sizeof(float));
+  float y[kGroup * kMaxChunk];
+  for (int ea = 0; ea < j.n_active; ++ea) {
+    int e = j.active[ea];
+    for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
+      int n = (int)min64(kGroup, j.start[ea + 1] - p0);
+      L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n, y, rows);
+      for (int v = 0; v < n; ++v) {
+        float wgt = j.pw[p0 + v];
+        float* o = j.out + (int64_t)j.ptok[p0 + v] * H + r0;
+        for (int64_t r = 0; r < rows; ++r) o[r] += wgt * y[v * rows + r];
+      }
+    }
+  }
+}
+
+void run_item(void* ctx, int phase, int64_t item, int) {
+  Job& j = *(Job*)ctx;
+  if (phase == 0)
+    prepare_x(j, item);
+  else if (phase == 1)
+    gate_up(j, item);
+  else
+    down_sum(j, item);
+}
+
+}  // namespace
+}  // namespace ft

@@ -1,0 +1,106 @@
+// The fused expert op and the executor that runs it on the pool.
+//
+// One call computes, for T tokens routed to A experts each,
+//   out[t] = sum_a w[t, a] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = ids[t, a],
+// reading each routed expert's weights once however many tokens use it. ids < 0 are skipped
+// (their pairs are computed elsewhere). Phases: 0 prepares x in the kernels' activation
+// formats (per token), 1 runs gate and up and the activation (per expert and chunk of I rows),
+// 2 runs down and the weighted sum (per chunk of H rows, all experts in a fixed order, so the
+// result does not depend on the number of threads).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "dispatch.h"
+#include "thread_pool.h"
+
+namespace ft {
+
+enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
+
+// One projection of all experts of a layer.
+struct Proj {
+  int fmt = 0;
+  int64_t rows = 0, cols = 0;
+  std::vector<Mat> experts;
+  int64_t expert_bytes = 0;  // bytes read per expert (data and scales)
+  GemvFn fn = nullptr;
+  int act = ACT_F32;
+  int isa = ISA_SCALAR;
+};
+
+struct Layer {
+  int E = 0, H = 0, I = 0, activation = ACTV_SILU;
+  Proj gate, up, down;
+  bool x_needs[ACT_COUNT] = {};  // representations of x that gate/up read
+};
+
+// Scratch of one job; grows to the largest job seen, never shrinks.
+struct Scratch {
+  std::unique_ptr<uint8_t[]> mem;  // size + 64 bytes, used from its first 64-byte boundary
+  size_t size = 0;
+};
+
+struct Job {
+  const Layer* L = nullptr;
+  const float* x = nullptr;
+  float* out = nullptr;
+  int T = 0, nthreads = 1;
+  int n_active = 0;
+  int64_t c1 = 32, c2 = 32, chunks1 = 0;
+  int64_t weight_bytes = 0;
+  int32_t* active = nullptr;  // (n_active) expert ids, ascending
+  int32_t* start = nullptr;   // (n_active + 1) pair ranges per active expert
+  int32_t* ptok = nullptr;    // (P) token of each pair
+  float* pw = nullptr;        // (P) routing weight of each pair
+  int32_t* count = nullptr;   // (E) counting-sort buffer
+  Act xa{}, ha{};             // x (T, H) and h (P, I) representations
+  float* hf = nullptr;
+  uint16_t* hbf = nullptr;
+  int8_t* hq = nullptr;
+  float *hd = nullptr, *hdl = nullptr;
+  int32_t* hgs = nullptr;
+  Scratch scratch;
+};
+
+class Executor {
+ public:
+  Executor(const std::vector<int>& cores, int isa_cap, int spin_us);
+
+  int threads() const { return pool_.threads(); }
+  int isa() const { return isa_; }
+
+  // act_mode: -1 picks per projection (the fastest tier; F32 on ties), else an ActKind.
+  // Returns an empty string or what was wrong.
+  std::string add_layer(int layer, int E, int H, int I, int activation, Proj gate, Proj up,
+                        Proj down, int act_mode);
+  const Layer* layer(int layer) const;
+
+  // Returns a ticket, or -1 for an unknown layer. Thread-safe.
+  int64_t submit(int layer, const float* x, const int64_t* ids, const float* w, float* out,
+                 int T, int A);
+  // Blocks until the ticket's job is done; returns the weight bytes it read.
+  int64_t wait(int64_t ticket);
+
+  // Seconds to read `bytes` of buf `reps` times with all workers (a stream-read ceiling).
+  double stream_read(const uint8_t* buf, int64_t bytes, int reps);
+
+ private:
+  std::string set_kernel(Proj& p, int act_mode);
+
+  Pool pool_;
+  int isa_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  Job jobs_[Pool::kSlots];
+  std::mutex submit_mu_;
+};
+
+// Quantise one vector of K floats (K % 32 == 0) to Q8 blocks.
+void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs);
+
+}  // namespace ft

@@ -1,0 +1,165 @@
+#include "thread_pool.h"
+
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdio>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FT_PAUSE() _mm_pause()
+#else
+#define FT_PAUSE() ((void)0)
+#endif
+
+namespace ft {
+namespace {
+
+void futex_wait(std::atomic<uint32_t>* w, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), FUTEX_WAIT_PRIVATE, expected, nullptr,
+          nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* w) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Wait until pred(w.v) holds: spin for at most spin_ns, then sleep on the futex.
+template <class Pred>
+void await(Word& w, Pred pred, int64_t spin_ns) {
+  if (pred(w.v.load(std::memory_order_acquire))) return;
+  if (spin_ns > 0) {
+    int64_t deadline = now_ns() + spin_ns;
+    for (int i = 1;; ++i) {
+      FT_PAUSE();
+      if (pred(w.v.load(std::memory_order_acquire))) return;
+      if ((i & 63) == 0 && now_ns() > deadline) break;
+    }
+  }
+  for (;;) {
+    uint32_t v = w.v.load();
+    if (pred(v)) return;
+    w.sleepers.fetch_add(1);
+    v = w.v.load();
+    if (!pred(v)) futex_wait(&w.v, v);
+    w.sleepers.fetch_sub(1);
+  }
+}
+
+void wake(Word& w) {
+  if (w.sleepers.load() > 0) futex_wake_all(&w.v);
+}
+
+}  // namespace
+
+Pool::Pool(const std::vector<int>& cores, int spin_us)
+    : slots_(kSlots), spin_ns_((int64_t)spin_us * 1000) {
+  for (Slot& s : slots_) s.exited.v.store((uint32_t)cores.size());
+  workers_.reserve(cores.size());
+  for (size_t i = 0; i < cores.size(); ++i)
+    workers_.emplace_back(&Pool::worker_main, this, (int)i, cores[i]);
+}
+
+Pool::~Pool() {
+  stop_.store(true);
+  submitted_.v.fetch_add(1);
+  futex_wake_all(&submitted_.v);
+  for (std::thread& t : workers_) t.join();
+}
+
+uint64_t Pool::reserve() {
+  uint64_t ticket = next_ticket_++;
+  Slot& s = slots_[ticket % kSlots];
+  await(s.state, [](uint32_t v) { return v == kFree; }, spin_ns_);
+  uint32_t n = (uint32_t)workers_.size();
+  await(s.exited, [n](uint32_t v) { return v == n; }, spin_ns_);
+  return ticket;
+}
+
+void Pool::publish(uint64_t ticket, const int64_t* counts, int phases, ItemFn fn, void* ctx) {
+  Slot& s = slots_[ticket % kSlots];
+  s.phases = phases;
+  s.fn = fn;
+  s.ctx = ctx;
+  for (int p = 0; p < kMaxPhases; ++p) {
+    s.count[p] = p < phases ? counts[p] : 0;
+    s.next[p].store(0, std::memory_order_relaxed);
+    s.done[p].v.store(0, std::memory_order_relaxed);
+  }
+  s.exited.v.store(0, std::memory_order_relaxed);
+  s.state.v.store(kReady, std::memory_order_release);
+  submitted_.v.store((uint32_t)(ticket + 1), std::memory_order_seq_cst);
+  wake(submitted_);
+}
+
+void Pool::wait(uint64_t ticket) {
+  Slot& s = slots_[ticket % kSlots];
+  await(s.state, [](uint32_t v) { return v == kDone; }, spin_ns_);
+}
+
+void Pool::release(uint64_t ticket) {
+  Slot& s = slots_[ticket % kSlots];
+  s.state.v.store(kFree);
+  wake(s.state);
+}
+
+void Pool::run(Slot& s, int worker) {
+  int last = -1;
+  for (int p = 0; p < s.phases; ++p)
+    if (s.count[p] > 0) last = p;
+  for (int p = 0; p <= last; ++p) {
+    int64_t count = s.count[p];
+    if (count == 0) continue;
+    for (;;) {
+      int64_t item = s.next[p].fetch_add(1, std::memory_order_relaxed);
+      if (item >= count) break;
+      s.fn(s.ctx, p, item, worker);
+      if ((int64_t)s.done[p].v.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
+        if (p == last) {
+          s.state.v.store(kDone);
+          wake(s.state);
+        } else {
+          wake(s.done[p]);
+        }
+      }
+    }
+    if (p != last)
+      await(s.done[p], [count](uint32_t v) { return (int64_t)v == count; }, spin_ns_);
+  }
+}
+
+void Pool::worker_main(int index, int core) {
+  if (core >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(core, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  }
+  char name[16];
+  std::snprintf(name, sizeof name, "ft-moe-%d", index);
+  pthread_setname_np(pthread_self(), name);
+  uint32_t mine = 0;  // the ticket this worker runs next (mod 2^32)
+  for (;;) {
+    await(submitted_, [this, mine](uint32_t v) { return v != mine || stop_.load(); }, spin_ns_);
+    if (stop_.load()) return;
+    Slot& s = slots_[mine % kSlots];
+    run(s, index);
+    s.exited.v.fetch_add(1);
+    wake(s.exited);
+    ++mine;
+  }
+}
+
+}  // namespace ft

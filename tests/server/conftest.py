@@ -1,0 +1,82 @@
+"""A live ``ft serve`` on loopback, driven by the official ``openai`` client."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else 'user' }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    log: Path
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(args: list[str], log: Path, timeout: float = 300) -> Server:
+    port = free_port()
+    out = open(log, "w")  # noqa: SIM115  (closed with the process)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freetoken.cli", "serve", "--device", "cpu", "--port", str(port),
+         *args], stdout=out, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return Server(proc, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not start:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def gemma_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("serve")
+    template = d / "template.jinja"
+    template.write_text(GEMMA_TEMPLATE)
+    server = start_server(["--chat-template", str(template), "--max-seq-len", "512",
+                           "--kv-tokens", "8192", "--max-running-requests", "8",
+                           "--max-prefill-length", "256"], d / "server.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def client(gemma_server: Server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{gemma_server.url}/v1", api_key="none", max_retries=0,
+                  timeout=300)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from pathlib import Path
 
 from freetoken.errors import ConfigError, FreeTokenError
@@ -24,6 +25,7 @@ def serve(args: argparse.Namespace) -> int:
                  "max_queued_requests"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    _check_port(args.host, args.port)
     engine = resolve_engine(args)
     ckpt = open_checkpoint(engine.model)  # fails fast on a bad checkpoint, before any process
     template = ckpt.chat_template
@@ -69,12 +71,25 @@ def serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         client.start_reader(asyncio.get_running_loop())
-        await server.startup()
-        if server.should_exit:  # e.g. the port is taken
+        try:
+            await server.startup()
+        except SystemExit:  # uvicorn exits when it cannot bind
+            server.should_exit = True
+        if server.should_exit:
             raise FreeTokenError(f"cannot listen on {args.host}:{args.port}")
         log.info("API server is ready to serve on %s:%d (model %s)", args.host, args.port, name)
         await server.main_loop()
         await server.shutdown()
+
+    def stop(sig: int, _: object) -> None:
+        """SIGINT/SIGTERM: stop accepting, finish in-flight requests, exit 0; twice: at once."""
+        if server.should_exit:
+            server.force_exit = True
+        log.info("received %s, shutting down", signal.Signals(sig).name)
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
 
     try:
         asyncio.run(main())
@@ -84,3 +99,15 @@ def serve(args: argparse.Namespace) -> int:
         log.error("exiting because the engine process failed: %s", client.dead)
         return 1
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before loading anything when the address is taken."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); "
+                              "pick another --port or stop what is using it") from e

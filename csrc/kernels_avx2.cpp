@@ -1,4 +1,146 @@
+// AVX2 + FMA tier: bf16 with float activations, int formats with int8 activations
+// (maddubs: unsigned weights times signed activations, the sign trick for q8_0).
+#include <immintrin.h>
+
 #include "common.h"
+#include "q8_blocks.h"
+
 namespace ft {
-void register_avx2(KernelTable&) {}
+namespace {
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline __m256 bf16x8(const uint16_t* p) {
+  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+template <int NV>
+void bf16_row(const uint16_t* w, int64_t cols, const float* const* x, float* res) {
+  __m256 acc[NV][2];
+  for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= cols; i += 16) {
+    __m256 w0 = bf16x8(w + i), w1 = bf16x8(w + i + 8);
+    for (int v = 0; v < NV; ++v) {
+      acc[v][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[v] + i), acc[v][0]);
+      acc[v][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[v] + i + 8), acc[v][1]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    float s = hsum(_mm256_add_ps(acc[v][0], acc[v][1]));
+    for (int64_t k = i; k < cols; ++k) s += bf16_to_f32(w[k]) * x[v][k];
+    res[v] = s;
+  }
+}
+
+template <class D, int NV>
+void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
+            const int32_t* const* xgs, float* res) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i w;
+    __m256 ws, wm = _mm256_setzero_ps();
+    D::block(row, b, w, ws, wm);
+    __m256i wa = D::kSigned ? _mm256_sign_epi8(w, w) : w;
+    for (int v = 0; v < NV; ++v) {
+      __m256i x = _mm256_loadu_si256((const __m256i*)(xq[v] + 32 * b));
+      if (D::kSigned) x = _mm256_sign_epi8(x, w);
+      __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), ones);
+      __m256i gs = _mm256_setzero_si256();
+      if (D::kOff || D::kMins) gs = _mm256_loadu_si256((const __m256i*)(xgs[v] + 8 * b));
+      if (D::kOff) dot = _mm256_sub_epi32(dot, q8::mul_const<D::kOff>(gs));
+      __m256 dl = _mm256_loadu_ps(xdl[v] + 8 * b);
+      acc[v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), ws), dl, acc[v]);
+      if (D::kMins)
+        acc[v] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(gs), wm), dl, acc[v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) res[v] = hsum(acc[v]);
+}
+
+template <int NV>
+void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+               const int32_t* vidx, int v0, float* out, int64_t ldo) {
+  const float* x[NV];
+  for (int v = 0; v < NV; ++v) x[v] = a.f + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
+  float res[NV];
+  for (int64_t r = r0; r < r1; ++r) {
+    bf16_row<NV>((const uint16_t*)(m.data + r * m.row_bytes), cols, x, res);
+    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
+  }
+}
+
+void gemv_bf16(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+               const int32_t* vidx, int n, float* out, int64_t ldo) {
+  int v0 = 0;
+  for (; v0 + 4 <= n; v0 += 4) bf16_rows<4>(m, cols, r0, r1, a, vidx, v0, out, ldo);
+  switch (n - v0) {
+    case 3: bf16_rows<3>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 2: bf16_rows<2>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 1: bf16_rows<1>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+  }
+}
+
+template <class D, int NV>
+void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+             const int32_t* vidx, int v0, float* out, int64_t ldo) {
+  const int8_t* xq[NV];
+  const float* xdl[NV];
+  const int32_t* xgs[NV];
+  for (int v = 0; v < NV; ++v) {
+    int64_t i = vidx ? vidx[v0 + v] : v0 + v;
+    xq[v] = a.q + i * a.K;
+    xdl[v] = a.dl + i * (a.K / 4);
+    xgs[v] = a.gs + i * (a.K / 4);
+  }
+  float res[NV];
+  for (int64_t r = r0; r < r1; ++r) {
+    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgs, res);
+    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
+  }
+}
+
+template <class D>
+void gemv_q8(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+             const int32_t* vidx, int n, float* out, int64_t ldo) {
+  int v0 = 0;
+  for (; v0 + 4 <= n; v0 += 4) q8_rows<D, 4>(m, cols, r0, r1, a, vidx, v0, out, ldo);
+  switch (n - v0) {
+    case 3: q8_rows<D, 3>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 2: q8_rows<D, 2>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 1: q8_rows<D, 1>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+  }
+}
+
+uint64_t read_avx2(const uint8_t* p, int64_t bytes) {
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
+  for (int64_t i = 0; i < bytes; i += 64) {
+    acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256((const __m256i*)(p + i)));
+    acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256((const __m256i*)(p + i + 32)));
+  }
+  acc0 = _mm256_xor_si256(acc0, acc1);
+  return (uint64_t)_mm256_extract_epi64(acc0, 0) ^ (uint64_t)_mm256_extract_epi64(acc0, 3);
+}
+
+}  // namespace
+
+void register_avx2(KernelTable& t) {
+  t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_bf16;
+  t.fn[F_Q8_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q8_0>;
+  t.fn[F_Q4_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q4_0>;
+  t.fn[F_Q5_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q5_0>;
+  t.fn[F_MXFP4][ACT_Q8][ISA_AVX2] = gemv_q8<q8::MXFP4>;
+  t.fn[F_Q4_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q4_K>;
+  t.fn[F_Q6_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q6_K>;
+  t.read[ISA_AVX2] = read_avx2;
+}
+
 }  // namespace ft

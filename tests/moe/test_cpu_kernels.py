@@ -140,7 +140,9 @@ def test_tier_matches_scalar_twin(fmt: str, tier: str) -> None:
         ref = executor(tier, act)
         x, ids, w = inputs(fmt, 16, seed=7)
         got, want = ref.run(x, ids, w, layer), slow.run(x, ids, w, layer)
-        assert rel_err(got, want.double()) < 1e-4, (fmt, tier, act, ref.layers[layer].kernels)
+        # int8 h may round a step apart when gate/up sum in another order
+        tol = 1e-5 if act == "f32" else 5e-4
+        assert rel_err(got, want.double()) < tol, (fmt, tier, act, ref.layers[layer].kernels)
 
 
 def test_bf16_activations_match_scalar_twin() -> None:

@@ -1,0 +1,127 @@
+// 32-element block decoders for the int8-activation kernels (AVX2 and AVX-512 VNNI tiers).
+// Each format turns block b of a row into 32 small integers w (one per byte), a scale per
+// element group in `ws` (8 lanes, one per 4 elements) and, for formats with mins, `wm`, so that
+//   weight[i] = ws[i / 4] * (w[i] - kOff) - wm[i / 4].
+// kSigned: w holds signed int8 (q8_0); otherwise unsigned bytes below 64.
+// Included by ISA translation units only; everything is static inline (one copy per tier).
+#pragma once
+
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace ft {
+namespace q8 {
+
+static inline __m256i nibbles32(const uint8_t* qs16) {
+  __m128i b = _mm_loadu_si128((const __m128i*)qs16);
+  __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+// 0xFF in byte i where bit i of x is set.
+static inline __m256i bits_to_bytes(uint32_t x) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_movm_epi8(x);
+#else
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                          2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+#endif
+}
+
+struct Q8_0 {
+  static constexpr int kBlockBytes = 34;  // per 32 weights
+  static constexpr int kOff = 0, kBlocks = 1;
+  static constexpr bool kSigned = true, kMins = false;
+  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
+    const uint8_t* p = row + 34 * b;
+    ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
+    w = _mm256_loadu_si256((const __m256i*)(p + 2));
+  }
+};
+
+struct Q4_0 {
+  static constexpr int kBlockBytes = 18;  // per 32 weights
+  static constexpr int kOff = 8, kBlocks = 1;
+  static constexpr bool kSigned = false, kMins = false;
+  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
+    const uint8_t* p = row + 18 * b;
+    ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
+    w = nibbles32(p + 2);
+  }
+};
+
+struct Q5_0 {
+  static constexpr int kBlockBytes = 22;  // per 32 weights
+  static constexpr int kOff = 16, kBlocks = 1;
+  static constexpr bool kSigned = false, kMins = false;
+  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
+    const uint8_t* p = row + 22 * b;
+    ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
+    __m256i hi = _mm256_and_si256(bits_to_bytes(load_u32(p + 2)), _mm256_set1_epi8(0x10));
+    w = _mm256_or_si256(nibbles32(p + 6), hi);
+  }
+};
+
+struct MXFP4 {
+  static constexpr int kBlockBytes = 17;  // per 32 weights
+  static constexpr int kOff = 12, kBlocks = 1;
+  static constexpr bool kSigned = false, kMins = false;
+  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
+    const uint8_t* p = row + 17 * b;
+    // twice the e2m1 value of each code, plus 12
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4,
+                                         0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6,
+                                         4, 0);
+    ws = _mm256_set1_ps(e8m0_half(p[0]));
+    w = _mm256_shuffle_epi8(lut, nibbles32(p + 1));
+  }
+};
+
+struct Q4_K {
+  static constexpr int kBlockBytes = 18;  // per 32 weights
+  static constexpr int kOff = 0, kBlocks = 8;
+  static constexpr bool kSigned = false, kMins = true;
+  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256& wm) {
+    const uint8_t* p = row + 144 * (b / 8);
+    int j = (int)(b % 8);
+    uint8_t sc, mn;
+    q4k_scale_min(p + 4, j, &sc, &mn);
+    ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)) * sc);
+    wm = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)) * mn);
+    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
+    if (j & 1) q = _mm256_srli_epi16(q, 4);
+    w = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+  }
+};
+
+struct Q6_K {
+  static constexpr int kBlockBytes = 26;  // per 32 weights (rounded down)
+  static constexpr int kOff = 32, kBlocks = 8;
+  static constexpr bool kSigned = false, kMins = false;
+  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
+    const uint8_t* p = row + 210 * (b / 8);
+    int j = (int)(b % 8), h = j / 4, k = j % 4;
+    __m256i lo = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32 * (k & 1)));
+    if (k >> 1) lo = _mm256_srli_epi16(lo, 4);
+    lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0F));
+    __m256i hi = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h));
+    hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+    w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    float d = _cvtsh_ss(load_u16(p + 208));
+    const int8_t* sc = (const int8_t*)(p + 192) + 2 * j;
+    ws = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
+  }
+};
+
+// x * k for the small constants the formats use as offsets.
+template <int K>
+static inline __m256i mul_const(__m256i x) {
+  return _mm256_mullo_epi32(x, _mm256_set1_epi32(K));
+}
+
+}  // namespace q8
+}  // namespace ft

@@ -75,6 +75,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from freetoken.server.chat import chat_main
+
+    return chat_main(args)
+
+
 def _synth(args: argparse.Namespace) -> int:
     from freetoken.checkpoint.synth import synth_main
 
@@ -126,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of shared prompt prefixes")
     v.set_defaults(func=_serve)
+
+    c = sub.add_parser("chat", help="chat in the terminal with a running server",
+                       description="Stream a conversation from `ft serve` (or start one with "
+                       "--model).")
+    c.add_argument("--url", default="http://127.0.0.1:1919", help="server to talk to")
+    c.add_argument("--model", help="start `ft serve --model MODEL` instead of using --url")
+    c.add_argument("--device", default="auto", choices=DEVICES, help="with --model")
+    c.add_argument("--chat-template", metavar="FILE", help="with --model")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.set_defaults(func=_chat)
 
     from freetoken.checkpoint.synth import add_synth_args
 

@@ -63,3 +63,24 @@ def test_port_in_use_is_a_one_line_error(tiny_model, tmp_path):
         assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr
     finally:
         server.stop()
+
+
+def test_ft_chat_streams_a_conversation(tiny_model, tmp_path):
+    server = start_server(["--model", tiny_model, "--kv-tokens", "2048"], tmp_path / "log")
+    try:
+        r = subprocess.run([sys.executable, "-m", "freetoken.cli", "chat", "--url", server.url,
+                            "--max-tokens", "5", "--temperature", "0"],
+                           input="hello there\nand again\n\n", capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        replies = [line for line in r.stdout.split("> ") if line.strip()]
+        assert len(replies) == 2 and all(len(x.strip()) > 0 for x in replies)
+    finally:
+        server.stop()
+
+
+def test_ft_chat_without_a_server_says_how_to_start_one():
+    r = subprocess.run([sys.executable, "-m", "freetoken.cli", "chat", "--url",
+                        "http://127.0.0.1:9"], input="hi\n", capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "start one with `ft serve`" in r.stderr

@@ -10,8 +10,8 @@ from freetoken.engine.sample import SamplingParams
 from freetoken.engine.scheduler import Scheduler, Sequence
 
 
-def _runner(path, kv_tokens=2048, page=16):
-    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", moe_strategy="resident",
+def _runner(path, kv_tokens=2048, page=16, device="cpu"):
+    cfg = EngineConfig(model=str(path), device=device, dtype="float32", moe_strategy="resident",
                        max_seq_len=256)
     return ModelRunner(cfg, kv_tokens=kv_tokens, page_size=page, progress=False)
 
@@ -28,9 +28,10 @@ def _prompts(n: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(n)]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3"])
-def test_batched_equals_solo(fixture, request):
-    runner = _runner(request.getfixturevalue(fixture))
+def test_batched_equals_solo(fixture, request, device):
+    runner = _runner(request.getfixturevalue(fixture), device=device)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     solo = {}
     for i, prompt in enumerate(_prompts(8)):

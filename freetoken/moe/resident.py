@@ -8,10 +8,11 @@ from torch import nn
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.strategy import Experts, ExpertShape, register
 
-# On a GPU, up to this many (token, expert) pairs, gathering the chosen experts' weights and
-# running batched matmuls beats one small matmul chain per expert (kernel launches dominate).
-# On the CPU the gather's copy costs more than it saves.
-GATHER_MAX_PAIRS = 16
+# On a GPU, up to this many (token, expert) pairs (decode batches of up to 16 at top-8),
+# gathering the chosen experts' weights and running batched matmuls beats one small matmul
+# chain per expert: kernel launches, not the extra copy, dominate there. On the CPU the
+# gather's copy costs more than it saves.
+GATHER_MAX_PAIRS = 128
 
 
 @register("resident")

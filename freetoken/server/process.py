@@ -110,6 +110,7 @@ class EngineClient:
         self.dead: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_death: list[Any] = []
+        self.closing = False
 
     def wait_ready(self) -> dict[str, Any]:
         """Block until the engine has loaded the model; raise with its error if it failed."""
@@ -133,11 +134,15 @@ class EngineClient:
                 kind, payload = self._from_engine.recv()
             except (EOFError, OSError):
                 kind, payload = "fatal", "the engine process exited"
-            if kind == "fatal":
-                self.loop.call_soon_threadsafe(self._die, str(payload))
+            try:
+                if kind == "fatal":
+                    if not self.closing:
+                        self.loop.call_soon_threadsafe(self._die, str(payload))
+                    return
+                events, stats = payload
+                self.loop.call_soon_threadsafe(self._dispatch, events, stats)
+            except RuntimeError:  # the event loop has closed: the server is shutting down
                 return
-            events, stats = payload
-            self.loop.call_soon_threadsafe(self._dispatch, events, stats)
 
     def _dispatch(self, events: list[Event], stats: dict[str, Any] | None) -> None:
         if stats:
@@ -169,6 +174,7 @@ class EngineClient:
         self.queues.pop(rid, None)
 
     def shutdown(self) -> None:
+        self.closing = True
         if self.proc.is_alive():
             try:
                 self._to_engine.send(("shutdown", None))

@@ -38,5 +38,27 @@ def generate_plot() -> None:
     fig.savefig(ROOT / "docs/img/generate.png", dpi=120)
 
 
+def serve_plot() -> None:
+    latest: dict[str, dict] = {}
+    for p in sorted((ROOT / "benchmarks/results").glob("serve-*.json")):
+        r = json.loads(p.read_text())
+        latest[r["label"]] = r  # files sort by time: the last one per label wins
+    if not latest:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(8, 3))
+    for label, r in latest.items():
+        c = [lv["concurrency"] for lv in r["levels"]]
+        a.plot(c, [lv["output_tokens_per_s"] for lv in r["levels"]], "o-", label=label)
+        b.plot(c, [lv["itl_median_s"] * 1e3 for lv in r["levels"]], "o-", label=label)
+    a.set_xlabel("concurrent clients")
+    a.set_ylabel("output tokens/s")
+    b.set_xlabel("concurrent clients")
+    b.set_ylabel("median inter-token latency (ms)")
+    a.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/serve.png", dpi=120)
+
+
 if __name__ == "__main__":
     generate_plot()
+    serve_plot()

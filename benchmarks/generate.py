@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--prompt", default="The history of computing")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=16)
     p.add_argument("--label", default="")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -91,7 +92,9 @@ def main() -> None:
 
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                 moe_strategy="resident", max_seq_len=args.tokens + 256))
+                                 moe_strategy="resident", max_seq_len=args.tokens + 256,
+                                 cuda_graph_max_bs=args.cuda_graph_max_bs
+                                 if args.device == "cuda" else 0))
     load_s = time.perf_counter() - t0
     ids = engine.encode(args.prompt)
     params = SamplingParams(max_tokens=args.tokens)

@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where MoE experts live and how a miss is served")
     g.add_argument("--max-seq-len", type=int, default=4096,
                    help="KV cache length in tokens (prompt + output); capped by the model")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=16,
+                   help="capture decode steps as CUDA graphs for batch sizes up to this "
+                   "(0: eager; on the CPU always eager)")
 
 
 def _generate(args: argparse.Namespace) -> int:

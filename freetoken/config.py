@@ -225,4 +225,5 @@ class EngineConfig:
     dtype: str  # torch dtype name used for compute: float32, bfloat16, float16
     moe_strategy: str
     max_seq_len: int
+    cuda_graph_max_bs: int = 0  # 0: decode runs eagerly (always on the CPU)
     seed: int = 0

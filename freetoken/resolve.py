@@ -38,12 +38,16 @@ def resolve_engine(args: Any) -> EngineConfig:
     model = str(args.model) if args.model else str(default_model_path())
     if args.max_seq_len < 2:
         raise ConfigError(f"--max-seq-len must be at least 2, got {args.max_seq_len}")
+    if args.cuda_graph_max_bs < 0:
+        raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {args.cuda_graph_max_bs}")
+    graphs = args.cuda_graph_max_bs if device == "cuda" else 0
     threads = configure_threads()
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
-        max_seq_len=args.max_seq_len,
+        max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
     )
     log.info("resolved engine config: model=%s device=%s dtype=%s moe_strategy=%s "
-             "max_seq_len=%d torch_threads=%d", model, device, dtype, cfg.moe_strategy,
-             cfg.max_seq_len, threads)
+             "max_seq_len=%d cuda_graph_max_bs=%d%s torch_threads=%d", model, device, dtype,
+             cfg.moe_strategy, cfg.max_seq_len, graphs, " (eager on cpu)" if
+             device == "cpu" else "", threads)
     return cfg

@@ -35,6 +35,7 @@ class ForwardContext:
     logit_rows: torch.Tensor | None  # (R,) rows of T whose logits are wanted; None = all
     single: bool  # one segment: attention can skip the padding gathers
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> (B, 1, Tq, S)
+    decode: bool = False  # every segment has one token (Tq = 1): no padding to drop
 
     @staticmethod
     def build(kv: PagedKV, segments: list[Segment], device: torch.device,
@@ -74,5 +75,5 @@ class ForwardContext:
             q_index=q_idx.to(**to), q_valid=torch.stack(q_valid).to(**to),
             k_slots=k_slots.to(**to), k_pos=k_pos.to(**to),
             logit_rows=None if all_logits else torch.tensor(last, **to),
-            single=B == 1, masks=masks,
+            single=B == 1, masks=masks, decode=Tq == 1,
         )

@@ -40,7 +40,7 @@ class Engine:
         self.max_len = self.runner.max_len
         self.device = self.runner.device
         self.tokenizer = self.runner.ckpt.tokenizer()
-        self._pages = self.runner.kv.allocate(self.runner.kv.num_pages)
+        self._pages = self.runner.kv.allocate(self.runner.kv.free_pages)
 
     def forward(self, ids: list[int], start: int) -> torch.Tensor:
         """Run ``ids`` at positions start.. and return the last position's logits (vocab,)."""

@@ -12,6 +12,7 @@ import torch
 from freetoken.checkpoint import Checkpoint, open_checkpoint
 from freetoken.config import EngineConfig
 from freetoken.engine.context import ForwardContext, Segment
+from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
@@ -47,6 +48,10 @@ class ModelRunner:
                           mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         windows = {0} | ({mc.sliding_window} if any(mc.sliding_layers) else set())
         self.windows = tuple(sorted(windows))
+        self.graphs: DecodeGraphs | None = None
+        if cfg.cuda_graph_max_bs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.kv, self.max_len, self.windows,
+                                       cfg.cuda_graph_max_bs, self.device)
         log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s; KV pool %d pages x %d tokens",
                  self.ckpt.path.name, mc.family, mc.num_layers, cfg.device, cfg.dtype,
                  self.load_s, self.kv.num_pages, page_size)
@@ -77,6 +82,8 @@ class ModelRunner:
 
         With ``all_logits``, logits of every new token (T, V) instead.
         """
+        if self.graphs and not all_logits and self.graphs.fits(segments):
+            return self.graphs.run(tokens, segments)
         flat = [t for seq in tokens for t in seq]
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         ctx = ForwardContext.build(self.kv, segments, self.device, self.windows, all_logits)

@@ -27,4 +27,6 @@ def attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     out = out.transpose(1, 2)  # (B, Tq, Hq, D)
+    if ctx.decode:
+        return out.squeeze(1)
     return out[0] if ctx.single else out[ctx.q_valid]

@@ -48,8 +48,10 @@ def serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         client.shutdown()
         raise FreeTokenError(str(e)) from e
-    log.info("engine ready: %d KV tokens, context %d, weights loaded in %.1f s; CUDA graphs: "
-             "not used (eager)", info["kv_tokens"], info["max_len"], info["load_s"])
+    log.info("engine ready: %d KV tokens, context %d, weights loaded in %.1f s; CUDA graphs: %s",
+             info["kv_tokens"], info["max_len"], info["load_s"],
+             f"decode batch sizes up to {engine.cuda_graph_max_bs}"
+             if engine.cuda_graph_max_bs else "off (eager)")
     name = args.served_model_name or ckpt.path.name
     state = ServerState(client=client, tokenizer=tokenizer, model_name=name,
                         max_len=info["max_len"], chat_template=template,

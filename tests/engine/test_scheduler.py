@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.runner import ModelRunner
@@ -10,9 +11,9 @@ from freetoken.engine.sample import SamplingParams
 from freetoken.engine.scheduler import Scheduler, Sequence
 
 
-def _runner(path, kv_tokens=2048, page=16, device="cpu"):
+def _runner(path, kv_tokens=2048, page=16, device="cpu", graphs=0):
     cfg = EngineConfig(model=str(path), device=device, dtype="float32", moe_strategy="resident",
-                       max_seq_len=256)
+                       max_seq_len=256, cuda_graph_max_bs=graphs)
     return ModelRunner(cfg, kv_tokens=kv_tokens, page_size=page, progress=False)
 
 
@@ -28,10 +29,12 @@ def _prompts(n: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(n)]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device, graphs", [
+    ("cpu", 0), pytest.param("cuda", 0, marks=pytest.mark.cuda),
+    pytest.param("cuda", 8, marks=pytest.mark.cuda, id="cuda-graphs")])
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3"])
-def test_batched_equals_solo(fixture, request, device):
-    runner = _runner(request.getfixturevalue(fixture), device=device)
+def test_batched_equals_solo(fixture, request, device, graphs):
+    runner = _runner(request.getfixturevalue(fixture), device=device, graphs=graphs)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     solo = {}
     for i, prompt in enumerate(_prompts(8)):
@@ -44,7 +47,8 @@ def test_batched_equals_solo(fixture, request, device):
         s.add(Sequence(f"r{i}", prompt, params))
     batched = {rid: [e.token for e in ev] for rid, ev in _drain(s).items()}
     assert batched == solo
-    assert runner.kv.free_pages == runner.kv.num_pages  # every page came back
+    scratch = 1 if runner.graphs else 0
+    assert runner.kv.free_pages == runner.kv.num_pages - scratch  # every page came back
 
 
 def test_prefix_cache_reuses_pages_and_keeps_results(tiny_qwen3_moe):
@@ -87,3 +91,22 @@ def test_abort_frees_pages(tiny_qwen3_moe):
     s.step()
     assert s.abort("x").finish_reason == "abort"
     assert not s.has_work() and runner.kv.free_pages == runner.kv.num_pages
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3"])
+def test_graph_decode_matches_eager(fixture, request):
+    from freetoken.engine.context import Segment
+
+    path = request.getfixturevalue(fixture)
+    eager = _runner(path, device="cuda")
+    graphs = _runner(path, device="cuda", graphs=4)
+    prompts = _prompts(3)
+    for r in (eager, graphs):
+        r.pages = [r.kv.allocate(r.pages_for(len(p) + 1)) for p in prompts]
+        r.forward(prompts, [Segment(pg, 0, len(p)) for pg, p in zip(r.pages, prompts, strict=True)])
+    step = [[7], [8], [9]]
+    segs = lambda r: [Segment(pg, len(p), 1) for pg, p in zip(r.pages, prompts, strict=True)]  # noqa: E731
+    a, b = eager.forward(step, segs(eager)), graphs.forward(step, segs(graphs))
+    assert graphs.graphs is not None and graphs.graphs.fits(segs(graphs))
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,107 @@
+"""CUDA graphs of decode steps: one graph per batch size up to ``--cuda-graph-max-bs``.
+
+A decode step at batch b runs the graph captured for the smallest size >= b. Every input lives
+in a static buffer sized for that graph: keys are padded to the runner's full context, padded
+batch rows write their KV to a scratch page and attend to it alone, and their logits are
+dropped. Prefill and mixed steps, and batches above the largest size, run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.engine.context import ForwardContext, Segment
+from freetoken.kvcache.paged import PagedKV
+
+log = logging.getLogger(__name__)
+
+
+def graph_sizes(max_bs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < max_bs]
+    return sizes + [max_bs]
+
+
+class _Graph:
+    """Static inputs, the captured graph and its output for one batch size."""
+
+    def __init__(self, bs: int, keys: int, windows: tuple[int, ...], kv: PagedKV,
+                 device: torch.device) -> None:
+        long = dict(dtype=torch.long, device=device)
+        self.bs = bs
+        self.ids = torch.zeros(bs, **long)
+        self.positions = torch.zeros(bs, **long)
+        self.slots = torch.zeros(bs, **long)
+        self.k_slots = torch.zeros(bs, keys, **long)
+        self.k_pos = torch.zeros(bs, keys, **long)
+        self.masks = {w: torch.zeros(bs, 1, 1, keys, dtype=torch.bool, device=device)
+                      for w in windows}
+        self.ctx = ForwardContext(
+            positions=self.positions, slots=self.slots, kv=kv,
+            q_index=torch.arange(bs, device=device)[:, None],
+            q_valid=torch.ones(bs, 1, dtype=torch.bool, device=device),
+            k_slots=self.k_slots, k_pos=self.k_pos, logit_rows=None, single=False,
+            masks=self.masks, decode=True)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    """Engine-thread only. Owns one scratch KV page for padded rows."""
+
+    def __init__(self, model: torch.nn.Module, kv: PagedKV, max_len: int,
+                 windows: tuple[int, ...], max_bs: int, device: torch.device) -> None:
+        self.model, self.kv, self.keys, self.windows = model, kv, max_len, windows
+        self.scratch = kv.allocate(1)[0] * kv.page_size
+        self.graphs: dict[int, _Graph] = {}
+        pool = None
+        for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first: share its pool
+            g = _Graph(bs, max_len, windows, kv, device)
+            self._pad(g, 0)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):  # warm up: lazy inits must not land in the graph
+                    model(g.ids, g.ctx)
+            torch.cuda.current_stream().wait_stream(stream)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=pool), torch.inference_mode():
+                g.out = model(g.ids, g.ctx)
+            pool = g.graph.pool()
+            self.graphs[bs] = g
+        self.sizes = sorted(self.graphs)
+        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d)",
+                 self.sizes, max_len)
+
+    def fits(self, segments: list[Segment]) -> bool:
+        return len(segments) <= self.sizes[-1] and all(s.count == 1 for s in segments)
+
+    def _pad(self, g: _Graph, n: int) -> None:
+        """Rows n.. of ``g`` write to the scratch slot and see only it."""
+        g.slots[n:] = self.scratch
+        g.k_slots[n:] = self.scratch
+        g.k_pos[n:] = 0
+        g.positions[n:] = 0
+        for m in g.masks.values():
+            m[n:] = False
+            m[n:, ..., 0] = True
+
+    @torch.inference_mode()
+    def run(self, tokens: list[list[int]], segments: list[Segment]) -> torch.Tensor:
+        n = len(segments)
+        g = self.graphs[next(s for s in self.sizes if s >= n)]
+        cpu = ForwardContext.build(self.kv, segments, torch.device("cpu"), self.windows)
+        S = cpu.k_slots.shape[1]
+        g.ids[:n].copy_(torch.tensor([t[0] for t in tokens]), non_blocking=True)
+        g.positions[:n].copy_(cpu.positions, non_blocking=True)
+        g.slots[:n].copy_(cpu.slots, non_blocking=True)
+        g.k_slots[:n, :S].copy_(cpu.k_slots, non_blocking=True)
+        g.k_slots[:n, S:] = self.scratch
+        for w, m in g.masks.items():
+            m[:n, ..., S:] = False
+            m[:n, ..., :S].copy_(cpu.masks[w], non_blocking=True)
+        self._pad(g, n)
+        assert g.graph is not None and g.out is not None
+        g.graph.replay()
+        return g.out[:n]

@@ -146,7 +146,7 @@ std::string Executor::add_layer(int layer, int E, int H, int I, int activation, 
   L->down = std::move(down);
   L->x_needs[L->gate.act] = true;
   L->x_needs[L->up.act] = true;
-  std::lock_guard<std::mutex> lock(submit_mu_);
+  std::lock_guard<std::mutex> lock(layers_mu_);
   if ((int)layers_.size() <= layer) layers_.resize(layer + 1);
   layers_[layer] = std::move(L);
   return "";
@@ -158,16 +158,19 @@ const Layer* Executor::layer(int layer) const {
 
 int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const float* w,
                          float* out, int T, int A) {
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  const Layer* L = layer(layer_id);
+  const Layer* L;
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    L = layer(layer_id);
+  }
   if (!L || T <= 0 || A <= 0) return -1;
   int64_t P = 0;
   for (int64_t i = 0; i < (int64_t)T * A; ++i) {
     if (ids[i] >= L->E) return -2;
     P += ids[i] >= 0;
   }
-  uint64_t ticket = pool_.reserve();
-  Job& j = jobs_[ticket % Pool::kSlots];
+  int slot = pool_.acquire();
+  Job& j = jobs_[slot];
   const int64_t H = L->H, I = L->I, E = L->E;
   j.L = L;
   j.x = x;
@@ -254,14 +257,15 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.chunks1 = cdiv(I, j.c1);
   j.c2 = cdiv(H, 64) >= target ? 64 : cdiv(H, 32) >= target ? 32 : 16;
   int64_t counts[3] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, cdiv(H, j.c2)};
-  pool_.publish(ticket, counts, 3, run_item, &j);
-  return (int64_t)ticket;
+  pool_.publish(slot, counts, 3, run_item, &j);
+  return slot;
 }
 
-int64_t Executor::wait(int64_t ticket) {
-  pool_.wait((uint64_t)ticket);
-  int64_t bytes = jobs_[ticket % Pool::kSlots].weight_bytes;
-  pool_.release((uint64_t)ticket);
+int64_t Executor::wait(int64_t handle) {
+  int slot = (int)handle;
+  pool_.wait(slot);
+  int64_t bytes = jobs_[slot].weight_bytes;
+  pool_.release(slot);
   return bytes;
 }
 
@@ -291,13 +295,12 @@ double Executor::stream_read(const uint8_t* buf, int64_t bytes, int reps) {
   r.chunk = 1 << 20;
   r.chunks = cdiv(r.bytes, r.chunk);
   int64_t counts[1] = {r.chunks * reps};
-  std::lock_guard<std::mutex> lock(submit_mu_);
-  uint64_t ticket = pool_.reserve();
+  int slot = pool_.acquire();
   auto t0 = std::chrono::steady_clock::now();
-  pool_.publish(ticket, counts, 1, run_read, &r);
-  pool_.wait(ticket);
+  pool_.publish(slot, counts, 1, run_read, &r);
+  pool_.wait(slot);
   auto t1 = std::chrono::steady_clock::now();
-  pool_.release(ticket);
+  pool_.release(slot);
   return std::chrono::duration<double>(t1 - t0).count();
 }
 

@@ -81,11 +81,12 @@ class Executor {
                         Proj down, int act_mode);
   const Layer* layer(int layer) const;
 
-  // Returns a ticket, or -1 for an unknown layer. Thread-safe.
+  // Returns a handle to wait on; -1 for an unknown layer, -2 for an expert id >= E.
+  // Thread-safe; blocks only while Pool::kSlots jobs are unwaited.
   int64_t submit(int layer, const float* x, const int64_t* ids, const float* w, float* out,
                  int T, int A);
-  // Blocks until the ticket's job is done; returns the weight bytes it read.
-  int64_t wait(int64_t ticket);
+  // Blocks until the job is done; returns the weight bytes it read. Once per handle.
+  int64_t wait(int64_t handle);
 
   // Seconds to read `bytes` of buf `reps` times with all workers (a stream-read ceiling).
   double stream_read(const uint8_t* buf, int64_t bytes, int reps);
@@ -96,8 +97,8 @@ class Executor {
   Pool pool_;
   int isa_;
   std::vector<std::unique_ptr<Layer>> layers_;
-  Job jobs_[Pool::kSlots];
-  std::mutex submit_mu_;
+  Job jobs_[Pool::kSlots];  // one per pool slot
+  std::mutex layers_mu_;
 };
 
 // Quantise one vector of K floats (K % 32 == 0) to Q8 blocks.

@@ -67,6 +67,8 @@ void wake(Word& w) {
 Pool::Pool(const std::vector<int>& cores, int spin_us)
     : slots_(kSlots), spin_ns_((int64_t)spin_us * 1000) {
   for (Slot& s : slots_) s.exited.v.store((uint32_t)cores.size());
+  for (int i = kSlots - 1; i >= 0; --i) free_.push_back(i);
+  free_count_.v.store(kSlots);
   workers_.reserve(cores.size());
   for (size_t i = 0; i < cores.size(); ++i)
     workers_.emplace_back(&Pool::worker_main, this, (int)i, cores[i]);
@@ -79,17 +81,25 @@ Pool::~Pool() {
   for (std::thread& t : workers_) t.join();
 }
 
-uint64_t Pool::reserve() {
-  uint64_t ticket = next_ticket_++;
-  Slot& s = slots_[ticket % kSlots];
-  await(s.state, [](uint32_t v) { return v == kFree; }, spin_ns_);
+int Pool::acquire() {
+  int slot;
+  for (;;) {
+    await(free_count_, [](uint32_t v) { return v > 0; }, spin_ns_);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (free_.empty()) continue;
+    slot = free_.back();
+    free_.pop_back();
+    free_count_.v.store((uint32_t)free_.size());
+    break;
+  }
+  // Workers may still be leaving the slot's previous job (they finish it without us).
   uint32_t n = (uint32_t)workers_.size();
-  await(s.exited, [n](uint32_t v) { return v == n; }, spin_ns_);
-  return ticket;
+  await(slots_[slot].exited, [n](uint32_t v) { return v == n; }, spin_ns_);
+  return slot;
 }
 
-void Pool::publish(uint64_t ticket, const int64_t* counts, int phases, ItemFn fn, void* ctx) {
-  Slot& s = slots_[ticket % kSlots];
+void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx) {
+  Slot& s = slots_[slot];
   s.phases = phases;
   s.fn = fn;
   s.ctx = ctx;
@@ -100,19 +110,23 @@ void Pool::publish(uint64_t ticket, const int64_t* counts, int phases, ItemFn fn
   }
   s.exited.v.store(0, std::memory_order_relaxed);
   s.state.v.store(kReady, std::memory_order_release);
-  submitted_.v.store((uint32_t)(ticket + 1), std::memory_order_seq_cst);
+  std::lock_guard<std::mutex> lock(mu_);
+  queue_[next_ticket_ % kQueue] = slot;
+  ++next_ticket_;
+  submitted_.v.store(next_ticket_, std::memory_order_seq_cst);
   wake(submitted_);
 }
 
-void Pool::wait(uint64_t ticket) {
-  Slot& s = slots_[ticket % kSlots];
-  await(s.state, [](uint32_t v) { return v == kDone; }, spin_ns_);
+void Pool::wait(int slot) {
+  await(slots_[slot].state, [](uint32_t v) { return v == kDone; }, spin_ns_);
 }
 
-void Pool::release(uint64_t ticket) {
-  Slot& s = slots_[ticket % kSlots];
-  s.state.v.store(kFree);
-  wake(s.state);
+void Pool::release(int slot) {
+  slots_[slot].state.v.store(kFree);
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.push_back(slot);
+  free_count_.v.store((uint32_t)free_.size());
+  wake(free_count_);
 }
 
 void Pool::run(Slot& s, int worker) {
@@ -154,7 +168,7 @@ void Pool::worker_main(int index, int core) {
   for (;;) {
     await(submitted_, [this, mine](uint32_t v) { return v != mine || stop_.load(); }, spin_ns_);
     if (stop_.load()) return;
-    Slot& s = slots_[mine % kSlots];
+    Slot& s = slots_[queue_[mine % kQueue]];
     run(s, index);
     s.exited.v.fetch_add(1);
     wake(s.exited);

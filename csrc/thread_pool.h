@@ -1,15 +1,16 @@
 // A pool of pinned workers that run phased jobs. A job is a few phases of independent items;
 // workers take items with an atomic counter and meet at a barrier between phases. Jobs live in
-// a ring of kSlots preallocated slots, so submitting allocates nothing. Every wait spins for a
-// bounded time and then blocks on a futex.
+// kSlots preallocated slots, so submitting allocates nothing; workers run them in the order they
+// were published. Every wait spins for a bounded time and then blocks on a futex.
 //
-// Threads: reserve/publish may be called from several threads if the caller serialises them
-// (the executor holds a mutex); wait and release may be called from any thread, once per
-// ticket, and every published ticket must be waited and released.
+// Threads: any thread may acquire a slot, publish it, wait for it and release it; every
+// acquired slot must be published, waited and released, in that order. Slots come back in any
+// order, so one caller holding a slot never blocks another.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -37,14 +38,15 @@ class Pool {
 
   int threads() const { return (int)workers_.size(); }
 
-  // The next ticket, once its slot is free; the caller then fills its context.
-  uint64_t reserve();
-  // Start ticket's job: counts[p] items in phase p, run as fn(ctx, p, item, worker).
-  void publish(uint64_t ticket, const int64_t* counts, int phases, ItemFn fn, void* ctx);
-  // Block until ticket's job is done.
-  void wait(uint64_t ticket);
-  // Hand ticket's slot back (after wait).
-  void release(uint64_t ticket);
+  // A free slot (blocks while all kSlots are taken); the caller then fills its context.
+  int acquire();
+  // Queue the slot's job: counts[p] items in phase p, each run as fn(ctx, p, item, worker).
+  void publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx);
+  // Block until the slot's job is done.
+  void wait(int slot);
+  // Hand the slot back (after wait).
+  void release(int slot);
+  void debug();
 
  private:
   struct alignas(64) Slot {
@@ -58,15 +60,22 @@ class Pool {
     void* ctx = nullptr;
   };
   enum : uint32_t { kFree = 0, kReady = 1, kDone = 2 };
+  // Published jobs in order: ticket t runs slot queue_[t % kQueue]. An entry is rewritten only
+  // after every worker has left its job, since at most kSlots jobs are unfinished at a time.
+  static constexpr int kQueue = 2 * kSlots;
 
   void worker_main(int index, int core);
   void run(Slot& s, int worker);
 
   std::vector<Slot> slots_;
   std::vector<std::thread> workers_;
-  Word submitted_;  // tickets published so far (mod 2^32)
+  std::mutex mu_;             // guards free_, queue_ writes and next_ticket_
+  std::vector<int> free_;     // free slots
+  Word free_count_;           // free_.size(), to wait on
+  int queue_[kQueue] = {};
+  uint32_t next_ticket_ = 0;
+  Word submitted_;            // tickets published so far (mod 2^32)
   std::atomic<bool> stop_{false};
-  uint64_t next_ticket_ = 0;
   int64_t spin_ns_;
 };
 

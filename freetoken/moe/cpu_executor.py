@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from freetoken.cpus import usable_cores
-from freetoken.quant import QuantTensor
+from freetoken.quant import QuantTensor, get_format
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,21 @@ def kernel_isa(fmt: str, act: str, cap: str) -> str | None:
     """The tier whose kernel (fmt, act) runs with under ``cap``; None if there is none."""
     tier = native().ft_kernel_isa(FORMATS.index(fmt), ACT_KINDS.index(act), ISAS.index(cap))
     return ISAS[tier] if tier >= 0 else None
+
+
+def expert_bytes(fmt: str, hidden: int, intermediate: int) -> int:
+    """Bytes the kernels read for one expert (gate, up and down, data and scales): the weight
+    traffic of one routed expert, which bounds CPU MoE speed by memory bandwidth."""
+
+    def proj(rows: int, cols: int) -> int:
+        n = rows * get_format(fmt).row_bytes(cols)
+        if fmt == "nvfp4":
+            n += rows * (cols // 16)
+        elif fmt == "fp8_block":
+            n += -(-rows // 128) * -(-cols // 128) * 4
+        return n
+
+    return 2 * proj(intermediate, hidden) + proj(hidden, intermediate)
 
 
 def plan_cores(usable: list[int], threads: int | None) -> list[int]:

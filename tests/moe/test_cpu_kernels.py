@@ -218,14 +218,18 @@ def test_thread_count_does_not_change_the_result() -> None:
     assert torch.equal(one.run(x, ids, w, 0), three.run(x, ids, w, 0))
 
 
-def test_weight_bytes_count_each_expert_once() -> None:
-    b = bank("q8_0")
+@pytest.mark.parametrize("fmt", cx.FORMATS)
+def test_weight_bytes_count_each_expert_once(fmt: str) -> None:
+    b = bank(fmt)
     ex = executor("scalar")
-    x, ids, w = inputs("q8_0", 16)
-    fut = ex.submit(x, ids, w, cx.FORMATS.index("q8_0"))
+    x, ids, w = inputs(fmt, 16)
+    fut = ex.submit(x, ids, w, cx.FORMATS.index(fmt))
     fut.wait()
-    per_expert = sum(t.data[0].numel() for t in (b.gate, b.up, b.down))
-    assert fut.weight_bytes == len(ids.unique()) * per_expert
+    stored = sum(t.data[0].numel() * t.data.element_size()
+                 + sum(s[0].numel() * s.element_size() for s in t.scales.values() if s.dim())
+                 for t in (b.gate, b.up, b.down))
+    assert cx.expert_bytes(fmt, *SHAPES[fmt]) == stored
+    assert fut.weight_bytes == len(ids.unique()) * stored
 
 
 def test_bad_shapes_say_what_is_wrong() -> None:

@@ -1,0 +1,181 @@
+"""CPU MoE kernel bandwidth at decode batch sizes, next to a stream-read ceiling measured in the
+same run by the same pinned workers.
+
+Each call computes one MoE layer for a batch of T tokens with random top-k routing; the weight
+bytes it reads are the routed experts' (each read once). The layers cycle over a working set
+several times the L3, so weights come from DRAM as in decode. The ceiling is the pool reading a
+large buffer with the widest loads the tier has, measured before and after each kernel run.
+
+    python benchmarks/cpu_moe.py --fmt bf16,q8_0 --threads 1,2 --batch 1,2,3,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken.moe import cpu_executor as cx  # noqa: E402
+from freetoken.quant import QuantTensor, get_format  # noqa: E402
+
+GIB = 1 << 30
+
+
+def l3_bytes() -> int:
+    """Size of the largest cache level of cpu0 (sysfs), 32 MiB when it cannot be read."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def make_layer(fmt: str, hidden: int, inter: int, experts: int,
+               seed: int) -> tuple[cx.ExpertStack, ...]:
+    """A layer of random experts: 8 quantised ones, tiled to ``experts`` distinct copies."""
+    g = torch.Generator().manual_seed(seed)
+    q = get_format(fmt)
+    stacks = []
+    for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        few = q.quantize(torch.randn(8, rows, cols, generator=g) / cols**0.5)
+        reps = math.ceil(experts / 8)
+        data = few.data.repeat(reps, *([1] * (few.data.dim() - 1)))[:experts].contiguous()
+        scales = {k: (v.repeat(reps, *([1] * (v.dim() - 1)))[:experts].contiguous()
+                      if v.dim() else v) for k, v in few.scales.items()}
+        stacks.append(cx.ExpertStack.from_quant(
+            QuantTensor(fmt, (experts, rows, cols), data, scales)))
+    return tuple(stacks)
+
+
+def ceiling_gbps(ex: cx.CpuMoeExecutor, buf: torch.Tensor, seconds: float) -> float:
+    """Best stream-read GB/s of the pool over ``buf`` (a few repetitions, about ``seconds``)."""
+    best = 0.0
+    end = time.perf_counter() + seconds
+    while True:
+        dt = ex.stream_read_seconds(buf, 1)
+        best = max(best, buf.numel() / dt / 1e9)
+        if time.perf_counter() > end:
+            return best
+
+
+def kernel_gbps(ex: cx.CpuMoeExecutor, layers: list[int], experts: int, top_k: int, hidden: int,
+                T: int, seconds: float) -> tuple[float, float, int]:
+    """Weight GB/s and µs per call of decode-like calls cycling over ``layers``."""
+    g = torch.Generator().manual_seed(T)
+    n = 64  # pre-drawn routings, so the loop times the kernel, not torch.randperm
+    x = [torch.randn(T, hidden, generator=g) for _ in range(n)]
+    ids = [torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(T)])
+           for _ in range(n)]
+    w = [torch.softmax(torch.randn(T, top_k, generator=g), -1) for _ in range(n)]
+    for i in range(len(layers)):  # warm-up: first-touch and the pool's scratch
+        ex.run(x[i % n], ids[i % n], w[i % n], layers[i])
+    calls = nbytes = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds or calls < len(layers):
+        fut = ex.submit(x[calls % n], ids[calls % n], w[calls % n], layers[calls % len(layers)])
+        fut.wait()
+        nbytes += fut.weight_bytes
+        calls += 1
+    dt = time.perf_counter() - start
+    return nbytes / dt / 1e9, dt / calls * 1e6, calls
+
+
+def git_state() -> dict[str, object]:
+    """Commit and dirty flag; GIT_SHA where the tree was copied without .git."""
+    if os.environ.get("GIT_SHA"):
+        return {"sha": os.environ["GIT_SHA"], "dirty": None}
+
+    def run(*cmd: str) -> str:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"sha": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "-s"))}
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--fmt", default="bf16,q8_0", help="comma-separated weight formats")
+    p.add_argument("--threads", default="", help="comma-separated worker counts (default: the "
+                   "executor's own, one per usable core but the first)")
+    p.add_argument("--batch", default="1,2,3,4", help="comma-separated tokens per call")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--working-set-gib", type=float, default=0.0,
+                   help="expert bytes to cycle over (default: max(4 x L3, 2 GiB))")
+    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    p.add_argument("--isa", default=None, help="cap the ISA tier (default: the best)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = p.parse_args()
+
+    l3 = l3_bytes()
+    ws = int(args.working_set_gib * GIB) or max(4 * l3, 2 * GIB)
+    fmts = args.fmt.split(",")
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
+    batches = [int(b) for b in args.batch.split(",")]
+    buf = torch.ones(max(GIB, 4 * l3), dtype=torch.uint8)
+    rows = []
+    for fmt in fmts:
+        per_layer = args.experts * cx.expert_bytes(fmt, args.hidden, args.intermediate)
+        n_layers = max(1, math.ceil(ws / per_layer))
+        stacks = [make_layer(fmt, args.hidden, args.intermediate, args.experts, seed=i)
+                  for i in range(n_layers)]
+        for nt in threads:
+            ex = cx.CpuMoeExecutor(threads=nt, isa=args.isa)
+            for i, s in enumerate(stacks):
+                ex.add_layer(i, *s)
+            kernels = ex.layers[0].kernels
+            for T in batches:
+                before = ceiling_gbps(ex, buf, args.seconds / 2)
+                gbps, us, calls = kernel_gbps(ex, list(range(n_layers)), args.experts,
+                                              args.top_k, args.hidden, T, args.seconds)
+                ceiling = max(before, ceiling_gbps(ex, buf, args.seconds / 2))
+                row = {"fmt": fmt, "threads": ex.threads, "cores": ex.cores, "isa": ex.isa,
+                       "kernels": kernels, "batch": T, "gbps": round(gbps, 2),
+                       "ceiling_gbps": round(ceiling, 2), "ratio": round(gbps / ceiling, 3),
+                       "us_per_call": round(us, 1), "calls": calls}
+                rows.append(row)
+                print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T}: "
+                      f"{gbps:6.2f} GB/s of {ceiling:6.2f} ceiling ({gbps / ceiling:5.1%}), "
+                      f"{us:8.1f} us/call", flush=True)
+            ex.close()
+        del stacks
+    host = socket.gethostname()
+    result = {
+        "bench": "cpu_moe", "git": git_state(), "host": host, "cpu": cpu_model(),
+        "usable_cores": len(cx.usable_cores()), "l3_bytes": l3, "working_set_bytes": ws,
+        "ceiling_buffer_bytes": buf.numel(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "params": vars(args), "results": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"cpu_moe-{host}-{int(time.time())}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -128,6 +128,8 @@ def main() -> None:
                    help="expert bytes to cycle over (default: max(4 x L3, 2 GiB))")
     p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     p.add_argument("--isa", default=None, help="cap the ISA tier (default: the best)")
+    p.add_argument("--spin-us", type=int, default=cx.DEFAULT_SPIN_US,
+                   help="worker spin before sleeping")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
 
@@ -144,7 +146,7 @@ def main() -> None:
         stacks = [make_layer(fmt, args.hidden, args.intermediate, args.experts, seed=i)
                   for i in range(n_layers)]
         for nt in threads:
-            ex = cx.CpuMoeExecutor(threads=nt, isa=args.isa)
+            ex = cx.CpuMoeExecutor(threads=nt, isa=args.isa, spin_us=args.spin_us)
             for i, s in enumerate(stacks):
                 ex.add_layer(i, *s)
             kernels = ex.layers[0].kernels

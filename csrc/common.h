@@ -59,6 +59,7 @@ struct Act {
   const float* d;       // (n, K/32) block scales
   const float* dl;      // (n, K/4)  block scale repeated for each group of 4
   const int32_t* gs;    // (n, K/4)  sum of each group of 4 int8 values
+  const int32_t* gb;    // (n, K/4)  -128 * gs: the bias that removes a +128 weight offset
 };
 
 // out[v * ldo + (r - r0)] = dot(row r of m, activation vidx[v]) for r in [r0, r1), v < n.

@@ -55,6 +55,7 @@ Act offset_act(const Act& a, int64_t first) {
   if (o.d) o.d += first * (K / 32);
   if (o.dl) o.dl += first * (K / 4);
   if (o.gs) o.gs += first * (K / 4);
+  if (o.gb) o.gb += first * (K / 4);
   return o;
 }
 
@@ -62,23 +63,29 @@ void run_item(void* ctx, int phase, int64_t item, int worker);
 
 }  // namespace
 
-void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs) {
+void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
+                 int32_t* gb) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0;
-    for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    for (int i = 0; i < 32; ++i) {
+      float a = xb[i] < 0 ? -xb[i] : xb[i];
+      amax = a > amax ? a : amax;
+    }
     float db = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
     d[b] = db;
     for (int g = 0; g < 8; ++g) {
       int32_t s = 0;
       for (int i = 0; i < 4; ++i) {
-        float v = std::nearbyint(xb[4 * g + i] * id);
-        v = std::fmin(127.0f, std::fmax(-127.0f, v));
+        // round to nearest even without a libm call: |x * id| <= 127 < 2^22
+        float v = (xb[4 * g + i] * id + 12582912.0f) - 12582912.0f;
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
         int8_t qi = (int8_t)v;
         q[32 * b + 4 * g + i] = qi;
         s += qi;
       }
       gs[8 * b + g] = s;
+      gb[8 * b + g] = -128 * s;
       dl[8 * b + g] = db;
     }
   }
@@ -192,12 +199,14 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
       xq ? (size_t)T * (H / 32) * 4 : 0,              // x d
       xq ? (size_t)T * (H / 4) * 4 : 0,               // x dl
       xq ? (size_t)T * (H / 4) * 4 : 0,               // x gs
+      xq ? (size_t)T * (H / 4) * 4 : 0,               // x gb
       (size_t)P * I * 4,                              // h f32
       hbf ? (size_t)P * I * 2 : 0,                    // h bf16
       hq ? (size_t)P * I : 0,                         // h q
       hq ? (size_t)P * (I / 32) * 4 : 0,              // h d
       hq ? (size_t)P * (I / 4) * 4 : 0,               // h dl
       hq ? (size_t)P * (I / 4) * 4 : 0,               // h gs
+      hq ? (size_t)P * (I / 4) * 4 : 0,               // h gb
   };
   constexpr int kParts = sizeof sizes / sizeof sizes[0];
   size_t total = 0;
@@ -218,14 +227,15 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.ptok = (int32_t*)part[3];
   j.pw = (float*)part[4];
   j.xa = Act{H, x, (uint16_t*)part[5], (int8_t*)part[6], (float*)part[7], (float*)part[8],
-             (int32_t*)part[9]};
-  j.hf = (float*)part[10];
-  j.hbf = (uint16_t*)part[11];
-  j.hq = (int8_t*)part[12];
-  j.hd = (float*)part[13];
-  j.hdl = (float*)part[14];
-  j.hgs = (int32_t*)part[15];
-  j.ha = Act{I, j.hf, j.hbf, j.hq, j.hd, j.hdl, j.hgs};
+             (int32_t*)part[9], (int32_t*)part[10]};
+  j.hf = (float*)part[11];
+  j.hbf = (uint16_t*)part[12];
+  j.hq = (int8_t*)part[13];
+  j.hd = (float*)part[14];
+  j.hdl = (float*)part[15];
+  j.hgs = (int32_t*)part[16];
+  j.hgb = (int32_t*)part[17];
+  j.ha = Act{I, j.hf, j.hbf, j.hq, j.hd, j.hdl, j.hgs, j.hgb};
 
   // Group the (token, expert) pairs by expert: a counting sort, stable in token order.
   for (int64_t e = 0; e < E; ++e) j.count[e] = 0;
@@ -251,8 +261,9 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.weight_bytes =
       j.n_active * (L->gate.expert_bytes + L->up.expert_bytes + L->down.expert_bytes);
 
-  // Enough items for every worker to take a few; chunks stay whole q8 blocks.
-  const int64_t target = 4 * (int64_t)j.nthreads;
+  // Enough items that every worker takes several (the last round is then short); chunks
+  // stay whole q8 blocks.
+  const int64_t target = 8 * (int64_t)j.nthreads;
   j.c1 = (int64_t)j.n_active * cdiv(I, 64) >= target ? 64 : 32;
   j.chunks1 = cdiv(I, j.c1);
   j.c2 = cdiv(H, 64) >= target ? 64 : cdiv(H, 32) >= target ? 32 : 16;
@@ -317,7 +328,8 @@ void prepare_x(Job& j, int64_t t) {
   if (L.x_needs[ACT_Q8])
     quantize_q8(x, H, const_cast<int8_t*>(j.xa.q) + t * H,
                 const_cast<float*>(j.xa.d) + t * (H / 32), const_cast<float*>(j.xa.dl) + t * (H / 4),
-                const_cast<int32_t*>(j.xa.gs) + t * (H / 4));
+                const_cast<int32_t*>(j.xa.gs) + t * (H / 4),
+                const_cast<int32_t*>(j.xa.gb) + t * (H / 4));
 }
 
 // Gate and up for rows [i0, i1) of one expert, for all of its pairs; h = act(g) * u.
@@ -340,7 +352,8 @@ void gate_up(Job& j, int64_t item) {
         for (int64_t i = 0; i < rows; ++i) j.hbf[p * I + i0 + i] = f32_to_bf16(h[i]);
       else if (L.down.act == ACT_Q8)
         quantize_q8(h, rows, j.hq + p * I + i0, j.hd + p * (I / 32) + i0 / 32,
-                    j.hdl + p * (I / 4) + i0 / 4, j.hgs + p * (I / 4) + i0 / 4);
+                    j.hdl + p * (I / 4) + i0 / 4, j.hgs + p * (I / 4) + i0 / 4,
+                    j.hgb + p * (I / 4) + i0 / 4);
     }
   }
 }

@@ -64,7 +64,7 @@ struct Job {
   uint16_t* hbf = nullptr;
   int8_t* hq = nullptr;
   float *hd = nullptr, *hdl = nullptr;
-  int32_t* hgs = nullptr;
+  int32_t *hgs = nullptr, *hgb = nullptr;
   Scratch scratch;
 };
 
@@ -102,6 +102,7 @@ class Executor {
 };
 
 // Quantise one vector of K floats (K % 32 == 0) to Q8 blocks.
-void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs);
+void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
+                 int32_t* gb);
 
 }  // namespace ft

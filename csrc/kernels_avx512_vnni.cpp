@@ -11,23 +11,17 @@ namespace {
 
 constexpr int kPrefetch = 1024;  // bytes ahead of the weight row being read
 
+// Every format's weights are moved to w + 128 (unsigned bytes, no overflow: |w| <= 127 for
+// q8_0, < 64 otherwise); the activations' precomputed bias gb = -128 * sum(x) removes it.
 template <class D>
-static inline __m512i offset_bias(__m512i gs) {
-  constexpr int off = D::kSigned ? 128 : D::kOff;
-  return _mm512_mullo_epi32(gs, _mm512_set1_epi32(-off));
-}
-
-template <class D>
-static inline __m256i offset_bias(__m256i gs) {
-  constexpr int off = D::kSigned ? 128 : D::kOff;
-  return _mm256_mullo_epi32(gs, _mm256_set1_epi32(-off));
+static inline __m256i to_u8(__m256i w) {
+  if (D::kSigned) return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+  return _mm256_add_epi8(w, _mm256_set1_epi8((char)(128 - D::kOff)));
 }
 
 template <class D, int NV>
 void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
-            const int32_t* const* xgs, float* res) {
-  constexpr bool kOff = D::kSigned || D::kOff;
-  const __m256i flip = _mm256_set1_epi8((char)0x80);
+            const int32_t* const* xgb, float* res) {
   __m512 acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
   int64_t b = 0;
@@ -36,24 +30,19 @@ void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
     _mm_prefetch((const char*)row + b * D::kBlockBytes + kPrefetch + 64, _MM_HINT_T0);
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
-    D::block(row, b, w0, s0, m0);
-    D::block(row, b + 1, w1, s1, m1);
-    if (D::kSigned) {
-      w0 = _mm256_xor_si256(w0, flip);
-      w1 = _mm256_xor_si256(w1, flip);
-    }
-    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+    q8::pair<D>(row, b, w0, w1, s0, s1, m0, m1);
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(to_u8<D>(w0)), to_u8<D>(w1), 1);
     __m512 ws = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
-    __m512 wm = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
+    __m512 wm = _mm512_setzero_ps();
+    if (D::kMins)
+      wm = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1),
+                         _mm512_set1_ps(1.0f / 128));
     for (int v = 0; v < NV; ++v) {
       __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
-      __m512i gs = _mm512_setzero_si512();
-      if (kOff || D::kMins) gs = _mm512_loadu_si512(xgs[v] + 8 * b);
-      __m512i dot = _mm512_dpbusd_epi32(kOff ? offset_bias<D>(gs) : _mm512_setzero_si512(), w, x);
-      __m512 dl = _mm512_loadu_ps(xdl[v] + 8 * b);
-      acc[v] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), ws), dl, acc[v]);
-      if (D::kMins)
-        acc[v] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(gs), wm), dl, acc[v]);
+      __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w, x)), ws);
+      if (D::kMins) t = _mm512_fmadd_ps(wm, _mm512_cvtepi32_ps(gb), t);
+      acc[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xdl[v] + 8 * b), acc[v]);
     }
   }
   float tail[NV] = {};
@@ -61,15 +50,14 @@ void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
     __m256i w;
     __m256 ws, wm = _mm256_setzero_ps();
     D::block(row, b, w, ws, wm);
-    if (D::kSigned) w = _mm256_xor_si256(w, flip);
+    w = to_u8<D>(w);
+    wm = _mm256_mul_ps(wm, _mm256_set1_ps(1.0f / 128));
     for (int v = 0; v < NV; ++v) {
       __m256i x = _mm256_loadu_si256((const __m256i*)(xq[v] + 32 * b));
-      __m256i gs = _mm256_loadu_si256((const __m256i*)(xgs[v] + 8 * b));
-      __m256i dot =
-          _mm256_dpbusd_epi32(kOff ? offset_bias<D>(gs) : _mm256_setzero_si256(), w, x);
-      __m256 dl = _mm256_loadu_ps(xdl[v] + 8 * b);
-      __m256 t = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), ws), dl);
-      if (D::kMins) t = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(gs), wm), dl, t);
+      __m256i gb = _mm256_loadu_si256((const __m256i*)(xgb[v] + 8 * b));
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(gb, w, x)), ws);
+      if (D::kMins) t = _mm256_fmadd_ps(wm, _mm256_cvtepi32_ps(gb), t);
+      t = _mm256_mul_ps(t, _mm256_loadu_ps(xdl[v] + 8 * b));
       __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
       s = _mm_add_ps(s, _mm_movehl_ps(s, s));
       tail[v] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
@@ -83,16 +71,16 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
              const int32_t* vidx, int v0, float* out, int64_t ldo) {
   const int8_t* xq[NV];
   const float* xdl[NV];
-  const int32_t* xgs[NV];
+  const int32_t* xgb[NV];
   for (int v = 0; v < NV; ++v) {
     int64_t i = vidx ? vidx[v0 + v] : v0 + v;
     xq[v] = a.q + i * a.K;
     xdl[v] = a.dl + i * (a.K / 4);
-    xgs[v] = a.gs + i * (a.K / 4);
+    xgb[v] = a.gb + i * (a.K / 4);
   }
   float res[NV];
   for (int64_t r = r0; r < r1; ++r) {
-    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgs, res);
+    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }
 }

@@ -36,6 +36,7 @@ struct Q8_0 {
   static constexpr int kBlockBytes = 34;  // per 32 weights
   static constexpr int kOff = 0, kBlocks = 1;
   static constexpr bool kSigned = true, kMins = false;
+  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + 34 * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -47,6 +48,7 @@ struct Q4_0 {
   static constexpr int kBlockBytes = 18;  // per 32 weights
   static constexpr int kOff = 8, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
+  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + 18 * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -58,6 +60,7 @@ struct Q5_0 {
   static constexpr int kBlockBytes = 22;  // per 32 weights
   static constexpr int kOff = 16, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
+  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + 22 * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -70,6 +73,7 @@ struct MXFP4 {
   static constexpr int kBlockBytes = 17;  // per 32 weights
   static constexpr int kOff = 12, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
+  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + 17 * b;
     // twice the e2m1 value of each code, plus 12
@@ -85,6 +89,7 @@ struct Q4_K {
   static constexpr int kBlockBytes = 18;  // per 32 weights
   static constexpr int kOff = 0, kBlocks = 8;
   static constexpr bool kSigned = false, kMins = true;
+  static constexpr bool kHasPair = true;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256& wm) {
     const uint8_t* p = row + 144 * (b / 8);
     int j = (int)(b % 8);
@@ -96,12 +101,31 @@ struct Q4_K {
     if (j & 1) q = _mm256_srli_epi16(q, 4);
     w = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
   }
+  // Sub-blocks 2k and 2k + 1 are the low and high nibbles of one 32-byte chunk.
+  static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
+                          __m256& s1, __m256& m0, __m256& m1) {
+    const uint8_t* p = row + 144 * (b / 8);
+    int j = (int)(b % 8);
+    uint8_t sc0, mn0, sc1, mn1;
+    q4k_scale_min(p + 4, j, &sc0, &mn0);
+    q4k_scale_min(p + 4, j + 1, &sc1, &mn1);
+    float d = _cvtsh_ss(load_u16(p)), dmin = _cvtsh_ss(load_u16(p + 2));
+    s0 = _mm256_set1_ps(d * sc0);
+    s1 = _mm256_set1_ps(d * sc1);
+    m0 = _mm256_set1_ps(dmin * mn0);
+    m1 = _mm256_set1_ps(dmin * mn1);
+    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    w0 = _mm256_and_si256(q, mask);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+  }
 };
 
 struct Q6_K {
   static constexpr int kBlockBytes = 26;  // per 32 weights (rounded down)
   static constexpr int kOff = 32, kBlocks = 8;
   static constexpr bool kSigned = false, kMins = false;
+  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + 210 * (b / 8);
     int j = (int)(b % 8), h = j / 4, k = j % 4;
@@ -116,6 +140,18 @@ struct Q6_K {
     ws = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
   }
 };
+
+// Blocks b and b + 1 (b even). Formats whose two blocks share bytes override it as pair().
+template <class D>
+static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
+                        __m256& s1, __m256& m0, __m256& m1) {
+  if constexpr (D::kHasPair) {
+    D::pair(row, b, w0, w1, s0, s1, m0, m1);
+  } else {
+    D::block(row, b, w0, s0, m0);
+    D::block(row, b + 1, w1, s1, m1);
+  }
+}
 
 // x * k for the small constants the formats use as offsets.
 template <int K>

@@ -65,7 +65,9 @@ void wake(Word& w) {
 }  // namespace
 
 Pool::Pool(const std::vector<int>& cores, int spin_us)
-    : slots_(kSlots), spin_ns_((int64_t)spin_us * 1000) {
+    : slots_(kSlots),
+      spin_ns_((int64_t)spin_us * 1000),
+      barrier_spin_ns_(spin_ns_ > kBarrierSpinNs ? spin_ns_ : kBarrierSpinNs) {
   for (Slot& s : slots_) s.exited.v.store((uint32_t)cores.size());
   for (int i = kSlots - 1; i >= 0; --i) free_.push_back(i);
   free_count_.v.store(kSlots);
@@ -150,7 +152,7 @@ void Pool::run(Slot& s, int worker) {
       }
     }
     if (p != last)
-      await(s.done[p], [count](uint32_t v) { return (int64_t)v == count; }, spin_ns_);
+      await(s.done[p], [count](uint32_t v) { return (int64_t)v == count; }, barrier_spin_ns_);
   }
 }
 

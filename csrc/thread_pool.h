@@ -29,6 +29,7 @@ constexpr int kMaxPhases = 3;
 class Pool {
  public:
   static constexpr int kSlots = 16;
+  static constexpr int64_t kBarrierSpinNs = 2000000;
 
   // One worker per entry of `cores` (pinned there; -1 leaves a worker unpinned).
   Pool(const std::vector<int>& cores, int spin_us);
@@ -76,7 +77,9 @@ class Pool {
   uint32_t next_ticket_ = 0;
   Word submitted_;            // tickets published so far (mod 2^32)
   std::atomic<bool> stop_{false};
-  int64_t spin_ns_;
+  int64_t spin_ns_;          // before sleeping while idle or waiting for a result
+  int64_t barrier_spin_ns_;  // before sleeping between phases: the others are at work, and a
+                             // futex wake-up can cost tens of microseconds in a VM
 };
 
 }  // namespace ft

@@ -36,7 +36,9 @@ ACT_KINDS = ("f32", "q8", "bf16")  # how a kernel reads activations
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MAX_IN_FLIGHT = 16  # job slots of the C++ pool
-DEFAULT_SPIN_US = 50
+# Spin this long before sleeping: a futex wake-up costs tens of µs in a VM, and the pool's cores
+# are its own. Covers the gap between two layers' calls in decode.
+DEFAULT_SPIN_US = 300
 
 
 class NativeUnavailable(RuntimeError):

@@ -45,8 +45,8 @@ def l3_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def make_layer(fmt: str, hidden: int, inter: int, experts: int,
-               seed: int) -> tuple[cx.ExpertStack, ...]:
+def make_layer(fmt: str, hidden: int, inter: int, experts: int, seed: int,
+               huge: bool = False) -> tuple[cx.ExpertStack, ...]:
     """A layer of random experts: 8 quantised ones, tiled to ``experts`` distinct copies."""
     g = torch.Generator().manual_seed(seed)
     q = get_format(fmt)
@@ -58,7 +58,7 @@ def make_layer(fmt: str, hidden: int, inter: int, experts: int,
         scales = {k: (v.repeat(reps, *([1] * (v.dim() - 1)))[:experts].contiguous()
                       if v.dim() else v) for k, v in few.scales.items()}
         stacks.append(cx.ExpertStack.from_quant(
-            QuantTensor(fmt, (experts, rows, cols), data, scales)))
+            QuantTensor(fmt, (experts, rows, cols), data, scales), copy=huge))
     return tuple(stacks)
 
 
@@ -130,6 +130,10 @@ def main() -> None:
     p.add_argument("--isa", default=None, help="cap the ISA tier (default: the best)")
     p.add_argument("--spin-us", type=int, default=cx.DEFAULT_SPIN_US,
                    help="worker spin before sleeping")
+    p.add_argument("--prefetch", default="", help="comma-separated prefetch distances in bytes "
+                   "to compare (default: the kernels' own)")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="expert banks (and the ceiling buffer) in huge-page-advised memory")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
 
@@ -138,19 +142,24 @@ def main() -> None:
     fmts = args.fmt.split(",")
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
     batches = [int(b) for b in args.batch.split(",")]
-    buf = torch.ones(max(GIB, 4 * l3), dtype=torch.uint8)
+    prefetches = [int(b) for b in args.prefetch.split(",")] if args.prefetch else [None]
+    nbuf = max(GIB, 4 * l3)
+    buf = cx.host_buffer(nbuf) if args.huge_pages else torch.empty(nbuf, dtype=torch.uint8)
+    buf.fill_(1)
     rows = []
     for fmt in fmts:
         per_layer = args.experts * cx.expert_bytes(fmt, args.hidden, args.intermediate)
         n_layers = max(1, math.ceil(ws / per_layer))
-        stacks = [make_layer(fmt, args.hidden, args.intermediate, args.experts, seed=i)
-                  for i in range(n_layers)]
+        stacks = [make_layer(fmt, args.hidden, args.intermediate, args.experts, seed=i,
+                             huge=args.huge_pages) for i in range(n_layers)]
         for nt in threads:
             ex = cx.CpuMoeExecutor(threads=nt, isa=args.isa, spin_us=args.spin_us)
             for i, s in enumerate(stacks):
                 ex.add_layer(i, *s)
             kernels = ex.layers[0].kernels
-            for T in batches:
+            for T, ahead in [(T, a) for a in prefetches for T in batches]:
+                if ahead is not None:
+                    cx.set_prefetch(ahead)
                 before = ceiling_gbps(ex, buf, args.seconds / 2)
                 gbps, us, calls = kernel_gbps(ex, list(range(n_layers)), args.experts,
                                               args.top_k, args.hidden, T, args.seconds)
@@ -158,9 +167,11 @@ def main() -> None:
                 row = {"fmt": fmt, "threads": ex.threads, "cores": ex.cores, "isa": ex.isa,
                        "kernels": kernels, "batch": T, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceiling, 2), "ratio": round(gbps / ceiling, 3),
-                       "us_per_call": round(us, 1), "calls": calls}
+                       "us_per_call": round(us, 1), "calls": calls, "prefetch": ahead,
+                       "huge_pages": args.huge_pages, "spin_us": args.spin_us}
                 rows.append(row)
-                print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T}: "
+                print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T} "
+                      f"prefetch={ahead} huge={int(args.huge_pages)}: "
                       f"{gbps:6.2f} GB/s of {ceiling:6.2f} ceiling ({gbps / ceiling:5.1%}), "
                       f"{us:8.1f} us/call", flush=True)
             ex.close()

@@ -74,6 +74,12 @@ struct KernelTable {
   ReadFn read[ISA_COUNT];
 };
 
+// How far ahead of the row being read the SIMD kernels prefetch weights (bytes); a tuning knob
+// for the memory system (default kDefaultPrefetch).
+constexpr int kDefaultPrefetch = 1024;
+int prefetch_bytes();
+void set_prefetch_bytes(int bytes);
+
 // Each ISA translation unit fills the entries it implements.
 void register_scalar(KernelTable& t);
 void register_avx2(KernelTable& t);

@@ -1,7 +1,11 @@
 #include "dispatch.h"
 
+#include <atomic>
+
 namespace ft {
 namespace {
+
+std::atomic<int> g_prefetch{kDefaultPrefetch};
 
 KernelTable build_table() {
   KernelTable t;
@@ -37,6 +41,10 @@ int detect() {
 }
 
 }  // namespace
+
+int prefetch_bytes() { return g_prefetch.load(std::memory_order_relaxed); }
+
+void set_prefetch_bytes(int bytes) { g_prefetch.store(bytes < 0 ? 0 : bytes); }
 
 int best_isa() {
   static const int isa = detect();

@@ -10,6 +10,7 @@ namespace {
 // Per-row decoders: 16 weights at element i as floats (mask: valid lanes).
 struct BF16 {
   static constexpr int kStep = 16;
+  static constexpr int kBytes = 4;  // per 2 weights
   static inline __m512 load(const Mat&, const uint8_t* row, int64_t, int64_t i, __mmask16 k) {
     __m256i v = _mm256_maskz_loadu_epi16(k, row + 2 * i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -18,6 +19,7 @@ struct BF16 {
 
 struct NVFP4 {
   static constexpr int kStep = 16;
+  static constexpr int kBytes = 1;  // per 2 weights
   static inline __m512 load(const Mat& m, const uint8_t* row, int64_t r, int64_t i, __mmask16) {
     const __m512 lut = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f,
                                       -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
@@ -32,6 +34,7 @@ struct NVFP4 {
 
 struct FP8Block {
   static constexpr int kStep = 16;
+  static constexpr int kBytes = 2;  // per 2 weights
   static inline __m512 load(const Mat& m, const uint8_t* row, int64_t r, int64_t i,
                             __mmask16 k) {
     // e4m3 bits placed in an f16 (exponent bias 15 instead of 7): the value times 2^-8.
@@ -49,12 +52,14 @@ void f32_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
               const int32_t* vidx, int v0, float* out, int64_t ldo) {
   const float* x[NV];
   for (int v = 0; v < NV; ++v) x[v] = a.f + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
+  const int64_t ahead = prefetch_bytes();
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
     __m512 acc[NV][2];
     for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= cols; i += 32) {
+      _mm_prefetch((const char*)row + i * D::kBytes / 2 + ahead, _MM_HINT_T0);
       __m512 w0 = D::load(m, row, r, i, 0xFFFF), w1 = D::load(m, row, r, i + 16, 0xFFFF);
       for (int v = 0; v < NV; ++v) {
         acc[v][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[v] + i), acc[v][0]);

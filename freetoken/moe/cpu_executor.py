@@ -126,6 +126,7 @@ def native() -> ctypes.CDLL:
         ),
         "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
+        "ft_set_prefetch": (None, [c.c_int]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -167,6 +168,40 @@ def expert_bytes(fmt: str, hidden: int, intermediate: int) -> int:
         return n
 
     return 2 * proj(intermediate, hidden) + proj(hidden, intermediate)
+
+
+def set_prefetch(nbytes: int) -> None:
+    """How far ahead of the weight row being read the SIMD kernels prefetch (process-wide)."""
+    native().ft_set_prefetch(nbytes)
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """Uninitialised uint8 host memory for expert banks, 2 MiB-aligned and advised to use
+    transparent huge pages (fewer TLB misses when the kernels stream it).
+
+    The advice only holds for pages first touched after it, so fill the buffer afterwards.
+    """
+    if nbytes < HUGE_PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % HUGE_PAGE
+    buf = raw[skip : skip + nbytes]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE),
+                 _MADV_HUGEPAGE)  # a failure only costs speed
+    return buf
+
+
+def to_host_bank(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in :func:`host_buffer` memory (same dtype and shape)."""
+    nbytes = t.numel() * t.element_size()
+    out = host_buffer(nbytes).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def plan_cores(usable: list[int], threads: int | None) -> list[int]:
@@ -213,8 +248,11 @@ class ExpertStack:
         return len(self.data)
 
     @classmethod
-    def from_quant(cls, qts: QuantTensor | list[QuantTensor]) -> ExpertStack:
-        """From one stacked (E, rows, cols) QuantTensor or a list of per-expert (rows, cols)."""
+    def from_quant(cls, qts: QuantTensor | list[QuantTensor], copy: bool = False) -> ExpertStack:
+        """From one stacked (E, rows, cols) QuantTensor or a list of per-expert (rows, cols).
+
+        ``copy`` puts the data in huge-page host memory of its own (else it is read in place).
+        """
         stacked = isinstance(qts, QuantTensor)
         if isinstance(qts, QuantTensor):
             if len(qts.shape) != 3:
@@ -232,6 +270,8 @@ class ExpertStack:
             scales = {k: [q.scales[k] for q in qts] for k in qts[0].scales}
         if fmt not in FORMATS:
             raise ValueError(f"no CPU kernel for format {fmt!r} (supported: {', '.join(FORMATS)})")
+        if copy:
+            data = [to_host_bank(d) for d in data]
         row_bytes = data[0].shape[-1] * data[0].element_size()
         stack = cls(fmt, rows, cols, _addresses(data, E, stacked), row_bytes)
         stack.keep = list(data)

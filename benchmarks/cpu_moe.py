@@ -132,8 +132,9 @@ def main() -> None:
                    help="worker spin before sleeping")
     p.add_argument("--prefetch", default="", help="comma-separated prefetch distances in bytes "
                    "to compare (default: the kernels' own)")
-    p.add_argument("--huge-pages", action="store_true",
-                   help="expert banks (and the ceiling buffer) in huge-page-advised memory")
+    p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="expert banks and the ceiling buffer in huge-page-advised memory, as the "
+                   "cpu strategy keeps them")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
 

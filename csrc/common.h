@@ -76,7 +76,7 @@ struct KernelTable {
 
 // How far ahead of the row being read the SIMD kernels prefetch weights (bytes); a tuning knob
 // for the memory system (default kDefaultPrefetch).
-constexpr int kDefaultPrefetch = 1024;
+constexpr int kDefaultPrefetch = 2048;
 int prefetch_bytes();
 void set_prefetch_bytes(int bytes);
 

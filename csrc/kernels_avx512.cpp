@@ -7,6 +7,13 @@
 namespace ft {
 namespace {
 
+// The first `ahead` bytes of a region about to be read: the in-loop prefetches only cover what
+// lies `ahead` beyond the current position, and the regions here are often short.
+static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead) {
+  for (int64_t off = 0; off < ahead && off < bytes; off += 64)
+    _mm_prefetch((const char*)p + off, _MM_HINT_T0);
+}
+
 // Per-row decoders: 16 weights at element i as floats (mask: valid lanes).
 struct BF16 {
   static constexpr int kStep = 16;
@@ -53,6 +60,7 @@ void f32_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   const float* x[NV];
   for (int v = 0; v < NV; ++v) x[v] = a.f + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
   const int64_t ahead = prefetch_bytes();
+  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
     __m512 acc[NV][2];

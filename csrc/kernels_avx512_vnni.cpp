@@ -9,6 +9,13 @@
 namespace ft {
 namespace {
 
+// The first `ahead` bytes of a region about to be read: the in-loop prefetches only cover what
+// lies `ahead` beyond the current position, and the regions here are often short.
+static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead) {
+  for (int64_t off = 0; off < ahead && off < bytes; off += 64)
+    _mm_prefetch((const char*)p + off, _MM_HINT_T0);
+}
+
 // Every format's weights are moved to w + 128 (unsigned bytes, no overflow: |w| <= 127 for
 // q8_0, < 64 otherwise); the activations' precomputed bias gb = -128 * sum(x) removes it.
 template <class D>
@@ -79,6 +86,7 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   }
   float res[NV];
   const int64_t ahead = prefetch_bytes();
+  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
     q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];

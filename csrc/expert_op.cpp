@@ -1,7 +1,16 @@
 #include "expert_op.h"
 
+#include <sched.h>
+
 #include <chrono>
 #include <cmath>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline void cpu_relax() { _mm_pause(); }
+#else
+static inline void cpu_relax() {}
+#endif
 
 namespace ft {
 namespace {
@@ -191,6 +200,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   size_t sizes[] = {
       (size_t)E * 4,                                  // count
       (size_t)(E < P ? E : P) * 4,                    // active
+      (size_t)(E < P ? E : P) * 4,                    // ready
       (size_t)((E < P ? E : P) + 1) * 4,              // start
       (size_t)P * 4,                                  // ptok
       (size_t)P * 4,                                  // pw
@@ -223,18 +233,19 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
     part[i] = sizes[i] ? base + off : nullptr;
   j.count = (int32_t*)part[0];
   j.active = (int32_t*)part[1];
-  j.start = (int32_t*)part[2];
-  j.ptok = (int32_t*)part[3];
-  j.pw = (float*)part[4];
-  j.xa = Act{H, x, (uint16_t*)part[5], (int8_t*)part[6], (float*)part[7], (float*)part[8],
-             (int32_t*)part[9], (int32_t*)part[10]};
-  j.hf = (float*)part[11];
-  j.hbf = (uint16_t*)part[12];
-  j.hq = (int8_t*)part[13];
-  j.hd = (float*)part[14];
-  j.hdl = (float*)part[15];
-  j.hgs = (int32_t*)part[16];
-  j.hgb = (int32_t*)part[17];
+  j.ready = (int32_t*)part[2];
+  j.start = (int32_t*)part[3];
+  j.ptok = (int32_t*)part[4];
+  j.pw = (float*)part[5];
+  j.xa = Act{H, x, (uint16_t*)part[6], (int8_t*)part[7], (float*)part[8], (float*)part[9],
+             (int32_t*)part[10], (int32_t*)part[11]};
+  j.hf = (float*)part[12];
+  j.hbf = (uint16_t*)part[13];
+  j.hq = (int8_t*)part[14];
+  j.hd = (float*)part[15];
+  j.hdl = (float*)part[16];
+  j.hgs = (int32_t*)part[17];
+  j.hgb = (int32_t*)part[18];
   j.ha = Act{I, j.hf, j.hbf, j.hq, j.hd, j.hdl, j.hgs, j.hgb};
 
   // Group the (token, expert) pairs by expert: a counting sort, stable in token order.
@@ -252,6 +263,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
     pos += c;
   }
   if (j.n_active) j.start[j.n_active] = pos;
+  for (int i = 0; i < j.n_active; ++i) j.ready[i] = 0;
   for (int64_t i = 0; i < (int64_t)T * A; ++i) {
     if (ids[i] < 0) continue;
     int32_t p = j.count[ids[i]]++;
@@ -268,7 +280,8 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.chunks1 = cdiv(I, j.c1);
   j.c2 = cdiv(H, 64) >= target ? 64 : cdiv(H, 32) >= target ? 32 : 16;
   int64_t counts[3] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, cdiv(H, j.c2)};
-  pool_.publish(slot, counts, 3, run_item, &j);
+  // Down for a chunk of H starts as soon as the first experts' h is ready (no barrier).
+  pool_.publish(slot, counts, 3, run_item, &j, /*overlap=*/1u << 1);
   return slot;
 }
 
@@ -356,6 +369,17 @@ void gate_up(Job& j, int64_t item) {
                     j.hgb + p * (I / 4) + i0 / 4);
     }
   }
+  __atomic_fetch_add(&j.ready[ea], 1, __ATOMIC_RELEASE);
+}
+
+// Wait until every gate/up chunk of active expert ea is done (they are all being worked on).
+void await_expert(const Job& j, int ea) {
+  for (int spins = 0; __atomic_load_n(&j.ready[ea], __ATOMIC_ACQUIRE) < j.chunks1; ++spins) {
+    if (spins < 100000)
+      cpu_relax();
+    else
+      sched_yield();
+  }
 }
 
 // Down for rows [r0, r1) of every active expert, weighted and summed into out.
@@ -367,6 +391,7 @@ void down_sum(Job& j, int64_t item) {
   float y[kGroup * kMaxChunk];
   for (int ea = 0; ea < j.n_active; ++ea) {
     int e = j.active[ea];
+    await_expert(j, ea);
     for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
       int n = (int)min64(kGroup, j.start[ea + 1] - p0);
       L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n, y, rows);

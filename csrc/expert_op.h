@@ -59,6 +59,7 @@ struct Job {
   int32_t* ptok = nullptr;    // (P) token of each pair
   float* pw = nullptr;        // (P) routing weight of each pair
   int32_t* count = nullptr;   // (E) counting-sort buffer
+  int32_t* ready = nullptr;   // (n_active) gate/up chunks finished per active expert (atomic)
   Act xa{}, ha{};             // x (T, H) and h (P, I) representations
   float* hf = nullptr;
   uint16_t* hbf = nullptr;

@@ -100,9 +100,11 @@ int Pool::acquire() {
   return slot;
 }
 
-void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx) {
+void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx,
+                   unsigned overlap) {
   Slot& s = slots_[slot];
   s.phases = phases;
+  s.overlap = overlap;
   s.fn = fn;
   s.ctx = ctx;
   for (int p = 0; p < kMaxPhases; ++p) {
@@ -151,7 +153,7 @@ void Pool::run(Slot& s, int worker) {
         }
       }
     }
-    if (p != last)
+    if (p != last && !(s.overlap >> p & 1))
       await(s.done[p], [count](uint32_t v) { return (int64_t)v == count; }, barrier_spin_ns_);
   }
 }

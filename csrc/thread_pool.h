@@ -42,7 +42,10 @@ class Pool {
   // A free slot (blocks while all kSlots are taken); the caller then fills its context.
   int acquire();
   // Queue the slot's job: counts[p] items in phase p, each run as fn(ctx, p, item, worker).
-  void publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx);
+  // Bit p of `overlap` lets workers start phase p + 1 once phase p's items are all taken
+  // rather than all done; its items must then wait for what they need themselves.
+  void publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx,
+               unsigned overlap = 0);
   // Block until the slot's job is done.
   void wait(int slot);
   // Hand the slot back (after wait).
@@ -57,6 +60,7 @@ class Pool {
     Word done[kMaxPhases];  // items finished, per phase (low 32 bits)
     int64_t count[kMaxPhases];
     int phases = 0;
+    unsigned overlap = 0;
     ItemFn fn = nullptr;
     void* ctx = nullptr;
   };

@@ -131,7 +131,8 @@ def main() -> None:
     p.add_argument("--spin-us", type=int, default=cx.DEFAULT_SPIN_US,
                    help="worker spin before sleeping")
     p.add_argument("--prefetch", default="", help="comma-separated prefetch distances in bytes "
-                   "to compare (default: the kernels' own)")
+                   "to compare, each optionally :LEVEL (0 = L1, 1 = L2), e.g. 2048,4096:1 "
+                   "(default: the kernels' own)")
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="expert banks and the ceiling buffer in huge-page-advised memory, as the "
                    "cpu strategy keeps them")
@@ -143,7 +144,7 @@ def main() -> None:
     fmts = args.fmt.split(",")
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
     batches = [int(b) for b in args.batch.split(",")]
-    prefetches = [int(b) for b in args.prefetch.split(",")] if args.prefetch else [None]
+    prefetches = args.prefetch.split(",") if args.prefetch else [None]
     nbuf = max(GIB, 4 * l3)
     buf = cx.host_buffer(nbuf) if args.huge_pages else torch.empty(nbuf, dtype=torch.uint8)
     buf.fill_(1)
@@ -160,7 +161,8 @@ def main() -> None:
             kernels = ex.layers[0].kernels
             for T, ahead in [(T, a) for a in prefetches for T in batches]:
                 if ahead is not None:
-                    cx.set_prefetch(ahead)
+                    nbytes, _, level = ahead.partition(":")
+                    cx.set_prefetch(int(nbytes), int(level or 0))
                 before = ceiling_gbps(ex, buf, args.seconds / 2)
                 gbps, us, calls = kernel_gbps(ex, list(range(n_layers)), args.experts,
                                               args.top_k, args.hidden, T, args.seconds)

@@ -56,8 +56,9 @@ FT_API const char* ft_isa_name(int isa) { return ft::isa_name(isa); }
 // The tier of the kernel that (fmt, act) gets under `cap`, or -1 when there is none.
 FT_API int ft_kernel_isa(int fmt, int act, int cap) { return ft::pick_kernel(fmt, act, cap).isa; }
 
-// Tuning: how far ahead the SIMD kernels prefetch weights (bytes; process-wide).
-FT_API void ft_set_prefetch(int bytes) { ft::set_prefetch_bytes(bytes); }
+// Tuning: how far ahead the SIMD kernels prefetch weights (bytes) and into which cache level
+// (0 = L1, 1 = L2, 2 = L3); process-wide.
+FT_API void ft_set_prefetch(int bytes, int level) { ft::set_prefetch(bytes, level); }
 
 FT_API void* ft_executor_new(const int* cores, int n, int isa_cap, int spin_us) {
   std::vector<int> c(cores, cores + n);

@@ -78,7 +78,9 @@ struct KernelTable {
 // for the memory system (default kDefaultPrefetch).
 constexpr int kDefaultPrefetch = 2048;
 int prefetch_bytes();
-void set_prefetch_bytes(int bytes);
+// Which cache level the prefetches fill: 0 = L1 (T0), 1 = L2 (T1), 2 = L3 (T2).
+int prefetch_level();
+void set_prefetch(int bytes, int level);
 
 // Each ISA translation unit fills the entries it implements.
 void register_scalar(KernelTable& t);

@@ -6,6 +6,7 @@ namespace ft {
 namespace {
 
 std::atomic<int> g_prefetch{kDefaultPrefetch};
+std::atomic<int> g_prefetch_level{0};
 
 KernelTable build_table() {
   KernelTable t;
@@ -44,7 +45,12 @@ int detect() {
 
 int prefetch_bytes() { return g_prefetch.load(std::memory_order_relaxed); }
 
-void set_prefetch_bytes(int bytes) { g_prefetch.store(bytes < 0 ? 0 : bytes); }
+int prefetch_level() { return g_prefetch_level.load(std::memory_order_relaxed); }
+
+void set_prefetch(int bytes, int level) {
+  g_prefetch.store(bytes < 0 ? 0 : bytes);
+  g_prefetch_level.store(level < 0 ? 0 : level > 2 ? 2 : level);
+}
 
 int best_isa() {
   static const int isa = detect();

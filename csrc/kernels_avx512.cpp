@@ -14,6 +14,14 @@ static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead
     _mm_prefetch((const char*)p + off, _MM_HINT_T0);
 }
 
+static inline void prefetch(const void* p, int level) {
+  switch (level) {
+    case 0: _mm_prefetch((const char*)p, _MM_HINT_T0); break;
+    case 1: _mm_prefetch((const char*)p, _MM_HINT_T1); break;
+    default: _mm_prefetch((const char*)p, _MM_HINT_T2); break;
+  }
+}
+
 // Per-row decoders: 16 weights at element i as floats (mask: valid lanes).
 struct BF16 {
   static constexpr int kStep = 16;
@@ -60,6 +68,7 @@ void f32_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   const float* x[NV];
   for (int v = 0; v < NV; ++v) x[v] = a.f + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
   const int64_t ahead = prefetch_bytes();
+  const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
@@ -67,7 +76,7 @@ void f32_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
     for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= cols; i += 32) {
-      _mm_prefetch((const char*)row + i * D::kBytes / 2 + ahead, _MM_HINT_T0);
+      prefetch((const char*)row + i * D::kBytes / 2 + ahead, level);
       __m512 w0 = D::load(m, row, r, i, 0xFFFF), w1 = D::load(m, row, r, i + 16, 0xFFFF);
       for (int v = 0; v < NV; ++v) {
         acc[v][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[v] + i), acc[v][0]);

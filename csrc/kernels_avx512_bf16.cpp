@@ -13,12 +13,21 @@ static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead
     _mm_prefetch((const char*)p + off, _MM_HINT_T0);
 }
 
+static inline void prefetch(const void* p, int level) {
+  switch (level) {
+    case 0: _mm_prefetch((const char*)p, _MM_HINT_T0); break;
+    case 1: _mm_prefetch((const char*)p, _MM_HINT_T1); break;
+    default: _mm_prefetch((const char*)p, _MM_HINT_T2); break;
+  }
+}
+
 template <int NV>
 void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
                const int32_t* vidx, int v0, float* out, int64_t ldo) {
   const uint16_t* x[NV];
   for (int v = 0; v < NV; ++v) x[v] = a.bf + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
   const int64_t ahead = prefetch_bytes();
+  const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* w = (const uint16_t*)(m.data + r * m.row_bytes);
@@ -26,8 +35,8 @@ void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
     for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 64 <= cols; i += 64) {
-      _mm_prefetch((const char*)(w + i) + ahead, _MM_HINT_T0);
-      _mm_prefetch((const char*)(w + i) + ahead + 64, _MM_HINT_T0);
+      prefetch((const char*)(w + i) + ahead, level);
+      prefetch((const char*)(w + i) + ahead + 64, level);
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i);
       __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
       for (int v = 0; v < NV; ++v) {

@@ -16,6 +16,14 @@ static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead
     _mm_prefetch((const char*)p + off, _MM_HINT_T0);
 }
 
+static inline void prefetch(const void* p, int level) {
+  switch (level) {
+    case 0: _mm_prefetch((const char*)p, _MM_HINT_T0); break;
+    case 1: _mm_prefetch((const char*)p, _MM_HINT_T1); break;
+    default: _mm_prefetch((const char*)p, _MM_HINT_T2); break;
+  }
+}
+
 // Every format's weights are moved to w + 128 (unsigned bytes, no overflow: |w| <= 127 for
 // q8_0, < 64 otherwise); the activations' precomputed bias gb = -128 * sum(x) removes it.
 template <class D>
@@ -26,14 +34,14 @@ static inline __m256i to_u8(__m256i w) {
 
 template <class D, int NV>
 void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
-            const int32_t* const* xgb, float* res, int64_t ahead) {
+            const int32_t* const* xgb, float* res, int64_t ahead, int level) {
   __m512 acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    _mm_prefetch((const char*)row + b * D::kBlockBytes + ahead, _MM_HINT_T0);
+    prefetch((const char*)row + b * D::kBlockBytes + ahead, level);
     if constexpr (2 * D::kBlockBytes > 64)
-      _mm_prefetch((const char*)row + b * D::kBlockBytes + ahead + 64, _MM_HINT_T0);
+      prefetch((const char*)row + b * D::kBlockBytes + ahead + 64, level);
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
     q8::pair<D>(row, b, w0, w1, s0, s1, m0, m1);
@@ -86,9 +94,10 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   }
   float res[NV];
   const int64_t ahead = prefetch_bytes();
+  const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
-    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
+    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }
 }

@@ -126,7 +126,7 @@ def native() -> ctypes.CDLL:
         ),
         "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
-        "ft_set_prefetch": (None, [c.c_int]),
+        "ft_set_prefetch": (None, [c.c_int, c.c_int]),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)
@@ -170,9 +170,10 @@ def expert_bytes(fmt: str, hidden: int, intermediate: int) -> int:
     return 2 * proj(intermediate, hidden) + proj(hidden, intermediate)
 
 
-def set_prefetch(nbytes: int) -> None:
-    """How far ahead of the weight row being read the SIMD kernels prefetch (process-wide)."""
-    native().ft_set_prefetch(nbytes)
+def set_prefetch(nbytes: int, level: int = 0) -> None:
+    """How far ahead of the weight row being read the SIMD kernels prefetch, and into which
+    cache level (0 = L1, 1 = L2, 2 = L3); process-wide, a tuning knob for benchmarks."""
+    native().ft_set_prefetch(nbytes, level)
 
 
 HUGE_PAGE = 2 << 20

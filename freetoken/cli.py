@@ -18,19 +18,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from freetoken.moe.strategy import strategy_names
 
     g = p.add_argument_group("engine")
-    g.add_argument("--model", help="Hugging Face model directory or .gguf file "
-                   "(default: the embedded Gemma-3 270M Q4_K_M GGUF)")
-    g.add_argument("--device", default="auto", choices=DEVICES,
-                   help="where the model runs (auto: cuda if a GPU is visible, else cpu)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="compute dtype (auto: bfloat16 on cuda, float32 on cpu)")
-    g.add_argument("--moe-strategy", default="resident", choices=strategy_names(),
-                   help="where MoE experts live and how a miss is served")
-    g.add_argument("--max-seq-len", type=int, default=4096,
-                   help="KV cache length in tokens (prompt + output); capped by the model")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=16,
-                   help="capture decode steps as CUDA graphs for batch sizes up to this "
-                   "(0: eager; on the CPU always eager)")
+    g.add_argument(
+        "--model",
+        help="Hugging Face model directory or .gguf file "
+        "(default: the embedded Gemma-3 270M Q4_K_M GGUF)",
+    )
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=DEVICES,
+        help="where the model runs (auto: cuda if a GPU is visible, else cpu)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="compute dtype (auto: bfloat16 on cuda, float32 on cpu)",
+    )
+    g.add_argument(
+        "--moe-strategy",
+        default="resident",
+        choices=strategy_names(),
+        help="where MoE experts live and how a miss is served",
+    )
+    g.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=4096,
+        help="KV cache length in tokens (prompt + output); capped by the model",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=16,
+        help="capture decode steps as CUDA graphs for batch sizes up to this "
+        "(0: eager; on the CPU always eager)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -41,8 +64,13 @@ def _generate(args: argparse.Namespace) -> int:
     from freetoken.engine.sample import SamplingParams
     from freetoken.resolve import resolve_engine
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
     try:
         params.validate()
     except ValueError as e:
@@ -57,8 +85,12 @@ def _generate(args: argparse.Namespace) -> int:
         out.flush()
     t0 = time.perf_counter()
     try:
-        tokens = engine.generate(ids, params, stats=stats, on_token=None if args.ids else (
-            lambda t: (out.write(detok.push(t)), out.flush())))
+        tokens = engine.generate(
+            ids,
+            params,
+            stats=stats,
+            on_token=None if args.ids else (lambda t: (out.write(detok.push(t)), out.flush())),
+        )
     except ValueError as e:
         raise FreeTokenError(str(e)) from e
     if args.ids:
@@ -66,9 +98,12 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         out.write("\n")
     total = time.perf_counter() - t0
-    print(f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens; "
-          f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s, "
-          f"total {total:.2f} s]", file=sys.stderr)
+    print(
+        f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens; "
+        f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s, "
+        f"total {total:.2f} s]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -90,15 +125,26 @@ def _synth(args: argparse.Namespace) -> int:
     return synth_main(args)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ft", description="FreeToken: serve MoE LLMs on one machine "
-                                "whose GPU is too small for the model.")
+    p = argparse.ArgumentParser(
+        prog="ft",
+        description="FreeToken: serve MoE LLMs on one machine "
+        "whose GPU is too small for the model.",
+    )
     p.add_argument("--version", action="version", version=f"freetoken {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    g = sub.add_parser("generate", help="generate text from a prompt on the terminal",
-                       description="Generate a continuation of --prompt, streamed to stdout; "
-                       "timings go to stderr.")
+    g = sub.add_parser(
+        "generate",
+        formatter_class=_Help,
+        help="generate text from a prompt on the terminal",
+        description="Generate a continuation of --prompt, streamed to stdout; "
+        "timings go to stderr.",
+    )
     add_engine_args(g)
     s = g.add_argument_group("sampling")
     s.add_argument("--prompt", default="The capital of France is", help="text to continue")
@@ -110,35 +156,64 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ids", action="store_true", help="print output token ids instead of text")
     g.set_defaults(func=_generate)
 
-    v = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                       description="Load the model in an engine process and serve "
-                       "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
-                       "and /v1/stats.")
+    v = sub.add_parser(
+        "serve",
+        formatter_class=_Help,
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Load the model in an engine process and serve "
+        "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
+        "and /v1/stats.",
+    )
     add_engine_args(v)
     h = v.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=int, default=1919, help="port to listen on")
     h.add_argument("--served-model-name", help="model id clients send (default: file/dir name)")
-    h.add_argument("--chat-template", metavar="FILE",
-                   help="Jinja chat template, for models whose checkpoint has none")
-    h.add_argument("--max-running-requests", type=int, default=16,
-                   help="sequences decoded together in one batch")
-    h.add_argument("--max-prefill-length", type=int, default=2048,
-                   help="prompt tokens prefilled per engine step (longer prompts are chunked)")
-    h.add_argument("--max-queued-requests", type=int, default=256,
-                   help="requests in flight beyond which new ones get 503")
+    h.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template, for models whose checkpoint has none",
+    )
+    h.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=16,
+        help="sequences decoded together in one batch",
+    )
+    h.add_argument(
+        "--max-prefill-length",
+        type=int,
+        default=2048,
+        help="prompt tokens prefilled per engine step (longer prompts are chunked)",
+    )
+    h.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests in flight beyond which new ones get 503",
+    )
     h.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens")
-    h.add_argument("--kv-tokens", type=int, default=0,
-                   help="KV pool size in tokens (0: from free memory after the weights). A "
-                   "request is admitted when pages for its prompt + max_tokens are free; "
-                   "until then it waits in the queue")
-    h.add_argument("--no-prefix-cache", action="store_true",
-                   help="do not reuse the KV of shared prompt prefixes")
+    h.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=0,
+        help="KV pool size in tokens (0: from free memory after the weights). A "
+        "request is admitted when pages for its prompt + max_tokens are free; "
+        "until then it waits in the queue",
+    )
+    h.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="do not reuse the KV of shared prompt prefixes",
+    )
     v.set_defaults(func=_serve)
 
-    c = sub.add_parser("chat", help="chat in the terminal with a running server",
-                       description="Stream a conversation from `ft serve` (or start one with "
-                       "--model).")
+    c = sub.add_parser(
+        "chat",
+        formatter_class=_Help,
+        help="chat in the terminal with a running server",
+        description="Stream a conversation from `ft serve` (or start one with --model).",
+    )
     c.add_argument("--url", default="http://127.0.0.1:1919", help="server to talk to")
     c.add_argument("--model", help="start `ft serve --model MODEL` instead of using --url")
     c.add_argument("--device", default="auto", choices=DEVICES, help="with --model")
@@ -150,18 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     from freetoken.checkpoint.synth import add_synth_args
 
-    y = sub.add_parser("synth", help="write a random-weight checkpoint at a preset geometry",
-                       description="Write a synthetic checkpoint (HF directory or GGUF) with "
-                       "random weights at a real model's geometry, for benches and tests.")
+    y = sub.add_parser(
+        "synth",
+        formatter_class=_Help,
+        help="write a random-weight checkpoint at a preset geometry",
+        description="Write a synthetic checkpoint (HF directory or GGUF) with "
+        "random weights at a real model's geometry, for benches and tests.",
+    )
     add_synth_args(y)
     y.set_defaults(func=_synth)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=env.log_level(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=env.log_level(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -15,7 +15,7 @@ import torch
 from freetoken.errors import ConfigError
 from freetoken.moe import cpu_executor as cx
 from freetoken.moe.strategy import Experts, ExpertShape, register
-from freetoken.quant import QuantTensor
+from freetoken.quant import QuantTensor, get_format
 
 _EXECUTOR: cx.CpuMoeExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -47,8 +47,11 @@ class CpuExperts(Experts):
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor: ``proj`` is gate_proj, up_proj, down_proj or (stacked
-        only) gate_up_proj; ``expert`` names the expert of a per-expert tensor."""
+        only) gate_up_proj; ``expert`` names the expert of a per-expert tensor. f32 and f16
+        weights are kept as bf16."""
         E, I_ = self.shape.num_experts, self.shape.intermediate
+        if qt.fmt in ("f32", "f16"):  # no kernel reads these: keep them as bf16
+            qt = get_format("bf16").quantize(get_format(qt.fmt).dequantize(qt))
         if proj == "gate_up_proj" and expert is None:
             gate, up = _split_rows(qt, I_)
             return self.load_expert_tensor("gate_proj", gate) and self.load_expert_tensor(

@@ -32,6 +32,44 @@ static inline __m256i to_u8(__m256i w) {
   return _mm256_add_epi8(w, _mm256_set1_epi8((char)(128 - D::kOff)));
 }
 
+// K-quant rows: scales and mins decoded once per 256-weight super-block, then spread over the
+// lanes of each 64-weight pair (lane l of pair k belongs to group 4k + l / 4).
+template <class D, int NV>
+void q8_row_super(const uint8_t* row, int64_t nb, const int8_t* const* xq,
+                  const float* const* xdl, const int32_t* const* xgb, float* res, int64_t ahead,
+                  int level) {
+  constexpr int64_t kSuperBytes = D::kSuperBytes;
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  alignas(64) float s16[16], m16[16];
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* p = row + sb * kSuperBytes;
+    for (int off = 0; off < kSuperBytes; off += 64) prefetch(p + off + ahead, level);
+    D::super_scales(p, s16, m16);
+    __m512 S = _mm512_load_ps(s16);
+    __m512 M = _mm512_mul_ps(_mm512_load_ps(m16), _mm512_set1_ps(1.0f / 128));
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_add_epi32(
+          _mm512_set1_epi32(4 * k),
+          _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+      __m256i w0, w1;
+      D::pair_quants(p, k, w0, w1);
+      __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(to_u8<D>(w0)), to_u8<D>(w1), 1);
+      __m512 ws = _mm512_permutexvar_ps(idx, S);
+      __m512 wm = D::kMins ? _mm512_permutexvar_ps(idx, M) : _mm512_setzero_ps();
+      int64_t b = sb * 8 + 2 * k;
+      for (int v = 0; v < NV; ++v) {
+        __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
+        __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w, x)), ws);
+        if (D::kMins) t = _mm512_fmadd_ps(wm, _mm512_cvtepi32_ps(gb), t);
+        acc[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xdl[v] + 8 * b), acc[v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) res[v] = _mm512_reduce_add_ps(acc[v]);
+}
+
 template <class D, int NV>
 void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
             const int32_t* const* xgb, float* res, int64_t ahead, int level) {
@@ -97,7 +135,10 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
-    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
+    if constexpr (D::kSuper)
+      q8_row_super<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
+    else
+      q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }
 }

@@ -33,6 +33,7 @@ static inline __m256i bits_to_bytes(uint32_t x) {
 }
 
 struct Q8_0 {
+  static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = 34;  // per 32 weights
   static constexpr int kOff = 0, kBlocks = 1;
   static constexpr bool kSigned = true, kMins = false;
@@ -45,6 +46,7 @@ struct Q8_0 {
 };
 
 struct Q4_0 {
+  static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = 18;  // per 32 weights
   static constexpr int kOff = 8, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
@@ -57,6 +59,7 @@ struct Q4_0 {
 };
 
 struct Q5_0 {
+  static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = 22;  // per 32 weights
   static constexpr int kOff = 16, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
@@ -70,6 +73,7 @@ struct Q5_0 {
 };
 
 struct MXFP4 {
+  static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = 17;  // per 32 weights
   static constexpr int kOff = 12, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
@@ -100,6 +104,25 @@ struct Q4_K {
     __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
     if (j & 1) q = _mm256_srli_epi16(q, 4);
     w = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+  }
+  // Whole super-block at once (the VNNI kernel): a scale and a min per group of 16 weights,
+  // then the quants of pair k (blocks 2k and 2k + 1).
+  static constexpr bool kSuper = true;
+  static constexpr int kSuperBytes = 144;
+  static inline void super_scales(const uint8_t* p, float* s16, float* m16) {
+    float d = _cvtsh_ss(load_u16(p)), dmin = _cvtsh_ss(load_u16(p + 2));
+    for (int j = 0; j < 8; ++j) {
+      uint8_t sc, mn;
+      q4k_scale_min(p + 4, j, &sc, &mn);
+      s16[2 * j] = s16[2 * j + 1] = d * sc;
+      m16[2 * j] = m16[2 * j + 1] = dmin * mn;
+    }
+  }
+  static inline void pair_quants(const uint8_t* p, int k, __m256i& w0, __m256i& w1) {
+    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * k));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    w0 = _mm256_and_si256(q, mask);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
   }
   // Sub-blocks 2k and 2k + 1 are the low and high nibbles of one 32-byte chunk.
   static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
@@ -138,6 +161,33 @@ struct Q6_K {
     float d = _cvtsh_ss(load_u16(p + 208));
     const int8_t* sc = (const int8_t*)(p + 192) + 2 * j;
     ws = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
+  }
+  static constexpr bool kSuper = true;
+  static constexpr int kSuperBytes = 210;
+  static inline void super_scales(const uint8_t* p, float* s16, float* m16) {
+    float d = _cvtsh_ss(load_u16(p + 208));
+    const int8_t* sc = (const int8_t*)(p + 192);
+    for (int g = 0; g < 16; ++g) {
+      s16[g] = d * sc[g];
+      m16[g] = 0;
+    }
+  }
+  // Blocks 2k and 2k + 1 share half h = k / 2: 64 bytes of ql (one nibble) and 32 of qh.
+  static inline void pair_quants(const uint8_t* p, int k, __m256i& w0, __m256i& w1) {
+    int h = k / 2, sel = k & 1;  // block 2k is sub-row 2 * sel of its half, 2k + 1 the next
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    __m256i lo0 = _mm256_loadu_si256((const __m256i*)(p + 64 * h));
+    __m256i lo1 = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32));
+    if (sel) {
+      lo0 = _mm256_srli_epi16(lo0, 4);
+      lo1 = _mm256_srli_epi16(lo1, 4);
+    }
+    __m256i qh = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h));
+    __m128i s0 = _mm_cvtsi32_si128(4 * sel), s1 = _mm_cvtsi32_si128(4 * sel + 2);
+    __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(qh, s0), m2);
+    __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(qh, s1), m2);
+    w0 = _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_slli_epi16(hi0, 4));
+    w1 = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_slli_epi16(hi1, 4));
   }
 };
 

@@ -67,7 +67,8 @@ void wake(Word& w) {
 Pool::Pool(const std::vector<int>& cores, int spin_us)
     : slots_(kSlots),
       spin_ns_((int64_t)spin_us * 1000),
-      barrier_spin_ns_(spin_ns_ > kBarrierSpinNs ? spin_ns_ : kBarrierSpinNs) {
+      barrier_spin_ns_(spin_ns_ > kBarrierSpinNs ? spin_ns_ : kBarrierSpinNs),
+      wait_spin_ns_(spin_ns_ > kWaitSpinNs || spin_ns_ == 0 ? spin_ns_ : kWaitSpinNs) {
   for (Slot& s : slots_) s.exited.v.store((uint32_t)cores.size());
   for (int i = kSlots - 1; i >= 0; --i) free_.push_back(i);
   free_count_.v.store(kSlots);
@@ -122,7 +123,7 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
 }
 
 void Pool::wait(int slot) {
-  await(slots_[slot].state, [](uint32_t v) { return v == kDone; }, spin_ns_);
+  await(slots_[slot].state, [](uint32_t v) { return v == kDone; }, wait_spin_ns_);
 }
 
 void Pool::release(int slot) {

@@ -30,6 +30,7 @@ class Pool {
  public:
   static constexpr int kSlots = 16;
   static constexpr int64_t kBarrierSpinNs = 2000000;
+  static constexpr int64_t kWaitSpinNs = 1000000;
 
   // One worker per entry of `cores` (pinned there; -1 leaves a worker unpinned).
   Pool(const std::vector<int>& cores, int spin_us);
@@ -84,6 +85,7 @@ class Pool {
   int64_t spin_ns_;          // before sleeping while idle or waiting for a result
   int64_t barrier_spin_ns_;  // before sleeping between phases: the others are at work, and a
                              // futex wake-up can cost tens of microseconds in a VM
+  int64_t wait_spin_ns_;     // before the caller of wait() sleeps: about one layer's work
 };
 
 }  // namespace ft

@@ -365,6 +365,8 @@ class CpuMoeExecutor:
     ``isa``: the highest tier to use; None is FREETOKEN_CPU_ISA, else the best this CPU has.
     ``act``: how int formats read activations: "auto" (int8 blocks where a SIMD kernel does it
     that way), "f32", "q8".
+    ``spin_us``: how long idle workers spin before sleeping on a futex (0: sleep at once). Waits
+    between phases spin up to 2 ms and wait() up to 1 ms, both bounded, then block.
     """
 
     def __init__(

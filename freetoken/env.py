@@ -14,3 +14,9 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """FREETOKEN_LOG_LEVEL: debug, info (default), warning, error."""
     return os.environ.get("FREETOKEN_LOG_LEVEL", "info").upper()
+
+
+def cpu_isa() -> str | None:
+    """FREETOKEN_CPU_ISA: highest ISA tier the CPU expert kernels may use (scalar, avx2, avx512,
+    avx512_vnni, avx512_bf16); unset means the best this CPU has. Validated by the executor."""
+    return os.environ.get("FREETOKEN_CPU_ISA", "").strip().lower() or None

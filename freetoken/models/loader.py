@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 _PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"(.*\.mlp\.experts)\.gate_up_proj$")
+_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)$")
 
 
 def load_weights(
@@ -31,11 +32,16 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     expert_rows: dict[str, int] = {}
+    # Experts that keep checkpoint tensors in their own format (the cpu strategy) take them
+    # undequantised; everything else lands in parameters.
+    hooks = {n: m for n, m in model.named_modules() if hasattr(m, "load_expert_tensor")}
     names = ckpt.tensor_names()
     bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress,
                leave=False)
     for name, qt in ckpt.tensors():
         bar.update(1)
+        if hooks and _hand_over(hooks, name, qt):
+            continue
         if name in params:
             _copy(params[name], qt, device, name)
             filled.add(name)
@@ -57,11 +63,21 @@ def load_weights(
     tied = {n for n, p in params.items() if n == "lm_head.weight"
             and p is params.get("model.embed_tokens.weight")}
     missing = sorted(set(params) - filled - tied)
+    missing += [f"{n}.{t}" for n, h in hooks.items() for t in h.missing_expert_tensors()]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(
             f"{ckpt.path} lacks weights the model needs: {', '.join(missing[:5])}{more}"
         )
+
+
+def _hand_over(hooks: dict[str, nn.Module], name: str, qt: QuantTensor) -> bool:
+    """Give an expert tensor to the module that keeps its own experts; False if none does."""
+    if (m := _PER_EXPERT.match(name)) and m.group(1) in hooks:
+        return bool(hooks[m.group(1)].load_expert_tensor(m.group(3), qt, int(m.group(2))))
+    if (m := _STACKED.match(name)) and m.group(1) in hooks:
+        return bool(hooks[m.group(1)].load_expert_tensor(m.group(2), qt))
+    return False
 
 
 def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import importlib.resources
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from functools import cache
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from freetoken import env
 from freetoken.cpus import usable_cores
 from freetoken.quant import QuantTensor, get_format
 
@@ -46,13 +46,8 @@ class NativeUnavailable(RuntimeError):
 
 
 def isa_cap_from_env() -> str | None:
-    """FREETOKEN_CPU_ISA: highest ISA tier the kernels may use (scalar, avx2, avx512,
-    avx512_vnni, avx512_bf16); unset means the best this CPU has.
-
-    The one place outside freetoken/env.py that reads a FREETOKEN_* variable, until env.py
-    gains ``cpu_isa()``.
-    """
-    value = os.environ.get("FREETOKEN_CPU_ISA", "").strip().lower()
+    """The ISA cap from FREETOKEN_CPU_ISA (see freetoken.env.cpu_isa), validated."""
+    value = env.cpu_isa()
     if value and value not in ISAS:
         raise ValueError(f"FREETOKEN_CPU_ISA={value!r} (choose from {', '.join(ISAS)})")
     return value or None

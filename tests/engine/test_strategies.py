@@ -1,0 +1,28 @@
+"""Every MoE strategy gives the resident model's tokens, loaded through the real loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from tests.models.helpers import load_ours, our_logits
+
+IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180]
+
+
+@pytest.mark.parametrize("expert_fmt", ["hf", "bf16", "q8_0"])
+def test_cpu_strategy_matches_resident(tiny_qwen3_moe, tmp_path, expert_fmt):
+    pytest.importorskip("freetoken.moe.cpu")
+    from freetoken.moe.cpu_executor import native
+
+    native()  # the C++ library must be built: a missing build fails here, it is not skipped
+    path = tiny_qwen3_moe
+    if expert_fmt != "hf":
+        path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "m.gguf",
+                               lambda n, s: expert_fmt if ".experts." in n else "f32")
+    resident = our_logits(load_ours(path), IDS, prefill=5)
+    cpu = our_logits(load_ours(path, strategy="cpu"), IDS, prefill=5)
+    torch.testing.assert_close(cpu, resident, atol=2e-3, rtol=2e-3)
+    assert torch.equal(cpu.argmax(-1), resident.argmax(-1))

@@ -48,6 +48,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="KV cache length in tokens (prompt + output); capped by the model",
     )
     g.add_argument(
+        "--moe-cpu-threads",
+        type=int,
+        default=0,
+        help="CPU expert workers for --moe-strategy cpu, each pinned to its own core "
+        "(0: one per usable core but the first, which the engine thread keeps)",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=16,

@@ -18,9 +18,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def configure_threads() -> int:
-    """torch's intra-op threads: one per usable core (affinity mask and cgroup quota)."""
-    threads = len(usable_cores())
+def configure_threads(cfg: EngineConfig | None = None) -> int:
+    """torch's intra-op threads: one per usable core (affinity mask and cgroup quota), less the
+    cores the CPU expert pool takes when the cpu strategy runs."""
+    usable = len(usable_cores())
+    threads = usable
+    if cfg is not None and cfg.moe_strategy == "cpu":
+        workers = cfg.moe_cpu_threads or max(1, usable - 1)
+        threads = max(1, usable - workers)
     torch.set_num_threads(threads)
     return threads
 
@@ -41,11 +46,14 @@ def resolve_engine(args: Any) -> EngineConfig:
     if args.cuda_graph_max_bs < 0:
         raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {args.cuda_graph_max_bs}")
     graphs = args.cuda_graph_max_bs if device == "cuda" else 0
-    threads = configure_threads()
+    if args.moe_cpu_threads < 0:
+        raise ConfigError(f"--moe-cpu-threads must be >= 0, got {args.moe_cpu_threads}")
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
+        moe_cpu_threads=args.moe_cpu_threads,
     )
+    threads = configure_threads(cfg)
     log.info("resolved engine config: model=%s device=%s dtype=%s moe_strategy=%s "
              "max_seq_len=%d cuda_graph_max_bs=%d%s torch_threads=%d", model, device, dtype,
              cfg.moe_strategy, cfg.max_seq_len, graphs, " (eager on cpu)" if

@@ -34,7 +34,7 @@ class Engine:
     """A runner with a KV pool of ``cfg.max_seq_len`` tokens, and the model's tokenizer."""
 
     def __init__(self, cfg: EngineConfig, progress: bool = True) -> None:
-        self.runner = ModelRunner(cfg, progress=progress)
+        self.runner = ModelRunner(cfg, kv_tokens=cfg.max_seq_len, progress=progress)
         self.model_config = self.runner.model_config
         self.model = self.runner.model
         self.max_len = self.runner.max_len

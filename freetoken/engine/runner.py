@@ -31,6 +31,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.ckpt = ckpt or open_checkpoint(cfg.model)
         self.model_config = mc = self.ckpt.config
+        if cfg.moe_strategy == "cpu":  # the first call sizes the process's CPU expert pool
+            from freetoken.moe.cpu import shared_executor
+
+            shared_executor(threads=cfg.moe_cpu_threads or None)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

@@ -46,7 +46,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
     try:
-        configure_threads()
+        configure_threads(cfg.engine)
         runner = ModelRunner(cfg.engine, kv_tokens=cfg.kv_tokens, page_size=cfg.page_size,
                              progress=False)
         sched = Scheduler(runner, cfg.max_running, cfg.max_prefill_tokens, cfg.prefix_cache)

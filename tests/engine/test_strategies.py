@@ -26,3 +26,25 @@ def test_cpu_strategy_matches_resident(tiny_qwen3_moe, tmp_path, expert_fmt):
     cpu = our_logits(load_ours(path, strategy="cpu"), IDS, prefill=5)
     torch.testing.assert_close(cpu, resident, atol=2e-3, rtol=2e-3)
     assert torch.equal(cpu.argmax(-1), resident.argmax(-1))
+
+
+def test_ft_generate_cpu_strategy_equals_resident(tmp_path):
+    import subprocess
+    import sys
+
+    model = tmp_path / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--expert-format", "q8_0", "--out", str(model)], check=True,
+                   capture_output=True, timeout=300)
+
+    def generate(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "freetoken.cli", "generate", "--device", "cpu", "--model",
+             str(model), "--prompt", "hello world", "--max-tokens", "12", "--ids", *extra],
+            capture_output=True, text=True, timeout=300)
+
+    resident = generate()
+    cpu = generate("--moe-strategy", "cpu", "--moe-cpu-threads", "1")
+    assert resident.returncode == 0 and cpu.returncode == 0, cpu.stderr
+    assert cpu.stdout.split() == resident.stdout.split() and len(cpu.stdout.split()) == 12
+    assert "CPU MoE executor ready: threads=1" in cpu.stderr

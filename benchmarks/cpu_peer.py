@@ -1,0 +1,86 @@
+"""CPU-only decode against llama.cpp on the same GGUF file and thread count, in one run.
+
+Both decode greedily from the same prompt ids, one token per step, after a prefill. llama.cpp
+runs with --threads T; we run with T cores in all: T-1 CPU expert workers (at least 1) plus the
+engine thread, which also runs the dense layers in torch.
+
+    python benchmarks/cpu_peer.py --model qwen3-4layers-q8_0.gguf --threads 2 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
+from freetoken.engine.sample import SamplingParams  # noqa: E402
+from freetoken.resolve import configure_threads  # noqa: E402
+
+
+def llamacpp_decode(model: str, ids: list[int], tokens: int, threads: int) -> dict[str, float]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model, n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    vocab = llm.n_vocab()
+    llm.eval(ids)
+    out: list[int] = []
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (vocab,))
+        out.append(int(logits.argmax()))
+        llm.eval([out[-1]])
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / dt, "output_ids": out}
+
+
+def ours_decode(model: str, ids: list[int], tokens: int, threads: int,
+                strategy: str) -> dict[str, object]:
+    cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
+                       max_seq_len=512, moe_cpu_threads=max(1, threads - 1))
+    configure_threads(cfg)
+    engine = Engine(cfg, progress=False)
+    stats = GenerationStats()
+    out = engine.generate(ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True),
+                          stats=stats)
+    return {"tokens_per_s": stats.decode_tokens_per_s, "output_ids": out[:tokens]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    ids = list(range(1000, 1016))
+    peer = llamacpp_decode(args.model, ids, args.tokens, args.threads)
+    cpu = ours_decode(args.model, ids, args.tokens, args.threads, "cpu")
+    resident = ours_decode(args.model, ids, args.tokens, args.threads, "resident")
+    result = {
+        "bench": "cpu_peer", "label": args.label,
+        "sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                              text=True).stdout.strip(),
+        "host": socket.gethostname(), "params": vars(args) | {"out": str(args.out)},
+        "llama_cpp": peer, "ours_cpu": cpu, "ours_resident_f32": resident,
+        "ratio_cpu_to_llama_cpp": cpu["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=1)[:2000])
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"cpu_peer-{args.label or 'run'}-{int(time.time())}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

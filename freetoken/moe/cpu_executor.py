@@ -10,195 +10,41 @@ Threads: ``add_layer`` before the first ``submit``; ``submit``/``wait`` from any
 submitted future must be waited, at most :data:`MAX_IN_FLIGHT` at a time per executor.
 """
 
+
 from __future__ import annotations
 
 import ctypes
-import importlib.resources
 import logging
 import threading
 from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from freetoken import env
 from freetoken.cpus import usable_cores
-from freetoken.quant import QuantTensor, get_format
+from freetoken.moe.cpu_native import (  # noqa: F401  (the executor's public names)
+    ACT_KINDS,
+    ACTIVATIONS,
+    DEFAULT_SPIN_US,
+    FORMATS,
+    ISAS,
+    LIBRARY,
+    MAX_IN_FLIGHT,
+    PROJECTIONS,
+    NativeUnavailable,
+    _ProjDesc,
+    available,
+    best_isa,
+    expert_bytes,
+    isa_cap_from_env,
+    kernel_isa,
+    native,
+    set_prefetch,
+)
+from freetoken.moe.host_memory import HUGE_PAGE, host_buffer, to_host_bank  # noqa: F401
+from freetoken.quant import QuantTensor
 
 log = logging.getLogger(__name__)
-
-LIBRARY = "libfreetoken_cpu.so"
-ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
-FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block")
-ACT_KINDS = ("f32", "q8", "bf16")  # how a kernel reads activations
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-MAX_IN_FLIGHT = 16  # job slots of the C++ pool
-# Spin this long before sleeping: a futex wake-up costs tens of µs in a VM, and the pool's cores
-# are its own. Covers the gap between two layers' calls in decode.
-DEFAULT_SPIN_US = 300
-
-
-class NativeUnavailable(RuntimeError):
-    """The C++ library is missing or failed to load; the message says why and what to do."""
-
-
-def isa_cap_from_env() -> str | None:
-    """The ISA cap from FREETOKEN_CPU_ISA (see freetoken.env.cpu_isa), validated."""
-    value = env.cpu_isa()
-    if value and value not in ISAS:
-        raise ValueError(f"FREETOKEN_CPU_ISA={value!r} (choose from {', '.join(ISAS)})")
-    return value or None
-
-
-class _ProjDesc(ctypes.Structure):
-    _fields_ = [
-        ("fmt", ctypes.c_int32),
-        ("rows", ctypes.c_int64),
-        ("cols", ctypes.c_int64),
-        ("data", ctypes.c_void_p),
-        ("row_bytes", ctypes.c_int64),
-        ("scale", ctypes.c_void_p),
-        ("scale_row_bytes", ctypes.c_int64),
-        ("scale2", ctypes.c_void_p),
-        ("expert_bytes", ctypes.c_int64),
-    ]
-
-
-def _library_path() -> Path:
-    return Path(str(importlib.resources.files("freetoken") / LIBRARY))
-
-
-@cache
-def native() -> ctypes.CDLL:
-    """The loaded C++ library; :class:`NativeUnavailable` with the reason if it cannot be."""
-    path = _library_path()
-    if not path.exists():
-        raise NativeUnavailable(
-            f"the CPU MoE library ({LIBRARY}) was not built: it is not in {path.parent}; "
-            "reinstall with `pip install -e .` (needs cmake and a C++17 compiler) and read the "
-            "build log"
-        )
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise NativeUnavailable(f"the CPU MoE library {path} does not load: {e}") from e
-    c = ctypes
-    sigs: dict[str, tuple[object, list[object]]] = {
-        "ft_best_isa": (c.c_int, []),
-        "ft_isa_name": (c.c_char_p, [c.c_int]),
-        "ft_kernel_isa": (c.c_int, [c.c_int, c.c_int, c.c_int]),
-        "ft_executor_new": (c.c_void_p, [c.c_void_p, c.c_int, c.c_int, c.c_int]),
-        "ft_executor_free": (None, [c.c_void_p]),
-        "ft_executor_threads": (c.c_int, [c.c_void_p]),
-        "ft_executor_isa": (c.c_int, [c.c_void_p]),
-        "ft_add_layer": (
-            c.c_int,
-            [
-                c.c_void_p,
-                c.c_int,
-                c.c_int,
-                c.c_int,
-                c.c_int,
-                c.c_int,
-                c.POINTER(_ProjDesc),
-                c.POINTER(_ProjDesc),
-                c.POINTER(_ProjDesc),
-                c.c_int,
-                c.c_char_p,
-                c.c_int,
-            ],
-        ),
-        "ft_layer_kernel": (
-            c.c_int,
-            [c.c_void_p, c.c_int, c.c_int, c.POINTER(c.c_int), c.POINTER(c.c_int)],
-        ),
-        "ft_submit": (
-            c.c_int64,
-            [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
-        ),
-        "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64]),
-        "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
-        "ft_set_prefetch": (None, [c.c_int, c.c_int]),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
-
-
-def available() -> str | None:
-    """None when the library loads, else why it does not."""
-    try:
-        native()
-    except NativeUnavailable as e:
-        return str(e)
-    return None
-
-
-def best_isa() -> str:
-    """The highest ISA tier this CPU supports (ignores FREETOKEN_CPU_ISA)."""
-    return ISAS[native().ft_best_isa()]
-
-
-def kernel_isa(fmt: str, act: str, cap: str) -> str | None:
-    """The tier whose kernel (fmt, act) runs with under ``cap``; None if there is none."""
-    tier = native().ft_kernel_isa(FORMATS.index(fmt), ACT_KINDS.index(act), ISAS.index(cap))
-    return ISAS[tier] if tier >= 0 else None
-
-
-def expert_bytes(fmt: str, hidden: int, intermediate: int) -> int:
-    """Bytes the kernels read for one expert (gate, up and down, data and scales): the weight
-    traffic of one routed expert, which bounds CPU MoE speed by memory bandwidth."""
-
-    def proj(rows: int, cols: int) -> int:
-        n = rows * get_format(fmt).row_bytes(cols)
-        if fmt == "nvfp4":
-            n += rows * (cols // 16)
-        elif fmt == "fp8_block":
-            n += -(-rows // 128) * -(-cols // 128) * 4
-        return n
-
-    return 2 * proj(intermediate, hidden) + proj(hidden, intermediate)
-
-
-def set_prefetch(nbytes: int, level: int = 0) -> None:
-    """How far ahead of the weight row being read the SIMD kernels prefetch, and into which
-    cache level (0 = L1, 1 = L2, 2 = L3); process-wide, a tuning knob for benchmarks."""
-    native().ft_set_prefetch(nbytes, level)
-
-
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def host_buffer(nbytes: int) -> torch.Tensor:
-    """Uninitialised uint8 host memory for expert banks, 2 MiB-aligned and advised to use
-    transparent huge pages (fewer TLB misses when the kernels stream it).
-
-    The advice only holds for pages first touched after it, so fill the buffer afterwards.
-    """
-    if nbytes < HUGE_PAGE:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    skip = -raw.data_ptr() % HUGE_PAGE
-    buf = raw[skip : skip + nbytes]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE),
-                 _MADV_HUGEPAGE)  # a failure only costs speed
-    return buf
-
-
-def to_host_bank(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in :func:`host_buffer` memory (same dtype and shape)."""
-    nbytes = t.numel() * t.element_size()
-    out = host_buffer(nbytes).view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
-
 
 def plan_cores(usable: list[int], threads: int | None) -> list[int]:
     """The core each worker is pinned to: one per usable core, the first left to the main thread.

@@ -2,24 +2,10 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "prefetch.h"
 
 namespace ft {
 namespace {
-
-// The first `ahead` bytes of a region about to be read: the in-loop prefetches only cover what
-// lies `ahead` beyond the current position, and the regions here are often short.
-static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead) {
-  for (int64_t off = 0; off < ahead && off < bytes; off += 64)
-    _mm_prefetch((const char*)p + off, _MM_HINT_T0);
-}
-
-static inline void prefetch(const void* p, int level) {
-  switch (level) {
-    case 0: _mm_prefetch((const char*)p, _MM_HINT_T0); break;
-    case 1: _mm_prefetch((const char*)p, _MM_HINT_T1); break;
-    default: _mm_prefetch((const char*)p, _MM_HINT_T2); break;
-  }
-}
 
 template <int NV>
 void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,

@@ -4,25 +4,11 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "prefetch.h"
 #include "q8_blocks.h"
 
 namespace ft {
 namespace {
-
-// The first `ahead` bytes of a region about to be read: the in-loop prefetches only cover what
-// lies `ahead` beyond the current position, and the regions here are often short.
-static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead) {
-  for (int64_t off = 0; off < ahead && off < bytes; off += 64)
-    _mm_prefetch((const char*)p + off, _MM_HINT_T0);
-}
-
-static inline void prefetch(const void* p, int level) {
-  switch (level) {
-    case 0: _mm_prefetch((const char*)p, _MM_HINT_T0); break;
-    case 1: _mm_prefetch((const char*)p, _MM_HINT_T1); break;
-    default: _mm_prefetch((const char*)p, _MM_HINT_T2); break;
-  }
-}
 
 // Every format's weights are moved to w + 128 (unsigned bytes, no overflow: |w| <= 127 for
 // q8_0, < 64 otherwise); the activations' precomputed bias gb = -128 * sum(x) removes it.

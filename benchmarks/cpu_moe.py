@@ -15,9 +15,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import cpu_model, git_state  # noqa: E402
 from freetoken.moe import cpu_executor as cx  # noqa: E402
 from freetoken.quant import QuantTensor, get_format  # noqa: E402
 
@@ -95,25 +94,6 @@ def kernel_gbps(ex: cx.CpuMoeExecutor, layers: list[int], experts: int, top_k: i
     return nbytes / dt / 1e9, dt / calls * 1e6, calls
 
 
-def git_state() -> dict[str, object]:
-    """Commit and dirty flag; GIT_SHA where the tree was copied without .git."""
-    if os.environ.get("GIT_SHA"):
-        return {"sha": os.environ["GIT_SHA"], "dirty": None}
-
-    def run(*cmd: str) -> str:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else ""
-
-    return {"sha": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "-s"))}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--fmt", default="bf16,q8_0", help="comma-separated weight formats")
@@ -181,7 +161,8 @@ def main() -> None:
         del stacks
     host = socket.gethostname()
     result = {
-        "bench": "cpu_moe", "git": git_state(), "host": host, "cpu": cpu_model(),
+        "bench": "cpu_moe", "git": git_state(os.environ.get("GIT_SHA")), "host": host,
+        "cpu": cpu_model(),
         "usable_cores": len(cx.usable_cores()), "l3_bytes": l3, "working_set_bytes": ws,
         "ceiling_buffer_bytes": buf.numel(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "params": vars(args), "results": rows,

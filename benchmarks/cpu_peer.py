@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_state, host  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -70,9 +69,7 @@ def main() -> None:
     resident = ours_decode(args.model, ids, args.tokens, args.threads, "resident")
     result = {
         "bench": "cpu_peer", "label": args.label,
-        "sha": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                              text=True).stdout.strip(),
-        "host": socket.gethostname(), "params": vars(args) | {"out": str(args.out)},
+        **git_state(), **host(), "params": vars(args) | {"out": str(args.out)},
         "llama_cpp": peer, "ours_cpu": cpu, "ours_resident_f32": resident,
         "ratio_cpu_to_llama_cpp": cpu["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
     }

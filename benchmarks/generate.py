@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_state, host  # noqa: E402
 from freetoken.config import EngineConfig, ModelConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -57,23 +54,6 @@ def read_bandwidth(device: torch.device, gib: float = 2.0) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return 2 * a.numel() * 4 / best
-
-
-def git_state(sha: str | None) -> dict[str, object]:
-    """Commit and dirty flag; sha given where the tree was copied without .git."""
-    def run(*cmd: str) -> str:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else ""
-    if sha:
-        return {"sha": sha, "dirty": None}
-    return {"sha": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "-s"))}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -113,8 +93,7 @@ def main() -> None:
     best = max(r["decode_tokens_per_s"] for r in runs)
     result = {
         "bench": "generate", "label": args.label, **git_state(args.git_sha),
-        "host": socket.gethostname(), "platform": platform.platform(),
-        "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+        **host(), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
         "params": vars(args) | {"out": str(args.out)},
         "model_config": engine.model_config.family, "load_s": load_s,

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_state, host  # noqa: E402
 
 PROMPTS = ["The history of computing", "Once upon a time", "def quicksort(xs):",
            "The best way to learn a language is", "In 1969, the first", "Dear team,",
@@ -78,9 +81,7 @@ def main() -> None:
         print(f"c={lv['concurrency']}: {lv['output_tokens_per_s']:.1f} tok/s "
               f"(x{lv['scaling_vs_c1']:.2f}), TTFT {lv['ttft_median_s'] * 1e3:.0f} ms, "
               f"ITL {lv['itl_median_s'] * 1e3:.1f} ms")
-    sha = args.git_sha or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                         text=True).stdout.strip()
-    result = {"bench": "serve", "label": args.label, "sha": sha, "host": socket.gethostname(),
+    result = {"bench": "serve", "label": args.label, **git_state(args.git_sha), **host(),
               "server": info, "params": vars(args) | {"out": str(args.out)}, "levels": levels}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"serve-{args.label or 'run'}-{int(time.time())}.json"

@@ -227,4 +227,3 @@ class EngineConfig:
     max_seq_len: int
     cuda_graph_max_bs: int = 0  # 0: decode runs eagerly (always on the CPU)
     moe_cpu_threads: int = 0  # CPU expert workers (0: one per usable core but the first)
-    seed: int = 0

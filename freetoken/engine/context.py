@@ -31,7 +31,6 @@ class ForwardContext:
     q_index: torch.Tensor  # (B, Tq) index into the T tokens (padding repeats a valid index)
     q_valid: torch.Tensor  # (B, Tq) bool
     k_slots: torch.Tensor  # (B, S) KV slots of each sequence's keys 0..end-1 (padding: 0)
-    k_pos: torch.Tensor  # (B, S) key positions; padding gets a huge position (never visible)
     logit_rows: torch.Tensor | None  # (R,) rows of T whose logits are wanted; None = all
     single: bool  # one segment: attention can skip the padding gathers
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> (B, 1, Tq, S)
@@ -46,7 +45,7 @@ class ForwardContext:
         S = max(s.start + s.count for s in segments)
         positions, slots, q_index, q_valid = [], [], [], []
         k_slots = torch.zeros(B, S, dtype=torch.long)
-        k_pos = torch.full((B, S), 1 << 40, dtype=torch.long)
+        k_pos = torch.full((B, S), 1 << 40, dtype=torch.long)  # padding: never visible
         offset, last = 0, []
         for b, s in enumerate(segments):
             end = s.start + s.count
@@ -73,7 +72,7 @@ class ForwardContext:
         return ForwardContext(
             positions=pos.to(**to), slots=torch.cat(slots).to(**to), kv=kv,
             q_index=q_idx.to(**to), q_valid=torch.stack(q_valid).to(**to),
-            k_slots=k_slots.to(**to), k_pos=k_pos.to(**to),
+            k_slots=k_slots.to(**to),
             logit_rows=None if all_logits else torch.tensor(last, **to),
             single=B == 1, masks=masks, decode=Tq == 1,
         )

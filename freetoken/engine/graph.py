@@ -34,14 +34,13 @@ class _Graph:
         self.positions = torch.zeros(bs, **long)
         self.slots = torch.zeros(bs, **long)
         self.k_slots = torch.zeros(bs, keys, **long)
-        self.k_pos = torch.zeros(bs, keys, **long)
         self.masks = {w: torch.zeros(bs, 1, 1, keys, dtype=torch.bool, device=device)
                       for w in windows}
         self.ctx = ForwardContext(
             positions=self.positions, slots=self.slots, kv=kv,
             q_index=torch.arange(bs, device=device)[:, None],
             q_valid=torch.ones(bs, 1, dtype=torch.bool, device=device),
-            k_slots=self.k_slots, k_pos=self.k_pos, logit_rows=None, single=False,
+            k_slots=self.k_slots, logit_rows=None, single=False,
             masks=self.masks, decode=True)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
@@ -81,7 +80,6 @@ class DecodeGraphs:
         """Rows n.. of ``g`` write to the scratch slot and see only it."""
         g.slots[n:] = self.scratch
         g.k_slots[n:] = self.scratch
-        g.k_pos[n:] = 0
         g.positions[n:] = 0
         for m in g.masks.values():
             m[n:] = False

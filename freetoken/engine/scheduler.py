@@ -9,7 +9,6 @@ that do not fit yet wait in FIFO order.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,7 +32,6 @@ class Sequence:
     computed: int = 0  # tokens whose KV is written
     cached: int = 0  # prompt tokens reused from the prefix cache
     generator: torch.Generator | None = None
-    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def tokens(self) -> list[int]:

@@ -54,6 +54,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU expert workers for --moe-strategy cpu, each pinned to its own core "
         "(0: one per usable core but the first, which the engine thread keeps)",
     )
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--moe-cache-mem", metavar="BYTES",
+                   help="expert cache of offloaded layers in bytes, e.g. 4GB or 512MiB")
+    c.add_argument("--moe-cache-rate", type=float, metavar="FRACTION",
+                   help="expert cache as a fraction of all experts of offloaded layers, e.g. 0.15")
+    c.add_argument("--moe-cache-size", type=int, metavar="N", help="expert cache in slots")
+    c.add_argument("--moe-cache-auto", action="store_true",
+                   help="expert cache from the device memory left after the weights and "
+                   "--kv-reserve-tokens of KV (the default)")
+    g.add_argument(
+        "--kv-reserve-tokens",
+        type=int,
+        default=8192,
+        help="KV tokens --moe-cache-auto leaves room for",
+    )
     g.add_argument(
         "--cuda-graph-max-bs",
         type=int,

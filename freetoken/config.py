@@ -175,10 +175,21 @@ class ModelConfig:
                 moe_layers=tuple(i in meta.get("_moe_layers", range(n)) for i in range(n)),
                 hidden_act="silu",
             )
+        # Gemma-3 is dense; an expert count marks a file whose MLPs were made MoE blocks.
+        experts = int(meta.get(f"{arch}.expert_count") or 0)
+        moe: dict[str, Any] = dict(moe_layers=(False,) * n)
+        if experts > 0:
+            moe = dict(
+                num_experts=experts,
+                top_k=int(key("expert_used_count")),
+                moe_intermediate_size=int(key("expert_feed_forward_length")),
+                norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+                moe_layers=tuple(i in meta.get("_moe_layers", range(n)) for i in range(n)),
+            )
         # llama.cpp: every 6th Gemma-3 layer attends globally, the rest use a 10k rope base.
         return ModelConfig(
             **common,
-            moe_layers=(False,) * n,
+            **moe,
             hidden_act="gelu_pytorch_tanh",
             sliding_window=int(key("attention.sliding_window", 0)),
             sliding_layers=tuple((i + 1) % 6 != 0 for i in range(n)),
@@ -217,6 +228,28 @@ def _hf_rope(cfg: dict[str, Any]) -> dict[str, tuple[float, float]]:
 
 
 @dataclass(frozen=True)
+class CacheSizing:
+    """One of the mutually exclusive expert-cache flags, as given; slots are worked out after
+    the weights are loaded (``resolve.plan_moe_cache``), when the free memory is known.
+
+    kind: ``mem`` (value in bytes), ``rate`` (fraction of all experts), ``size`` (slots), or
+    ``auto`` (free device memory after the weights, less the KV floor).
+    """
+
+    kind: str = "auto"
+    value: float = 0.0
+
+    def describe(self) -> str:
+        if self.kind == "mem":
+            return f"--moe-cache-mem {self.value / 1e9:g}GB"
+        if self.kind == "rate":
+            return f"--moe-cache-rate {self.value:g}"
+        if self.kind == "size":
+            return f"--moe-cache-size {int(self.value)}"
+        return "--moe-cache-auto"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model; every value resolved (no 'auto') before it is built."""
 
@@ -227,3 +260,6 @@ class EngineConfig:
     max_seq_len: int
     cuda_graph_max_bs: int = 0  # 0: decode runs eagerly (always on the CPU)
     moe_cpu_threads: int = 0  # CPU expert workers (0: one per usable core but the first)
+    moe_cache: CacheSizing = CacheSizing()  # the expert cache of offloaded layers
+    kv_reserve_tokens: int = 8192  # KV tokens --moe-cache-auto leaves room for
+

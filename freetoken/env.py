@@ -20,3 +20,10 @@ def cpu_isa() -> str | None:
     """FREETOKEN_CPU_ISA: highest ISA tier the CPU expert kernels may use (scalar, avx2, avx512,
     avx512_vnni, avx512_bf16); unset means the best this CPU has. Validated by the executor."""
     return os.environ.get("FREETOKEN_CPU_ISA", "").strip().lower() or None
+
+
+def benchbw_path() -> Path | None:
+    """FREETOKEN_BENCHBW_PATH: the bandwidth profile file (``ft bench bw``); unset means
+    ``cache_dir() / "benchbw.json"``."""
+    value = os.environ.get("FREETOKEN_BENCHBW_PATH", "").strip()
+    return Path(value).expanduser() if value else None

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from freetoken.checkpoint import default_model_path
-from freetoken.config import EngineConfig
+from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpus import usable_cores
 from freetoken.errors import ConfigError
+from freetoken.moe.expert_cache import PoolPlan
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +49,20 @@ def resolve_engine(args: Any) -> EngineConfig:
     if args.cuda_graph_max_bs < 0:
         raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {args.cuda_graph_max_bs}")
     graphs = args.cuda_graph_max_bs if device == "cuda" else 0
+    if graphs and args.moe_strategy != "resident":
+        log.info("--moe-strategy %s decides per layer on the host: decode runs eagerly "
+                 "(CUDA graphs need --moe-strategy resident)", args.moe_strategy)
+        graphs = 0
+    cache = _cache_sizing(args)
+    if getattr(args, "kv_reserve_tokens", 0) < 0:
+        raise ConfigError(f"--kv-reserve-tokens must be >= 0, got {args.kv_reserve_tokens}")
     if args.moe_cpu_threads < 0:
         raise ConfigError(f"--moe-cpu-threads must be >= 0, got {args.moe_cpu_threads}")
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
-        moe_cpu_threads=args.moe_cpu_threads,
+        moe_cpu_threads=args.moe_cpu_threads, moe_cache=cache,
+        kv_reserve_tokens=getattr(args, "kv_reserve_tokens", 8192),
     )
     threads = configure_threads(cfg)
     log.info("resolved engine config: model=%s device=%s dtype=%s moe_strategy=%s "
@@ -59,3 +70,106 @@ def resolve_engine(args: Any) -> EngineConfig:
              cfg.moe_strategy, cfg.max_seq_len, graphs, " (eager on cpu)" if
              device == "cpu" else "", threads)
     return cfg
+
+
+def _cache_sizing(args: Any) -> CacheSizing:
+    """The expert cache flag given (argparse keeps them mutually exclusive), validated."""
+    mem = getattr(args, "moe_cache_mem", None)
+    rate = getattr(args, "moe_cache_rate", None)
+    size = getattr(args, "moe_cache_size", None)
+    if mem is not None:
+        try:
+            return CacheSizing("mem", parse_bytes(mem))
+        except ValueError as e:
+            raise ConfigError(f"--moe-cache-mem: {e}") from e
+    if rate is not None:
+        if not 0 < rate <= 1:
+            raise ConfigError(f"--moe-cache-rate must be in (0, 1], got {rate}")
+        return CacheSizing("rate", rate)
+    if size is not None:
+        if size < 1:
+            raise ConfigError(f"--moe-cache-size must be at least 1 slot, got {size}")
+        return CacheSizing("size", size)
+    return CacheSizing()
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``4GB`` (10^9), ``512MiB`` (2^20), ``1.5e9`` -> bytes; ValueError names the bad value."""
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"{text!r} is not a size; write it like 4GB, 512MiB or 2.5e9")
+    return int(value * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Offloaded layers whose experts take the same bytes (they share one slot pool)."""
+
+    slot_bytes: int
+    layers: tuple[int, ...]
+    experts_per_layer: int
+
+    @property
+    def experts(self) -> int:
+        return len(self.layers) * self.experts_per_layer
+
+
+def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup],
+                   free_bytes: int | None = None) -> list[PoolPlan]:
+    """Slots per pool from the cache flag. ``free_bytes`` (for ``auto``) is what the device
+    has left for the cache after the weights and the KV floor. Each pool gets at most one slot
+    per expert of its layers and at least one; a flag too small for that is an error."""
+    total_bytes = sum(g.slot_bytes * g.experts for g in groups)
+    total_experts = sum(g.experts for g in groups)
+    if sizing.kind in ("mem", "auto"):
+        budget = sizing.value if sizing.kind == "mem" else float(free_bytes or 0)
+        slots = [int(budget * g.slot_bytes * g.experts / total_bytes) // g.slot_bytes
+                 for g in groups]
+    elif sizing.kind == "rate":
+        slots = [math.ceil(sizing.value * g.experts) for g in groups]
+    elif sizing.kind == "size":
+        shares = [sizing.value * g.experts / total_experts for g in groups]
+        slots = [int(s) for s in shares]
+        by_remainder = sorted(range(len(groups)), key=lambda i: slots[i] - shares[i])
+        for i in by_remainder[: int(sizing.value) - sum(slots)]:
+            slots[i] += 1
+    else:
+        raise ConfigError(f"unknown expert cache sizing {sizing.kind!r}")
+    plans = []
+    for g, n in zip(groups, slots, strict=True):
+        if n < 1:
+            where = f"one {g.slot_bytes / 1e6:.2f} MB expert of layers {_layer_span(g.layers)}"
+            if sizing.kind == "size":
+                least = f"{len(groups)} slots, one per expert size"
+            else:  # the budget that gives every pool its first slot
+                least = f"{max(total_bytes / h.experts for h in groups) / 1e9:.3f} GB"
+            what = "the free device memory" if sizing.kind == "auto" else sizing.describe()
+            raise ConfigError(
+                f"{what} leaves no room for {where}; the expert cache needs at least {least} "
+                "(give a larger --moe-cache-mem, --moe-cache-rate or --moe-cache-size, or "
+                "lower --kv-reserve-tokens)")
+        plans.append(PoolPlan(g.slot_bytes, min(n, g.experts), g.layers))
+    n_slots = sum(p.num_slots for p in plans)
+    log.info("resolved moe_cache_size=%d (%.2f GB, %.1f %% of %d experts) from %s%s", n_slots,
+             sum(p.num_slots * p.slot_bytes for p in plans) / 1e9, 100 * n_slots / total_experts,
+             total_experts, sizing.describe(),
+             "" if len(plans) == 1 else "; pools: " + ", ".join(
+                 f"{p.num_slots} x {p.slot_bytes / 1e6:.2f} MB for layers "
+                 f"{_layer_span(p.layers)}" for p in plans))
+    return plans
+
+
+def _layer_span(layers: tuple[int, ...]) -> str:
+    if len(layers) > 1 and list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}..{layers[-1]}"
+    return ",".join(map(str, layers))

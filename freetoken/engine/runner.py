@@ -16,6 +16,8 @@ from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
+from freetoken.moe.host_banks import available_host_bytes, check_host_memory, expert_bytes
+from freetoken.moe.offload import attach_offload
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,11 @@ class ModelRunner:
                 self.model = build_model(mc, cfg.moe_strategy)
         finally:
             torch.set_default_dtype(prev)
+        if cfg.moe_strategy == "offload":
+            check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)
         self.model.eval()
+        self.offload = attach_offload(self.model, cfg.moe_cache, self._cache_budget)
         self.load_s = time.perf_counter() - t0
         self.max_len = min(cfg.max_seq_len, mc.max_position)
         tokens = kv_tokens or self._kv_tokens_from_free_memory()
@@ -59,6 +64,22 @@ class ModelRunner:
         log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s; KV pool %d pages x %d tokens",
                  self.ckpt.path.name, mc.family, mc.num_layers, cfg.device, cfg.dtype,
                  self.load_s, self.kv.num_pages, page_size)
+
+    def _cache_budget(self, margin: float = 0.05) -> int:
+        """Bytes ``--moe-cache-auto`` may give the expert cache: the device memory left after
+        the weights, less ``--kv-reserve-tokens`` of KV and a margin for activations (on the
+        CPU, a quarter of the available host memory stands in for the device's)."""
+        mc = self.model_config
+        kv = self.cfg.kv_reserve_tokens * PagedKV.bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - kv - margin * total
+        else:
+            budget = available_host_bytes() // 4 - kv
+        log.info("expert cache budget: %.2f GB free after the weights and %d KV tokens",
+                 budget / 1e9, self.cfg.kv_reserve_tokens)
+        return int(max(0, budget))
 
     def _kv_tokens_from_free_memory(self, fraction: float = 0.85) -> int:
         """KV tokens that fit in ``fraction`` of the GPU memory left after the weights

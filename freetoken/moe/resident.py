@@ -1,6 +1,12 @@
-"""Resident strategy: every expert of the layer on the compute device, stacked per projection."""
+"""Resident strategy: every expert of the layer on the compute device, stacked per projection.
+
+The two compute paths (:func:`gathered`, :func:`grouped`) are shared with the offload strategy,
+which runs them on weights that come from its cache slots: same kernels, same bits.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -13,6 +19,49 @@ from freetoken.moe.strategy import Experts, ExpertShape, register
 # chain per expert: kernel launches, not the extra copy, dominate there. On the CPU the
 # gather's copy costs more than it saves.
 GATHER_MAX_PAIRS = 128
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+# expert id -> its (gate (I, H), up (I, H), down (H, I)) weights in the compute dtype
+WeightsOf = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def use_gather(x: torch.Tensor, ids: torch.Tensor) -> bool:
+    return x.is_cuda and ids.numel() <= GATHER_MAX_PAIRS
+
+
+def gathered(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+             down: torch.Tensor, act: Act) -> torch.Tensor:
+    """Pairs at once: gate/up (T*A, I, H) and down (T*A, H, I) hold pair p's expert weights,
+    pairs token-major; w (T, A). Returns (T, H)."""
+    T, A = w.shape
+    h = x.repeat_interleave(A, dim=0).unsqueeze(-1)  # (T*A, H, 1)
+    g = torch.bmm(gate, h)
+    u = torch.bmm(up, h)
+    y = torch.bmm(down, act(g) * u).squeeze(-1)  # (T*A, H)
+    return (y.view(T, A, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
+            weights_of: WeightsOf, act: Act) -> torch.Tensor:
+    """Expert by expert in ascending id order, each over the tokens routed to it."""
+    T, A = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // A
+    weights = w.reshape(-1)[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = tokens[start:start + n]
+        gate, up, down = weights_of(e)
+        h = x[tok]
+        y = (act(h @ gate.T) * (h @ up.T)) @ down.T
+        out.index_add_(0, tok, y * weights[start:start + n, None])
+        start += n
+    return out
 
 
 @register("resident")
@@ -31,37 +80,15 @@ class ResidentExperts(Experts):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if x.is_cuda and topk_ids.numel() <= GATHER_MAX_PAIRS:
-            return self._gathered(x, topk_ids, topk_weights)
-        return self._grouped(x, topk_ids, topk_weights)
+        if use_gather(x, topk_ids):
+            flat = topk_ids.reshape(-1)
+            return gathered(x, topk_weights, self.gate_proj[flat], self.up_proj[flat],
+                            self.down_proj[flat], self.act)
+        return grouped(x, topk_ids, topk_weights, self.shape.num_experts, self._weights,
+                       self.act)
 
-    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        T, A = ids.shape
-        flat = ids.reshape(-1)
-        h = x.repeat_interleave(A, dim=0).unsqueeze(-1)  # (T*A, H, 1)
-        g = torch.bmm(self.gate_proj[flat], h)
-        u = torch.bmm(self.up_proj[flat], h)
-        y = torch.bmm(self.down_proj[flat], self.act(g) * u).squeeze(-1)  # (T*A, H)
-        return (y.view(T, A, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
-
-    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        T, A = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
-        tokens = order // A
-        weights = w.reshape(-1)[order].to(x.dtype)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = tokens[start:start + n]
-            h = x[tok]
-            y = (self.act(h @ self.gate_proj[e].T) * (h @ self.up_proj[e].T)) @ self.down_proj[e].T
-            out.index_add_(0, tok, y * weights[start:start + n, None])
-            start += n
-        return out
+    def _weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate_proj[e], self.up_proj[e], self.down_proj[e]
 
 
 def reference_experts(

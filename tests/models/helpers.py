@@ -7,14 +7,17 @@ from pathlib import Path
 import torch
 
 from freetoken.checkpoint import open_checkpoint
+from freetoken.config import CacheSizing
 from freetoken.engine.context import ForwardContext, Segment
 from freetoken.kvcache.paged import PagedKV
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
+from freetoken.moe.offload import attach_offload
 
 
 def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              strategy: str = "resident") -> torch.nn.Module:
+              strategy: str = "resident", cache: CacheSizing | None = None) -> torch.nn.Module:
+    """Our model on ``device``; offloaded layers get an expert cache sized by ``cache``."""
     ckpt = open_checkpoint(path)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -24,6 +27,7 @@ def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str 
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, ckpt, torch.device(device), progress=False)
+    attach_offload(model, cache or CacheSizing("rate", 1.0))
     return model
 
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from freetoken.errors import ConfigError
-from freetoken.moe.resident import GATHER_MAX_PAIRS, ResidentExperts, reference_experts
+from freetoken.moe.resident import (
+    GATHER_MAX_PAIRS,
+    ResidentExperts,
+    gathered,
+    grouped,
+    reference_experts,
+)
 from freetoken.moe.strategy import ExpertShape, make_experts
 
 
@@ -29,11 +35,14 @@ def test_fast_paths_match_slow_twin(tokens, act, device):
     ids = torch.stack([torch.randperm(16)[:4] for _ in range(tokens)]).to(device)
     w = torch.softmax(torch.randn(tokens, 4), -1).to(device)
     small = tokens * 4 <= GATHER_MAX_PAIRS
-    got = e._gathered(x, ids, w) if small else e(x, ids, w)
+    flat = ids.reshape(-1)
+    got = (gathered(x, w, e.gate_proj[flat], e.up_proj[flat], e.down_proj[flat], e.act)
+           if small else e(x, ids, w))
     path = "gathered" if small else "grouped"
     torch.testing.assert_close(got, reference_experts(e, x, ids, w), atol=1e-5, rtol=1e-5,
                                msg=f"{path} path")
-    torch.testing.assert_close(e._grouped(x, ids, w), got, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped(x, ids, w, 16, e._weights, e.act), got, atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_bf16_close_to_float32_twin():

@@ -1,0 +1,273 @@
+"""Offload strategy: experts live in host banks, a GPU cache of slots holds the hot ones, a miss
+is fetched over PCIe into a victim slot.
+
+Per layer call (T tokens, A active, E experts):
+  route (ids, weights) -> the needed experts -> hits run from their slots; misses get the least
+  recently used slots and are copied bank row -> slot on the copy stream; the compute stream waits
+  for the copies and runs the same kernels as the resident strategy (:mod:`resident`) on weights
+  read from the slots, so offload gives resident's bits.
+When a call needs more experts than the pool has slots, or misses more than half the layer's
+experts (a prefill chunk), the misses are streamed instead: copied in chunks through two staging
+buffers (the copy of chunk k+1 overlaps the compute of chunk k) without touching the cache.
+
+On ``--device cpu`` the same code runs with host memory as the "device" and memcpy as the link.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from freetoken.config import CacheSizing
+from freetoken.layers.activation import ACTIVATIONS
+from freetoken.moe.expert_cache import ExpertCache, SlotPool
+from freetoken.moe.host_banks import BankBuilder, HostBank
+from freetoken.moe.resident import gathered, grouped, use_gather
+from freetoken.moe.stats import MoEStats, Span
+from freetoken.moe.strategy import Experts, ExpertShape, register
+from freetoken.quant import QuantTensor
+
+log = logging.getLogger(__name__)
+
+STREAM_CHUNK = 8  # experts per staging buffer of the prefill stream
+STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a layer's experts
+
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class OffloadRuntime:
+    """What all offloaded layers of one model share: the cache, the copy stream, the stats and
+    the staging buffers of the prefill stream. Made by :func:`attach_offload`."""
+
+    def __init__(self, cache: ExpertCache, stats: MoEStats, device: torch.device) -> None:
+        self.cache, self.stats, self.device = cache, stats, device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._staging: dict[int, list[torch.Tensor]] = {}
+
+    def staging(self, row_bytes: int) -> list[torch.Tensor]:
+        if row_bytes not in self._staging:
+            self._staging[row_bytes] = [
+                torch.empty(STREAM_CHUNK, row_bytes, dtype=torch.uint8, device=self.device)
+                for _ in range(2)]
+        return self._staging[row_bytes]
+
+    def copy(self, dst: torch.Tensor, dst_rows: list[int], bank: HostBank,
+             experts: list[int], after: torch.cuda.Event | None = None,
+             ) -> tuple[Span, torch.cuda.Event | None]:
+        """Copy bank rows ``experts`` into ``dst`` rows ``dst_rows``. On CUDA the copies run on
+        the copy stream after the compute stream's work so far (and ``after``); the returned
+        event marks their end, for the compute stream to wait on."""
+        if self.copy_stream is None:
+            span = self.stats.span()
+            for r, e in zip(dst_rows, experts, strict=True):
+                dst[r].copy_(bank.rows[e])
+            return span.stop(), None
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        if after is not None:
+            self.copy_stream.wait_event(after)
+        with torch.cuda.stream(self.copy_stream):
+            span = self.stats.span(self.copy_stream)
+            for r, e in zip(dst_rows, experts, strict=True):
+                dst[r].copy_(bank.rows[e], non_blocking=True)
+            span.stop()
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return span, done
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+@register("offload")
+class OffloadExperts(Experts):
+    """One MoE layer's experts in a host bank, computed from cache slots on the model's device."""
+
+    def __init__(self, shape: ExpertShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.act = ACTIVATIONS[shape.activation]
+        self.device = torch.empty(0).device  # the device the model is being built on
+        self.dtype = torch.get_default_dtype()
+        self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
+                                   shape.intermediate)
+        self.bank: HostBank | None = None
+        self.runtime: OffloadRuntime | None = None
+
+    def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
+        """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
+        self.builder.add(proj, qt, expert)
+        if not self.builder.missing():
+            self.bank = self.builder.build(pinned=self.device.type == "cuda")
+        return True
+
+    def missing_expert_tensors(self) -> list[str]:
+        return [] if self.bank is not None else self.builder.missing()
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
+        rt, bank = self.runtime, self.bank
+        if rt is None or bank is None:
+            raise RuntimeError(f"layer {self.shape.layer}: offloaded experts used before "
+                               "attach_offload() gave them a cache")
+        layer = self.shape.layer
+        pool = rt.cache.pool(layer)
+        flat = topk_ids.reshape(-1).tolist()
+        needed = sorted(set(flat))
+        hits, misses = pool.lookup(layer, needed)
+        if len(needed) > pool.num_slots or len(misses) > STREAM_ABOVE * self.shape.num_experts:
+            return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
+        slots = pool.admit(layer, misses, set(hits.values()))
+        fetch, done = rt.copy(pool.data, slots, bank, misses) if misses else (None, None)
+        rt.wait(done)
+        slot_of = hits | dict(zip(misses, slots, strict=True))
+        compute = rt.stats.span()
+        if use_gather(x, topk_ids):
+            index = torch.tensor([slot_of[e] for e in flat], device=x.device)
+            gate, up, down = (self._pool_weight(pool, p, index)
+                              for p in ("gate_proj", "up_proj", "down_proj"))
+            out = gathered(x, topk_weights, gate, up, down, self.act)
+        else:
+            out = grouped(x, topk_ids, topk_weights, self.shape.num_experts,
+                          lambda e: self._row_weights(pool.data[slot_of[e]]), self.act)
+        rt.stats.record(layer, x.shape[0], len(hits), len(misses),
+                        len(misses) * bank.expert_bytes, fetch=fetch, compute=compute.stop())
+        return out
+
+    def _pool_weight(self, pool: SlotPool, proj: str, index: torch.Tensor) -> torch.Tensor:
+        """Projection ``proj`` of the slots ``index`` (one per pair), gathered like the resident
+        strategy gathers its stacked parameters."""
+        assert self.bank is not None
+        qt = self.bank.layout.quant(pool.data, proj)
+        picked = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],
+                             {k: s[index] for k, s in qt.scales.items()})
+        return _to_weight(picked, self.dtype)
+
+    def _row_weights(self, row: torch.Tensor) -> Weights:
+        assert self.bank is not None
+        lay = self.bank.layout
+        return (lay.weight(row, "gate_proj", self.dtype), lay.weight(row, "up_proj", self.dtype),
+                lay.weight(row, "down_proj", self.dtype))
+
+    def _streamed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
+                  hits: dict[int, int], misses: list[int]) -> torch.Tensor:
+        """Misses through the staging buffers, hits from their slots; the cache is unchanged."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        stream = _Stream(rt, bank, misses)
+        compute = rt.stats.span()
+
+        def weights_of(e: int) -> Weights:
+            if e in hits:
+                return self._row_weights(pool.data[hits[e]])
+            return self._row_weights(stream.row(e))
+
+        out = grouped(x, ids, w, self.shape.num_experts, weights_of, self.act)
+        rt.stats.record(self.shape.layer, x.shape[0], len(hits), 0,
+                        len(misses) * bank.expert_bytes, streamed=len(misses),
+                        fetch=stream.finish(), compute=compute.stop())
+        return out
+
+
+def _to_weight(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    from freetoken.quant import get_format
+
+    if qt.fmt in ("f32", "f16", "bf16"):
+        return qt.data.to(dtype)
+    return get_format(qt.fmt).dequantize(qt).to(dtype)
+
+
+class _Stream:
+    """Misses of one call, in ascending order, through two staging buffers of STREAM_CHUNK rows:
+    chunk k+1 is copied while chunk k is computed; chunk k+2 reuses chunk k's buffer once its
+    compute is done."""
+
+    def __init__(self, rt: OffloadRuntime, bank: HostBank, misses: list[int]) -> None:
+        self.rt, self.bank = rt, bank
+        self.buffers = rt.staging(bank.expert_bytes)
+        self.chunks = [misses[i:i + STREAM_CHUNK] for i in range(0, len(misses), STREAM_CHUNK)]
+        self.where = {e: (k, i) for k, c in enumerate(self.chunks) for i, e in enumerate(c)}
+        self.loaded: dict[int, torch.cuda.Event | None] = {}
+        self.used: dict[int, torch.cuda.Event] = {}  # chunk -> end of its compute
+        self.spans: list[Span] = []
+        self.current = -1
+        if self.chunks:
+            self._load(0)
+
+    def _load(self, k: int) -> None:
+        after = self.used.get(k - 2)
+        span, done = self.rt.copy(self.buffers[k % 2], list(range(len(self.chunks[k]))),
+                                  self.bank, self.chunks[k], after)
+        self.spans.append(span)
+        self.loaded[k] = done
+
+    def row(self, e: int) -> torch.Tensor:
+        k, i = self.where[e]
+        if k != self.current:
+            if self.current >= 0 and self.rt.cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream())
+                self.used[self.current] = ev
+            self.current = k
+            if k + 1 < len(self.chunks) and k + 1 not in self.loaded:
+                self._load(k + 1)
+            self.rt.wait(self.loaded[k])
+        return self.buffers[k % 2][i]
+
+    def finish(self) -> Span | None:
+        """The span of the copies (first start to last end) for the stats."""
+        if not self.spans:
+            return None
+        first, last = self.spans[0], self.spans[-1]
+        if first.stream is None:
+            first.seconds = sum(s.seconds or 0.0 for s in self.spans)
+            return first
+        first.end = last.end
+        return first
+
+
+def attach_offload(model: nn.Module, sizing: CacheSizing,
+                   free_bytes: Callable[[], int] | None = None) -> OffloadRuntime | None:
+    """Give every offloaded layer of ``model`` one shared expert cache sized by ``sizing``
+    (``free_bytes()`` is asked only for ``auto``) and log the per-layer plan. None if the model
+    has no offloaded layer."""
+    from freetoken.resolve import ExpertGroup, plan_moe_cache
+
+    layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
+    if not layers:
+        return None
+    by_size: dict[int, list[OffloadExperts]] = {}
+    for m in layers:
+        assert m.bank is not None, f"layer {m.shape.layer} has no bank"
+        by_size.setdefault(m.bank.expert_bytes, []).append(m)
+    groups = [ExpertGroup(size, tuple(m.shape.layer for m in ms), ms[0].shape.num_experts)
+              for size, ms in by_size.items()]
+    plans = plan_moe_cache(sizing, groups, free_bytes() if sizing.kind == "auto" and
+                           free_bytes else None)
+    device = layers[0].device
+    cache = ExpertCache(plans, {m.shape.layer: m.shape.num_experts for m in layers}, device)
+    stats = MoEStats([m.shape.layer for m in layers], device.type == "cuda")
+    runtime = OffloadRuntime(cache, stats, device)
+    for m in layers:
+        m.runtime = runtime
+    for size, ms in by_size.items():
+        pool = cache.pool(ms[0].shape.layer)
+        log.info("MoE plan: offload on %d %s layer%s (%.2f MB per expert, %d experts each), "
+                 "%d cache slots shared", len(ms), ms[0].bank.layout.kind if ms[0].bank else "?",
+                 "" if len(ms) == 1 else "s", size / 1e6, ms[0].shape.num_experts,
+                 pool.num_slots)
+    return runtime
+
+
+def offload_stats(model: nn.Module, per_layer: bool = True) -> dict[str, Any] | None:
+    """The stats snapshot of the model's offloaded layers, None if it has none."""
+    for m in model.modules():
+        if isinstance(m, OffloadExperts) and m.runtime is not None:
+            return m.runtime.stats.snapshot(per_layer)
+    return None

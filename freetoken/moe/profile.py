@@ -1,0 +1,472 @@
+"""The bandwidth profile (``ft bench bw``, version 6): one row per MoE layer kind.
+
+A layer kind is what CPU and PCIe bandwidth depend on: the CPU format of the layer's experts
+(with its options), the expert shape and top-k. A row is keyed by the kind plus the CPU worker
+count, ``<cpu format>[<options>]:<hidden>x<moe_intermediate>:top<k>:t<threads>``, e.g.
+``gguf[down_type=8,gate_up_type=8]:2816x704:top8:t12`` or ``bf16:2048x768:top8:t15``.
+
+File: ``$FREETOKEN_BENCHBW_PATH``, else ``<cache dir>/benchbw.json``; JSON
+``{"version": 6, "layer_kinds": {key: row}}``. Writers merge under an exclusive lock and
+replace the file atomically, so readers need no lock. At startup each hybrid layer looks up its
+row (:func:`plan_fractions`) and fetches ``pcie_ov / (pcie_ov + cpu_ov)`` of its misses.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from freetoken import env
+from freetoken.config import ModelConfig
+from freetoken.errors import CheckpointError, ConfigError
+from freetoken.quant import get_format
+
+if TYPE_CHECKING:
+    from freetoken.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+VERSION = 6
+FETCH_CAP = 1  # experts fetched per miss when a layer has no row
+HYBRID_MARGIN = 1.10  # overlapped CPU + PCIe must beat PCIe alone by 10% to recommend hybrid
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+Options = tuple[tuple[str, str], ...]
+How = Literal["exact", "nearest_shape", "nearest_threads", "missing"]
+
+_TOKEN = re.compile(r"[A-Za-z0-9_.+-]+")
+_KEY = re.compile(r"([A-Za-z0-9_.+-]+)(?:\[([^\]]*)\])?:(\d+)x(\d+):top(\d+):t(\d+)")
+# stacked (GGUF, HF v5) or per-expert (HF) expert tensors, under our names
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(?:\d+\.)?(gate_proj|up_proj|down_proj|gate_up_proj)"
+    r"(?:\.weight)?"
+)
+# The CPU path keeps f16 and f32 experts as bf16, so they bench and key as bf16.
+_CPU_FLOAT = {"f16": "bf16", "f32": "bf16"}
+
+
+class ProfileError(ConfigError):
+    """The profile file exists but cannot be used (unreadable JSON, wrong structure, bad row)."""
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What an MoE layer's CPU and PCIe bandwidth depend on, apart from the thread count.
+
+    ``fmt`` is the CPU format (``gguf``, ``bf16``, ``fp8_block``, ``nvfp4``, ...); ``options``
+    are sorted, unique ``(name, value)`` string pairs. ``moe_intermediate`` is the full
+    intermediate size, not the per tensor-parallel rank one.
+    """
+
+    fmt: str
+    hidden: int
+    moe_intermediate: int
+    top_k: int
+    options: Options = ()
+
+    def __post_init__(self) -> None:
+        names = [k for k, _ in self.options]
+        tokens = [self.fmt, *names, *(v for _, v in self.options)]
+        if not all(isinstance(t, str) and _TOKEN.fullmatch(t) for t in tokens):
+            raise ValueError(f"layer kind {self.fmt!r} {self.options!r}: format and options "
+                             "must be words of letters, digits and _.+-")
+        if names != sorted(set(names)):
+            raise ValueError(f"layer kind options {self.options!r} must be sorted and unique")
+        if min(self.hidden, self.moe_intermediate, self.top_k) < 1:
+            raise ValueError(f"layer kind {self.fmt}: hidden, moe_intermediate and top_k must "
+                             "be positive")
+
+    def key(self, threads: int) -> str:
+        """The profile row key of this kind benched with ``threads`` CPU workers."""
+        opts = f"[{','.join(f'{k}={v}' for k, v in self.options)}]" if self.options else ""
+        return (f"{self.fmt}{opts}:{self.hidden}x{self.moe_intermediate}:top{self.top_k}"
+                f":t{threads}")
+
+
+def parse_key(key: str) -> tuple[LayerKind, int]:
+    """``(kind, threads)`` of a row key; ValueError naming the key if it is not canonical."""
+    bad = (f"bad bandwidth profile key {key!r} (want "
+           "<cpu format>[<options>]:<hidden>x<moe_intermediate>:top<k>:t<threads>)")
+    m = _KEY.fullmatch(key)
+    if m is None:
+        raise ValueError(bad)
+    fmt, opts, hidden, inter, top_k, threads = m.groups()
+    options: list[tuple[str, str]] = []
+    for item in (opts.split(",") if opts else []):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{bad}: option {item!r} is not name=value")
+        options.append((name, value))
+    try:
+        kind = LayerKind(fmt, int(hidden), int(inter), int(top_k), tuple(options))
+    except ValueError as e:
+        raise ValueError(f"{bad}: {e}") from None
+    t = int(threads)
+    if t < 1:
+        raise ValueError(f"{bad}: the thread count must be positive")
+    if kind.key(t) != key:
+        raise ValueError(f"{bad}: write it as {kind.key(t)!r}")
+    return kind, t
+
+
+def cpu_format(gate: str, up: str, down: str) -> tuple[str, Options]:
+    """CPU format and options of a layer whose expert projections have these weight formats.
+
+    GGUF block formats (q8_0, q4_k, mxfp4, ...) make ``gguf`` with the GGML type ids as options
+    (``down_type``, ``gate_up_type``; ``gate_type`` and ``up_type`` if gate and up differ).
+    Otherwise one format for all three is its own name (f16 and f32 count as bf16); anything
+    else is ``mixed`` with the format names as options.
+    """
+    names = tuple(_CPU_FLOAT.get(f, f) for f in (gate, up, down))
+    fmts = [get_format(n) for n in names]
+    types = [f.gguf_type for f in fmts]
+    if any(f.block_size > 1 and f.gguf_type is not None for f in fmts) and None not in types:
+        g, u, d = types
+        split = {"gate_up_type": g} if g == u else {"gate_type": g, "up_type": u}
+        return "gguf", _options({"down_type": d, **split})
+    if len(set(names)) == 1:
+        return names[0], ()
+    return "mixed", _options(dict(zip(("gate", "up", "down"), names, strict=True)))
+
+
+def _options(values: Mapping[str, object]) -> Options:
+    return tuple(sorted((k, str(v)) for k, v in values.items()))
+
+
+def layer_kinds(ckpt: Checkpoint) -> dict[LayerKind, list[int]]:
+    """Each MoE layer kind of a checkpoint and its layer indices, ascending.
+
+    Reads only tensor formats: ``tensors()`` yields zero-copy views, so no weight is read.
+    """
+    if not ckpt.config.is_moe:
+        return {}
+    seen: dict[int, dict[str, set[str]]] = {}
+    for name, qt in ckpt.tensors():
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            continue
+        targets = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else (m.group(2),)
+        for proj in targets:
+            seen.setdefault(int(m.group(1)), {}).setdefault(proj, set()).add(
+                _CPU_FLOAT.get(qt.fmt, qt.fmt))
+    formats: dict[int, dict[str, str]] = {}
+    for layer, projs in seen.items():
+        for proj, fmts in projs.items():
+            if len(fmts) > 1:
+                raise CheckpointError(
+                    f"{ckpt.path}: layer {layer} {proj} has experts in several formats "
+                    f"({', '.join(sorted(fmts))}); the CPU path needs one format per projection"
+                )
+        formats[layer] = {proj: next(iter(fmts)) for proj, fmts in projs.items()}
+    return layer_kinds_from_formats(ckpt.config, formats, source=ckpt.path)
+
+
+def layer_kinds_from_formats(
+    config: ModelConfig, formats_by_layer: Mapping[int, Mapping[str, str]],
+    source: str | Path | None = None,
+) -> dict[LayerKind, list[int]]:
+    """Group the MoE layers of ``config`` by kind; ``formats_by_layer[layer][proj]`` is the weight
+    format of ``gate_proj``, ``up_proj`` and ``down_proj``. A missing one is a CheckpointError."""
+    kinds: dict[LayerKind, list[int]] = {}
+    for layer, is_moe in enumerate(config.moe_layers):
+        if not is_moe:
+            continue
+        projs = formats_by_layer.get(layer, {})
+        missing = [p for p in PROJECTIONS if p not in projs]
+        if missing:
+            raise CheckpointError(f"{source or 'checkpoint'}: MoE layer {layer} has no expert "
+                                  f"tensor for {', '.join(missing)}; the checkpoint is incomplete")
+        fmt, options = cpu_format(*(projs[p] for p in PROJECTIONS))
+        kind = LayerKind(fmt, config.hidden_size, config.moe_intermediate_size, config.top_k,
+                         options)
+        kinds.setdefault(kind, []).append(layer)
+    return kinds
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benched layer kind, GB/s: CPU MoE and PCIe gather, each alone and overlapped.
+
+    ``meta`` is outside the key: isa, cores, activation, gpu, cpu_model, sources (checkpoint
+    paths or presets), threshold, time, commit.
+    """
+
+    cpu_gbps: float
+    pcie_gbps: float
+    cpu_overlapped_gbps: float
+    pcie_overlapped_gbps: float
+    meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_gbps", "pcie_gbps", "cpu_overlapped_gbps", "pcie_overlapped_gbps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a positive number of GB/s, got {v!r}")
+        if not isinstance(self.meta, Mapping):
+            raise ValueError(f"meta must be an object, got {type(self.meta).__name__}")
+
+    @property
+    def fraction(self) -> float:
+        """Share of a layer's misses to fetch over PCIe; the CPU computes the rest."""
+        return self.pcie_overlapped_gbps / (self.pcie_overlapped_gbps + self.cpu_overlapped_gbps)
+
+    @property
+    def recommended(self) -> Literal["hybrid", "offload"]:
+        """``hybrid`` when overlapped CPU + PCIe beats PCIe alone by HYBRID_MARGIN (10%) and
+        beats the CPU alone; else ``offload`` (the CPU adds too little, or overlapping costs
+        more than it gives)."""
+        both = self.cpu_overlapped_gbps + self.pcie_overlapped_gbps
+        helps = both > HYBRID_MARGIN * self.pcie_gbps and both > self.cpu_gbps
+        return "hybrid" if helps else "offload"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cpu_gbps": self.cpu_gbps, "pcie_gbps": self.pcie_gbps,
+                "cpu_overlapped_gbps": self.cpu_overlapped_gbps,
+                "pcie_overlapped_gbps": self.pcie_overlapped_gbps, "meta": dict(self.meta)}
+
+    @staticmethod
+    def from_json(obj: Any) -> Row:
+        """A row from its JSON object; ValueError says what is wrong."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"a row must be an object, got {type(obj).__name__}")
+        want = ("cpu_gbps", "pcie_gbps", "cpu_overlapped_gbps", "pcie_overlapped_gbps")
+        missing = [k for k in want if k not in obj]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        return Row(obj["cpu_gbps"], obj["pcie_gbps"], obj["cpu_overlapped_gbps"],
+                   obj["pcie_overlapped_gbps"], obj.get("meta", {}))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The rows of one profile file (empty when it is missing or of an older version)."""
+
+    path: Path
+    rows: Mapping[str, Row] = field(default_factory=dict)
+
+
+def profile_path() -> Path:
+    """``$FREETOKEN_BENCHBW_PATH``, else ``<cache dir>/benchbw.json``."""
+    return env.benchbw_path() or env.cache_dir() / "benchbw.json"
+
+
+def load_profile(path: str | Path | None = None) -> Profile:
+    """The profile at ``path`` (default :func:`profile_path`). A missing file is an empty profile;
+    an older version is empty with a warning; anything unusable raises ProfileError."""
+    target = Path(path) if path is not None else profile_path()
+    rows, old = _read(target)
+    if old is not None:
+        log.warning("bandwidth profile %s is version %s; version %d is needed, so it is ignored: "
+                    "rerun ft bench bw", target, old, VERSION)
+    return Profile(target, rows)
+
+
+def load_profile_or_empty(path: str | Path | None = None) -> Profile:
+    """:func:`load_profile`, but an unusable file is logged as a warning and read as empty."""
+    try:
+        return load_profile(path)
+    except ProfileError as e:
+        log.warning("%s; serving without it", e)
+        return Profile(Path(path) if path is not None else profile_path())
+
+
+def save_rows(rows: Mapping[str, Row], path: str | Path | None = None) -> Path:
+    """Merge ``rows`` into the profile: they replace rows of the same key, the rest stay.
+
+    Runs under an exclusive lock on ``<file>.lock`` and replaces the file atomically. An older
+    version is replaced; an unusable file is moved aside to ``<file>.damaged`` with a warning.
+    """
+    target = Path(path) if path is not None else profile_path()
+    for key, row in rows.items():
+        parse_key(key)
+        if not isinstance(row, Row):
+            raise TypeError(f"row {key} is a {type(row).__name__}, not a Row")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target):
+        try:
+            old, version = _read(target)
+        except ProfileError as e:
+            aside = target.with_name(target.name + ".damaged")
+            os.replace(target, aside)
+            log.warning("%s; moved it to %s and writing a new profile", e, aside)
+            old, version = {}, None
+        if version is not None:
+            log.info("replacing version %s bandwidth profile %s", version, target)
+        merged = {**old, **rows}
+        doc = {"version": VERSION,
+               "layer_kinds": {k: merged[k].to_json() for k in sorted(merged)}}
+        _write_atomic(target, json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return target
+
+
+def _read(path: Path) -> tuple[dict[str, Row], int | str | None]:
+    """(rows, None), or ({}, the version found) for a profile older than VERSION."""
+    def bad(why: str) -> ProfileError:
+        return ProfileError(f"bandwidth profile {path} is unusable ({why}); rerun ft bench bw to "
+                            "rewrite it, or delete the file")
+
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnicodeDecodeError) as e:
+        raise bad(f"cannot read it: {e}") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad(f"not JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise bad(f"the top level is a {type(doc).__name__}, not an object")
+    version = doc.get("version")
+    if version is None:
+        return {}, "unknown (no version field)"
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise bad(f"version {version!r} is not a number")
+    if version < VERSION:
+        return {}, version
+    if version > VERSION:
+        raise bad(f"version {version} is newer than this freetoken reads ({VERSION})")
+    kinds = doc.get("layer_kinds")
+    if not isinstance(kinds, dict):
+        raise bad("no layer_kinds object")
+    rows: dict[str, Row] = {}
+    for key, obj in kinds.items():
+        try:
+            parse_key(key)
+            rows[key] = Row.from_json(obj)
+        except ValueError as e:
+            raise bad(f"row {key!r}: {e}") from e
+    return rows, None
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True)
+class Match:
+    """How a layer kind found its row: ``wanted`` key, ``used`` key (None when missing)."""
+
+    wanted: str
+    how: How
+    used: str | None = None
+    row: Row | None = None
+
+    @property
+    def fraction(self) -> float | None:
+        """Share of misses to fetch over PCIe, or None when the layer has no row."""
+        return self.row.fraction if self.row is not None else None
+
+    @property
+    def max_fetch(self) -> int | None:
+        """The fixed fetch cap of a layer without a row (FETCH_CAP), else None."""
+        return None if self.row is not None else FETCH_CAP
+
+
+def shape_distance(a: LayerKind, b: LayerKind) -> float:
+    """How far apart two expert shapes are: log ratios of hidden * intermediate and of top-k."""
+    size = (a.hidden * a.moe_intermediate) / (b.hidden * b.moe_intermediate)
+    return abs(math.log(size)) + abs(math.log(a.top_k / b.top_k))
+
+
+def lookup(
+    profile: Profile, kind: LayerKind, threads: int, layers: list[int] | None = None,
+    checkpoint: str | Path | None = None,
+) -> Match:
+    """The row for ``kind`` at ``threads`` CPU workers.
+
+    Exact key; else the same format, options and threads with the nearest shape (info log);
+    else the same format and options with the nearest thread count, ties to fewer threads, then
+    the nearest shape (info log); else missing: cap FETCH_CAP with a warning naming the key.
+    Ties always break on the key, so the choice is deterministic. ``layers`` and ``checkpoint``
+    only make the log lines concrete.
+    """
+    wanted = kind.key(threads)
+    where = f" (layers {_span(layers)})" if layers else ""
+    if wanted in profile.rows:
+        return Match(wanted, "exact", wanted, profile.rows[wanted])
+    parsed = {k: parse_key(k) for k in profile.rows}
+    ours = (kind.fmt, kind.options)
+    same = [(k, c, t) for k, (c, t) in parsed.items() if (c.fmt, c.options) == ours]
+    close = [(shape_distance(kind, c), k) for k, c, t in same if t == threads]
+    if close:
+        used = min(close)[1]
+        log.info("bandwidth profile: no row for %s%s; using %s (same format and threads, "
+                 "nearest shape)", wanted, where, used)
+        return Match(wanted, "nearest_shape", used, profile.rows[used])
+    if same:
+        used = min((abs(t - threads), t, shape_distance(kind, c), k) for k, c, t in same)[3]
+        log.info("bandwidth profile: no row for %s%s; using %s (same format, nearest thread "
+                 "count)", wanted, where, used)
+        return Match(wanted, "nearest_threads", used, profile.rows[used])
+    log.warning("bandwidth profile %s has no row for %s%s: those layers fetch at most %d expert "
+                "per miss; run ft bench bw --model %s", profile.path, wanted, where, FETCH_CAP,
+                checkpoint or "<checkpoint>")
+    return Match(wanted, "missing")
+
+
+def plan_fractions(
+    profile: Profile, kinds: Mapping[LayerKind, list[int]], threads: int,
+    checkpoint: str | Path | None = None,
+) -> dict[int, Match]:
+    """Per MoE layer index, the match of its kind (one lookup and one log line per kind)."""
+    plan: dict[int, Match] = {}
+    for kind, layers in kinds.items():
+        match = lookup(profile, kind, threads, layers, checkpoint)
+        plan.update(dict.fromkeys(layers, match))
+    return dict(sorted(plan.items()))
+
+
+def _span(layers: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2, 5, 7-8``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def format_table(rows: Mapping[str, Row]) -> str:
+    """The rows as a plain-text table (GB/s), one line per key in key order."""
+    head = ("Layer kind", "CPU MoE", "PCIe gather", "Overlapped CPU / PCIe", "Fraction",
+            "Recommended")
+    body = [(k, f"{r.cpu_gbps:.1f}", f"{r.pcie_gbps:.1f}",
+             f"{r.cpu_overlapped_gbps:.1f} / {r.pcie_overlapped_gbps:.1f}",
+             f"{100 * r.fraction:.1f}%", r.recommended) for k, r in sorted(rows.items())]
+    widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i in (0, 5) else cell.rjust(w)
+                  for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+        for line in (head, *body)
+    )

@@ -1,0 +1,116 @@
+"""Per-layer MoE statistics: cache hits and misses, bytes fetched, time in fetch and compute.
+
+Times on CUDA come from event pairs recorded on the stream that did the work and are read when
+they have completed (at the next snapshot), so recording never waits for the GPU.
+Threads: ``record``/``timed`` on the engine's main thread; ``snapshot`` on the same thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class LayerStats:
+    calls: int = 0
+    tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    streamed: int = 0  # experts read through the prefill stream, not the cache
+    bytes_fetched: int = 0
+    fetch_s: float = 0.0
+    compute_s: float = 0.0
+
+
+class Span:
+    """One timed piece of work: host clock on the CPU, an event pair on CUDA."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self.stream = stream
+        if stream is None:
+            self.t0 = time.perf_counter()
+            self.seconds: float | None = None
+        else:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record(stream)
+
+    def stop(self) -> Span:
+        if self.stream is None:
+            self.seconds = time.perf_counter() - self.t0
+        else:
+            self.end.record(self.stream)
+        return self
+
+    def done(self) -> float | None:
+        """Seconds, or None while the GPU has not finished the span."""
+        if self.stream is None:
+            return self.seconds
+        if not self.end.query():
+            return None
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+class MoEStats:
+    """Counters of every offloaded layer of one model."""
+
+    def __init__(self, layers: list[int], cuda: bool) -> None:
+        self.layers = {layer: LayerStats() for layer in layers}
+        self.first = min(layers) if layers else -1
+        self.cuda = cuda
+        self._pending: list[tuple[int, str, Span]] = []
+
+    def span(self, stream: torch.cuda.Stream | None = None) -> Span:
+        if self.cuda and stream is None:
+            stream = torch.cuda.current_stream()
+        return Span(stream if self.cuda else None)
+
+    def record(self, layer: int, tokens: int, hits: int, misses: int, nbytes: int,
+               streamed: int = 0, fetch: Span | None = None, compute: Span | None = None) -> None:
+        s = self.layers[layer]
+        s.calls += 1
+        s.tokens += tokens
+        s.hits += hits
+        s.misses += misses
+        s.streamed += streamed
+        s.bytes_fetched += nbytes
+        for kind, span in (("fetch_s", fetch), ("compute_s", compute)):
+            if span is not None:
+                self._pending.append((layer, kind, span))
+        if len(self._pending) > 4096:
+            self._collect(block=True)
+
+    def _collect(self, block: bool = False) -> None:
+        keep = []
+        for layer, kind, span in self._pending:
+            if block and span.stream is not None:
+                span.end.synchronize()
+            seconds = span.done()
+            if seconds is None:
+                keep.append((layer, kind, span))
+            else:
+                setattr(self.layers[layer], kind, getattr(self.layers[layer], kind) + seconds)
+        self._pending = keep
+
+    def snapshot(self, per_layer: bool = True) -> dict[str, Any]:
+        """Totals (hit rate, bytes per token over the link, seconds) and, if asked, per layer."""
+        self._collect()
+        tot = LayerStats()
+        for s in self.layers.values():
+            for k, v in asdict(s).items():
+                setattr(tot, k, getattr(tot, k) + v)
+        lookups = tot.hits + tot.misses
+        tokens = self.layers[self.first].tokens if self.layers else 0
+        out: dict[str, Any] = {
+            **asdict(tot),
+            "tokens": tokens,
+            "hit_rate": tot.hits / lookups if lookups else 0.0,
+            "bytes_per_token": tot.bytes_fetched / tokens if tokens else 0.0,
+        }
+        if per_layer:
+            out["layers"] = {str(k): asdict(v) for k, v in self.layers.items()}
+        return out

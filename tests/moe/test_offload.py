@@ -1,0 +1,233 @@
+"""Offload: the expert cache's LRU against a plain model of the policy, host banks against the
+checkpoint's bytes, cache sizing, and offload's logits against resident's, bit for bit."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing
+from freetoken.errors import ConfigError
+from freetoken.moe.expert_cache import SlotPool
+from freetoken.moe.host_banks import BankBuilder, check_host_memory
+from freetoken.moe.offload import offload_stats
+from freetoken.quant import QuantTensor, get_format
+from freetoken.resolve import ExpertGroup, parse_bytes, plan_moe_cache
+from tests.models.helpers import load_ours, our_logits
+
+IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8, 19, 240,
+       66, 12, 150, 45, 90, 3, 77, 11]
+
+
+class ModelLRU:
+    """The policy in its plainest form: a list of (layer, expert), least recently used first."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.order = slots, []
+
+    def step(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
+        """Returns the evicted entries."""
+        needed = {(layer, e) for e in experts}
+        for e in experts:
+            if (layer, e) in self.order:
+                self.order.remove((layer, e))
+                self.order.append((layer, e))
+        evicted = []
+        for e in experts:
+            if (layer, e) in self.order:
+                continue
+            if len(self.order) == self.slots:
+                victim = next(k for k in self.order if k not in needed)
+                self.order.remove(victim)
+                evicted.append(victim)
+            self.order.append((layer, e))
+        return evicted
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lru_matches_plain_model_over_random_traces(seed):
+    rng = random.Random(seed)
+    layers, experts, slots = 4, 16, rng.choice([4, 7, 12, 30])
+    pool = SlotPool(8, slots, torch.device("cpu"))
+    for layer in range(layers):
+        pool.add_layer(layer, experts)
+    model = ModelLRU(slots)
+    hot = [rng.sample(range(experts), 4) for _ in range(layers)]  # skewed, like real routing
+    for _ in range(400):
+        layer = rng.randrange(layers)
+        k = rng.randint(1, min(4, slots))
+        pick = {rng.choice(hot[layer]) if rng.random() < 0.6 else rng.randrange(experts)
+                for _ in range(k)}
+        wanted = sorted(pick)
+        before = {pool.owner[s] for s in range(slots)}
+        hits, misses = pool.lookup(layer, wanted)
+        got = pool.admit(layer, misses, set(hits.values()))
+        after = {pool.owner[s] for s in range(slots)}
+        evicted = model.step(layer, wanted)
+        assert sorted(before - after - {None}) == sorted(evicted)
+        assert after - {None} == set(model.order)
+        assert {pool.owner[s] for s in list(hits.values()) + got} == {(layer, e) for e in wanted}
+        assert [pool.owner[s] for s in pool.lru if pool.owner[s]] == model.order
+
+
+def test_admit_never_evicts_what_the_step_needs():
+    pool = SlotPool(8, 3, torch.device("cpu"))
+    pool.add_layer(0, 8)
+    pool.admit(0, [0, 1, 2], set())
+    hits, misses = pool.lookup(0, [0, 5])
+    slots = pool.admit(0, misses, set(hits.values()))
+    assert pool.owner[hits[0]] == (0, 0) and pool.owner[slots[0]] == (0, 5)
+    with pytest.raises(RuntimeError, match="none left to evict"):
+        pool.admit(0, [6], {0, 1, 2})
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "bf16", "nvfp4", "fp8_block"])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_bank_rows_hold_each_experts_checkpoint_bytes(fmt, stacked):
+    torch.manual_seed(0)
+    E, H, I_ = 3, 256, 256
+    q = get_format(fmt)
+    weights = {p: torch.randn(E, *((H, I_) if p == "down_proj" else (I_, H)))
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    b = BankBuilder(0, E, H, I_)
+    per_expert = {p: [q.quantize(w[e]) for e in range(E)] for p, w in weights.items()}
+    for p in weights:
+        if stacked:
+            qts = per_expert[p]
+            scales = {k: torch.stack([t.scales[k] for t in qts]) for k in qts[0].scales}
+            b.add(p, QuantTensor(fmt, (E, *qts[0].shape), torch.stack([t.data for t in qts]),
+                                 scales))
+        else:
+            for e in range(E):
+                b.add(p, per_expert[p][e], e)
+    bank = b.build(pinned=False)
+    for p in weights:
+        for e in range(E):
+            want = q.dequantize(per_expert[p][e])
+            got = get_format(fmt).dequantize(bank.layout.quant(bank.rows[e], p))
+            assert torch.equal(got, want), (p, e)
+        batch = get_format(fmt).dequantize(bank.layout.quant(bank.rows, p))
+        assert torch.equal(batch, torch.stack([q.dequantize(t) for t in per_expert[p]]))
+
+
+def test_missing_expert_is_named():
+    b = BankBuilder(2, 2, 32, 32)
+    b.add("gate_proj", get_format("bf16").quantize(torch.randn(2, 32, 32)))
+    b.add("up_proj", get_format("bf16").quantize(torch.randn(32, 32)), 1)
+    assert b.missing() == ["up_proj[0]", "down_proj"]
+    with pytest.raises(ConfigError, match=r"layer 2.*up_proj\[0\], down_proj"):
+        b.build(pinned=False)
+
+
+def test_host_memory_shortage_names_both_sizes():
+    with pytest.raises(ConfigError, match=r"need 12\.0 GB of host RAM but only 5\.0 GB"):
+        check_host_memory(12 * 10**9, 5 * 10**9)
+
+
+def test_parse_bytes():
+    assert parse_bytes("4GB") == 4 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2.5e9") == 2_500_000_000
+    for bad in ("four", "-1GB", "3XB", ""):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_bytes(bad)
+
+
+def test_cache_plans_split_mixed_formats_by_bytes():
+    q8 = ExpertGroup(slot_bytes=5_000_000, layers=tuple(range(29)), experts_per_layer=128)
+    bf = ExpertGroup(slot_bytes=10_000_000, layers=(29,), experts_per_layer=128)
+    plans = plan_moe_cache(CacheSizing("mem", 4e9), [q8, bf])
+    share_q8 = 29 * 5 / (29 * 5 + 10)
+    assert plans[0].num_slots == int(4e9 * share_q8) // 5_000_000
+    assert plans[1].num_slots == int(4e9 * (1 - share_q8)) // 10_000_000
+    assert sum(p.num_slots * p.slot_bytes for p in plans) <= 4e9
+    by_size = plan_moe_cache(CacheSizing("size", 100), [q8, bf])
+    assert sum(p.num_slots for p in by_size) == 100
+    assert [p.num_slots for p in plan_moe_cache(CacheSizing("rate", 0.5), [q8, bf])] == [1856,
+                                                                                           64]
+
+
+def test_auto_cache_uses_the_budget_and_caps_at_all_experts(caplog):
+    g = ExpertGroup(slot_bytes=1_000_000, layers=(0, 1), experts_per_layer=64)
+    with caplog.at_level("INFO"):
+        plans = plan_moe_cache(CacheSizing("auto"), [g], free_bytes=50_500_000)
+    assert plans[0].num_slots == 50
+    assert "resolved moe_cache_size=50 " in caplog.text
+    assert plan_moe_cache(CacheSizing("auto"), [g], free_bytes=10**12)[0].num_slots == 128
+    with pytest.raises(ConfigError, match="free device memory leaves no room.*kv-reserve"):
+        plan_moe_cache(CacheSizing("auto"), [g], free_bytes=999_999)
+    with pytest.raises(ConfigError, match="--moe-cache-mem 0.0005GB leaves no room"):
+        plan_moe_cache(CacheSizing("mem", 500_000), [g])
+
+
+def test_conflicting_cache_flags_are_refused():
+    r = subprocess.run([sys.executable, "-m", "freetoken.cli", "generate", "--moe-cache-mem",
+                        "4GB", "--moe-cache-rate", "0.1"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "--moe-cache-rate: not allowed with argument --moe-cache-mem" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "freetoken.cli", "generate", "--moe-cache-mem",
+                        "lots"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--moe-cache-mem: 'lots' is not a size" in r.stderr
+
+
+@pytest.fixture(scope="module", params=["hf", "bf16", "q8_0", "mixed"])
+def checkpoint(request, tiny_qwen3_moe, tmp_path_factory):
+    if request.param == "hf":
+        return tiny_qwen3_moe
+    out = tmp_path_factory.mktemp("offload") / f"{request.param}.gguf"
+
+    def fmt(name: str, shape: tuple[int, ...]) -> str:
+        if ".experts." not in name:
+            return "f32"
+        if request.param == "mixed":  # layers 0 and 2 are MoE: one q8_0, one bf16
+            return "q8_0" if ".layers.0." in name else "bf16"
+        return request.param
+
+    return convert_to_gguf(open_checkpoint(tiny_qwen3_moe), out, fmt)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 6])
+def test_offload_logits_equal_resident_bitwise(checkpoint, slots):
+    """1 slot: every call streams; 3 and 6: the cache evicts all along the sequence."""
+    if slots == 1 and "mixed" in str(checkpoint):
+        with pytest.raises(ConfigError, match="needs at least 2 slots, one per expert size"):
+            load_ours(checkpoint, strategy="offload", cache=CacheSizing("size", slots))
+        return
+    resident = our_logits(load_ours(checkpoint), IDS, prefill=4)
+    model = load_ours(checkpoint, strategy="offload", cache=CacheSizing("size", slots))
+    offload = our_logits(model, IDS, prefill=4)
+    assert torch.equal(offload, resident)
+    stats = offload_stats(model)
+    assert stats is not None and stats["tokens"] == len(IDS)
+    if slots == 1:
+        assert stats["streamed"] > 0 and stats["hits"] + stats["misses"] == 0
+    else:
+        assert stats["misses"] > slots and stats["hits"] > 0  # evictions happened
+        assert stats["bytes_fetched"] > 0 and stats["bytes_per_token"] > 0
+        assert set(stats["layers"]) == {"0", "2"}
+
+
+def test_ft_generate_offload_equals_resident(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--expert-format", "q8_0", "--out", str(model)], check=True,
+                   capture_output=True, timeout=300)
+
+    def generate(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "freetoken.cli", "generate", "--device", "cpu", "--model",
+             str(model), "--prompt", "hello world", "--max-tokens", "24", "--ids", *extra],
+            capture_output=True, text=True, timeout=300)
+
+    resident = generate()
+    offload = generate("--moe-strategy", "offload", "--moe-cache-size", "3")
+    assert resident.returncode == 0 and offload.returncode == 0, offload.stderr
+    assert offload.stdout.split() == resident.stdout.split() and len(resident.stdout.split()) == 24
+    assert "resolved moe_cache_size=3 " in offload.stderr
+    assert "MoE plan: offload on 2 q8_0 layers" in offload.stderr

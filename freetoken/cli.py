@@ -126,6 +126,12 @@ def _generate(args: argparse.Namespace) -> int:
         f"total {total:.2f} s]",
         file=sys.stderr,
     )
+    if engine.runner.offload is not None:
+        moe = engine.runner.offload.stats.snapshot(per_layer=False)
+        print(f"[expert cache: hit rate {100 * moe['hit_rate']:.1f} %, "
+              f"{moe['bytes_per_token'] / 1e6:.2f} MB/token fetched, {moe['streamed']} experts "
+              f"streamed; fetch {moe['fetch_s']:.2f} s, expert compute {moe['compute_s']:.2f} s]",
+              file=sys.stderr)
     return 0
 
 

@@ -227,6 +227,14 @@ def _hf_rope(cfg: dict[str, Any]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def human_bytes(n: float) -> str:
+    """``4GB``, ``9.44MB``, ``512KB``: decimal units, three significant digits."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{int(n)}B"
+
+
 @dataclass(frozen=True)
 class CacheSizing:
     """One of the mutually exclusive expert-cache flags, as given; slots are worked out after
@@ -241,7 +249,7 @@ class CacheSizing:
 
     def describe(self) -> str:
         if self.kind == "mem":
-            return f"--moe-cache-mem {self.value / 1e9:g}GB"
+            return f"--moe-cache-mem {human_bytes(self.value)}"
         if self.kind == "rate":
             return f"--moe-cache-rate {self.value:g}"
         if self.kind == "size":

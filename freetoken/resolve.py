@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from freetoken.checkpoint import default_model_path
-from freetoken.config import CacheSizing, EngineConfig
+from freetoken.config import CacheSizing, EngineConfig, human_bytes
 from freetoken.cpus import usable_cores
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import PoolPlan
@@ -148,11 +148,11 @@ def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup],
     plans = []
     for g, n in zip(groups, slots, strict=True):
         if n < 1:
-            where = f"one {g.slot_bytes / 1e6:.2f} MB expert of layers {_layer_span(g.layers)}"
+            where = f"one {human_bytes(g.slot_bytes)} expert of layers {_layer_span(g.layers)}"
             if sizing.kind == "size":
                 least = f"{len(groups)} slots, one per expert size"
             else:  # the budget that gives every pool its first slot
-                least = f"{max(total_bytes / h.experts for h in groups) / 1e9:.3f} GB"
+                least = human_bytes(max(total_bytes / h.experts for h in groups))
             what = "the free device memory" if sizing.kind == "auto" else sizing.describe()
             raise ConfigError(
                 f"{what} leaves no room for {where}; the expert cache needs at least {least} "

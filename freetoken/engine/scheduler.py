@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -164,12 +165,15 @@ class Scheduler:
     def _event(self, seq: Sequence, token: int | None, reason: str | None) -> Event:
         return Event(seq.rid, token, reason, len(seq.prompt), seq.cached, len(seq.output))
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         used = self.kv.num_pages - self.kv.free_pages
-        return {
+        out: dict[str, Any] = {
             "running": len(self.running), "waiting": len(self.waiting),
             "kv_pages_total": self.kv.num_pages, "kv_pages_used": used,
             "kv_usage": used / self.kv.num_pages,
             "prefix_cache_pages": self.cache.cached_pages if self.cache else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
         }
+        if self.runner.offload is not None:
+            out["moe"] = self.runner.offload.stats.snapshot()
+        return out

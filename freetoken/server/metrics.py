@@ -26,6 +26,16 @@ class Metrics:
         self.kv_usage = Gauge("freetoken_kv_usage", "fraction of KV pages in use", registry=r)
         self.prefix_hits = Gauge("freetoken_prefix_cache_hit_tokens",
                                  "prompt tokens served from the prefix cache", registry=r)
+        self.moe = {key: Gauge(f"freetoken_moe_{key}", help_, registry=r) for key, help_ in (
+            ("hits", "expert cache hits of offloaded layers since start"),
+            ("misses", "expert cache misses (fetched experts) since start"),
+            ("streamed", "experts streamed through staging buffers (prefill) since start"),
+            ("hit_rate", "expert cache hits / lookups since start"),
+            ("bytes_fetched", "expert bytes copied host -> device since start"),
+            ("bytes_per_token", "expert bytes copied host -> device per token"),
+            ("fetch_s", "seconds spent copying experts host -> device"),
+            ("compute_s", "seconds spent computing offloaded experts"),
+        )}
 
     def engine_stats(self, stats: dict[str, Any]) -> None:
         if stats:
@@ -33,3 +43,6 @@ class Metrics:
             self.waiting.set(stats["waiting"])
             self.kv_usage.set(stats["kv_usage"])
             self.prefix_hits.set(stats["prefix_hit_tokens"])
+            for key, gauge in self.moe.items():
+                if "moe" in stats:
+                    gauge.set(stats["moe"][key])

@@ -36,6 +36,20 @@ class ServeConfig:
     kv_tokens: int
     prefix_cache: bool = True
     stats_interval_s: float = 0.5
+    log_interval_s: float = 10.0
+
+
+def decode_line(tokens_per_s: float, stats: dict[str, Any]) -> str:
+    """The periodic engine log line: throughput, batch, KV and, with offloaded experts, the
+    cache hit rate and the bytes each token moved host -> device."""
+    line = (f"engine: {tokens_per_s:.1f} tokens/s, running {stats['running']}, waiting "
+            f"{stats['waiting']}, KV {100 * stats['kv_usage']:.0f} %")
+    moe = stats.get("moe")
+    if moe:
+        line += (f", expert cache hit rate {100 * moe['hit_rate']:.1f} %, "
+                 f"{moe['bytes_per_token'] / 1e6:.1f} MB/token fetched, fetch "
+                 f"{moe['fetch_s']:.1f} s / compute {moe['compute_s']:.1f} s")
+    return line
 
 
 def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None:
@@ -57,6 +71,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None
                            "kv_tokens": runner.kv.num_pages * runner.kv.page_size,
                            "max_len": runner.max_len, "load_s": runner.load_s}))
     last_stats = 0.0
+    last_log, decoded = time.monotonic(), 0
     while True:
         # block only when idle: a busy engine drains the pipe without waiting
         if not sched.has_work():
@@ -84,6 +99,10 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None
         stats = None
         if now - last_stats > cfg.stats_interval_s:
             stats, last_stats = sched.stats(), now
+        decoded += sum(1 for e in events if e.token is not None)
+        if now - last_log > cfg.log_interval_s and decoded:
+            log.info(decode_line(decoded / (now - last_log), stats or sched.stats()))
+            decoded, last_log = 0, now
         if events or stats:
             outbox.send(("events", (events, stats)))
 

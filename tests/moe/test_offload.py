@@ -162,7 +162,7 @@ def test_auto_cache_uses_the_budget_and_caps_at_all_experts(caplog):
     assert plan_moe_cache(CacheSizing("auto"), [g], free_bytes=10**12)[0].num_slots == 128
     with pytest.raises(ConfigError, match="free device memory leaves no room.*kv-reserve"):
         plan_moe_cache(CacheSizing("auto"), [g], free_bytes=999_999)
-    with pytest.raises(ConfigError, match="--moe-cache-mem 0.0005GB leaves no room"):
+    with pytest.raises(ConfigError, match="cache-mem 500KB leaves no room for one 1MB expert"):
         plan_moe_cache(CacheSizing("mem", 500_000), [g])
 
 
@@ -231,3 +231,16 @@ def test_ft_generate_offload_equals_resident(tmp_path):
     assert offload.stdout.split() == resident.stdout.split() and len(resident.stdout.split()) == 24
     assert "resolved moe_cache_size=3 " in offload.stderr
     assert "MoE plan: offload on 2 q8_0 layers" in offload.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefill", [1, 70])
+def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill):
+    """Decode calls (2 pairs: both gather) and a 70-token prefill (140 pairs: both group)."""
+    ids = (IDS * 4)[: prefill + 20]
+    resident = our_logits(load_ours(checkpoint, torch.bfloat16, "cuda"), ids, prefill, "cuda")
+    model = load_ours(checkpoint, torch.bfloat16, "cuda", "offload", CacheSizing("size", 3))
+    offload = our_logits(model, ids, prefill, "cuda")
+    assert torch.equal(offload, resident)
+    stats = offload_stats(model)
+    assert stats is not None and stats["misses"] > 3 and stats["fetch_s"] > 0

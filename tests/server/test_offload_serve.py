@@ -1,0 +1,67 @@
+"""A live server with offloaded experts: the same completions as resident, and the expert
+cache's counters in /v1/stats, /metrics and the engine's periodic log line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import start_server
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--expert-format", "q8_0", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    return str(out)
+
+
+def _complete(url: str, prompt: str) -> list[str]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    r = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=16,
+                                  temperature=0)
+    return [r.choices[0].text]
+
+
+def test_offload_server_reports_cache_stats(tiny_gguf, tmp_path):
+    prompts = ["hello world", "the quick brown fox", "one two three four"]
+    resident = start_server(["--model", tiny_gguf], tmp_path / "resident.log")
+    try:
+        want = [_complete(resident.url, p) for p in prompts]
+    finally:
+        resident.stop()
+    server = start_server(["--model", tiny_gguf, "--moe-strategy", "offload",
+                           "--moe-cache-size", "3"], tmp_path / "offload.log")
+    try:
+        assert [_complete(server.url, p) for p in prompts] == want
+        time.sleep(0.7)  # one stats interval
+        moe = httpx.get(f"{server.url}/v1/stats").json()["engine"]["moe"]
+        assert moe["hits"] > 0 and moe["misses"] > 0 and moe["bytes_fetched"] > 0
+        assert set(moe["layers"]) == {"0", "1"}
+        assert moe["tokens"] >= sum(len(p.split()) for p in prompts) + 3 * 15
+        metrics = httpx.get(f"{server.url}/metrics").text
+        line = next(m for m in metrics.splitlines() if m.startswith("freetoken_moe_misses "))
+        assert float(line.split()[1]) == moe["misses"]
+    finally:
+        assert server.stop() == 0
+    log = (tmp_path / "offload.log").read_text()
+    assert "resolved moe_cache_size=3 " in log and "MoE plan: offload on 2 q8_0 layers" in log
+
+
+@pytest.mark.parametrize("flags", [["--moe-cache-size", "0"], ["--moe-cache-rate", "1.5"],
+                                   ["--moe-cache-mem", "1KB"]])
+def test_bad_cache_flags_are_one_line_errors(tiny_gguf, flags):
+    r = subprocess.run([sys.executable, "-m", "freetoken.cli", "serve", "--device", "cpu",
+                        "--model", tiny_gguf, "--moe-strategy", "offload", *flags],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "error: " in last and "--moe-cache-" in last, r.stderr

@@ -1,0 +1,161 @@
+"""Decode speed per MoE strategy on one checkpoint, next to the link roofline of the run.
+
+For every strategy in --strategies: load the engine, warm up, decode --tokens tokens (greedy,
+ignoring EOS) --repeats times and keep the best. For strategies with an expert cache it also
+records hits, misses, bytes over the link per token and the time spent fetching and computing
+experts (the engine's own stats, differenced over the measured run).
+
+PCIe roofline (offload): tokens/s <= gather GB/s / miss bytes per token, where the gather
+bandwidth is measured in the same run by the engine's own copy path (bank rows -> device rows,
+--gather-experts experts at a time, as one layer's misses arrive).
+
+    python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
+        --moe-cache-mem 4GB --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_state, host  # noqa: E402
+from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
+from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
+from freetoken.engine.sample import SamplingParams  # noqa: E402
+from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
+from freetoken.resolve import parse_bytes  # noqa: E402
+
+COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def gather_bytes_per_s(engine: Engine, experts: int, seconds: float = 2.0) -> float:
+    """The engine's own host -> device copy of ``experts`` random bank rows at a time."""
+    model = engine.model
+    layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
+    rt: OffloadRuntime | None = engine.runner.offload
+    assert rt is not None and layers
+    bank = layers[0].bank
+    assert bank is not None
+    dst = torch.empty(experts, bank.expert_bytes, dtype=torch.uint8, device=rt.device)
+    rng = random.Random(0)
+    moved, t_end = 0, time.perf_counter() + seconds
+    sync(rt.device)
+    t0 = time.perf_counter()
+    while time.perf_counter() < t_end:
+        m = rng.choice(layers)
+        assert m.bank is not None
+        picks = rng.sample(range(m.bank.num_experts), experts)
+        _, done = rt.copy(dst, list(range(experts)), m.bank, picks)
+        rt.wait(done)
+        moved += experts * m.bank.expert_bytes
+    sync(rt.device)
+    return moved / (time.perf_counter() - t0)
+
+
+def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    if not before or not after:
+        return {}
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    lookups = d["hits"] + d["misses"]
+    d["hit_rate"] = d["hits"] / lookups if lookups else 0.0
+    d["bytes_per_token"] = d["bytes_fetched"] / d["tokens"] if d["tokens"] else 0.0
+    d["layers"] = {
+        k: {c: after["layers"][k][c] - before["layers"][k][c] for c in COUNTERS[1:]}
+        for k in after["layers"]}
+    return d
+
+
+def run_strategy(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    graphs = args.cuda_graph_max_bs if strategy == "resident" and args.device == "cuda" else 0
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                       moe_strategy=strategy, max_seq_len=args.tokens + 256,
+                       cuda_graph_max_bs=graphs, moe_cpu_threads=args.moe_cpu_threads,
+                       moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)))
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    load_s = time.perf_counter() - t0
+    ids = engine.encode(args.prompt)
+    engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    rt = engine.runner.offload
+    runs = []
+    for _ in range(args.repeats):
+        before = rt.stats.snapshot() if rt else None
+        stats = GenerationStats()
+        t = time.perf_counter()
+        engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+                        stats=stats)
+        wall = time.perf_counter() - t
+        after = rt.stats.snapshot() if rt else None
+        runs.append({"decode_tokens_per_s": stats.decode_tokens_per_s,
+                     "prefill_s": stats.prefill_s, "wall_s": wall,
+                     "moe": moe_delta(before, after)})
+    best = max(runs, key=lambda r: r["decode_tokens_per_s"])
+    out: dict[str, Any] = {"strategy": strategy, "load_s": load_s, "cuda_graph_max_bs": graphs,
+                           "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"]}
+    if rt is not None:
+        moe = best["moe"]
+        gather = gather_bytes_per_s(engine, args.gather_experts)
+        roofline = gather / moe["bytes_per_token"] if moe["bytes_per_token"] else float("inf")
+        seconds = best["wall_s"]
+        out |= {
+            "cache_slots": rt.cache.num_slots, "cache_bytes": rt.cache.nbytes,
+            "hit_rate": moe["hit_rate"], "miss_bytes_per_token": moe["bytes_per_token"],
+            "gather_bytes_per_s": gather, "pcie_roofline_tokens_per_s": roofline,
+            "fraction_of_roofline": best["decode_tokens_per_s"] / roofline,
+            "share_fetch": moe["fetch_s"] / seconds, "share_expert_compute":
+                moe["compute_s"] / seconds,
+        }
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1), flush=True)
+    del engine
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--strategies", default="resident,offload")
+    p.add_argument("--moe-cache-mem", default="4GB")
+    p.add_argument("--moe-cpu-threads", type=int, default=0)
+    p.add_argument("--prompt", default="The history of computing")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--gather-experts", type=int, default=8, help="experts per copy batch")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=16, help="for resident")
+    p.add_argument("--label", default="")
+    p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    results = [run_strategy(args, s) for s in args.strategies.split(",")]
+    result = {
+        "bench": "decode_moe", "label": args.label, **git_state(args.git_sha), **host(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "params": vars(args) | {"out": str(args.out)}, "strategies": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"decode_moe-{args.label or Path(args.model).stem}-{args.device}-{int(time.time())}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

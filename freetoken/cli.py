@@ -70,6 +70,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="KV tokens --moe-cache-auto leaves room for",
     )
     g.add_argument(
+        "--moe-hybrid-max-fetch",
+        default="auto",
+        metavar="auto|N",
+        help="hybrid: fetch at most N of a layer's misses per step, the rest run on the CPU "
+        "(auto: the share from the layer's `ft bench bw` row, or 1 without a row)",
+    )
+    g.add_argument(
+        "--moe-hybrid-online",
+        default="on",
+        choices=("on", "off"),
+        help="hybrid: move each layer's fetch share toward the split where CPU and PCIe "
+        "finish together, from the times measured while serving",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=16,
@@ -151,6 +165,12 @@ def _synth(args: argparse.Namespace) -> int:
     from freetoken.checkpoint.synth import synth_main
 
     return synth_main(args)
+
+
+def _bench_bw(args: argparse.Namespace) -> int:
+    from freetoken.moe.benchbw import bench_bw_main
+
+    return bench_bw_main(args)
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -262,6 +282,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_synth_args(y)
     y.set_defaults(func=_synth)
+
+    from freetoken.moe.benchbw import add_bench_bw_args
+
+    b = sub.add_parser(
+        "bench",
+        help="measure this machine for the engine",
+        description="Benches whose results the engine reads at startup.",
+    )
+    bench = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    w = bench.add_parser(
+        "bw",
+        formatter_class=_Help,
+        help="bench CPU MoE and PCIe gather bandwidth per MoE layer kind",
+        description="Bench each MoE layer kind on synthetic expert banks: CPU MoE and PCIe "
+        "gather GB/s, each alone and overlapped, one row per kind merged into the bandwidth "
+        "profile, which hybrid layers read at startup. Kinds come from --model checkpoints "
+        "(no weights are read), --dtype formats and --preset geometries; with none of these, "
+        "--dtype all.",
+    )
+    add_bench_bw_args(w)
+    w.set_defaults(func=_bench_bw)
     return p
 
 

@@ -270,4 +270,6 @@ class EngineConfig:
     moe_cpu_threads: int = 0  # CPU expert workers (0: one per usable core but the first)
     moe_cache: CacheSizing = CacheSizing()  # the expert cache of offloaded layers
     kv_reserve_tokens: int = 8192  # KV tokens --moe-cache-auto leaves room for
+    moe_hybrid_max_fetch: int = 0  # experts fetched per hybrid layer call at most (0: auto)
+    moe_hybrid_online: bool = True  # hybrid corrects its fetch fraction from measured times
 

@@ -17,6 +17,7 @@ from freetoken.moe.expert_cache import PoolPlan
 
 log = logging.getLogger(__name__)
 
+CPU_POOL_STRATEGIES = ("cpu", "hybrid", "auto")  # strategies that start the CPU expert pool
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -26,7 +27,7 @@ def configure_threads(cfg: EngineConfig | None = None) -> int:
     cores the CPU expert pool takes when the cpu strategy runs."""
     usable = len(usable_cores())
     threads = usable
-    if cfg is not None and cfg.moe_strategy == "cpu":
+    if cfg is not None and cfg.moe_strategy in CPU_POOL_STRATEGIES:
         workers = cfg.moe_cpu_threads or max(1, usable - 1)
         threads = max(1, usable - workers)
     torch.set_num_threads(threads)
@@ -58,11 +59,18 @@ def resolve_engine(args: Any) -> EngineConfig:
         raise ConfigError(f"--kv-reserve-tokens must be >= 0, got {args.kv_reserve_tokens}")
     if args.moe_cpu_threads < 0:
         raise ConfigError(f"--moe-cpu-threads must be >= 0, got {args.moe_cpu_threads}")
+    max_fetch = getattr(args, "moe_hybrid_max_fetch", "auto")
+    if max_fetch != "auto":
+        if not str(max_fetch).isdigit() or int(max_fetch) < 1:
+            raise ConfigError(f"--moe-hybrid-max-fetch must be auto or a count >= 1, "
+                              f"got {max_fetch!r}")
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
         moe_cpu_threads=args.moe_cpu_threads, moe_cache=cache,
         kv_reserve_tokens=getattr(args, "kv_reserve_tokens", 8192),
+        moe_hybrid_max_fetch=0 if max_fetch == "auto" else int(max_fetch),
+        moe_hybrid_online=getattr(args, "moe_hybrid_online", "on") == "on",
     )
     threads = configure_threads(cfg)
     log.info("resolved engine config: model=%s device=%s dtype=%s moe_strategy=%s "

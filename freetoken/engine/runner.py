@@ -16,8 +16,11 @@ from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
+from freetoken.moe.cpu import shared_executor
 from freetoken.moe.host_banks import available_host_bytes, check_host_memory, expert_bytes
+from freetoken.moe.hybrid import attach_hybrid
 from freetoken.moe.offload import attach_offload
+from freetoken.resolve import CPU_POOL_STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +36,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.ckpt = ckpt or open_checkpoint(cfg.model)
         self.model_config = mc = self.ckpt.config
-        if cfg.moe_strategy == "cpu":  # the first call sizes the process's CPU expert pool
-            from freetoken.moe.cpu import shared_executor
-
+        if cfg.moe_strategy in CPU_POOL_STRATEGIES:  # the first call sizes the CPU pool
             shared_executor(threads=cfg.moe_cpu_threads or None)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -49,6 +50,10 @@ class ModelRunner:
         load_weights(self.model, self.ckpt, self.device, progress)
         self.model.eval()
         self.offload = attach_offload(self.model, cfg.moe_cache, self._cache_budget)
+        if cfg.moe_strategy in CPU_POOL_STRATEGIES:
+            attach_hybrid(self.model, shared_executor().threads,
+                          cfg.moe_hybrid_max_fetch or None, cfg.moe_hybrid_online,
+                          str(self.ckpt.path))
         self.load_s = time.perf_counter() - t0
         self.max_len = min(cfg.max_seq_len, mc.max_position)
         tokens = kv_tokens or self._kv_tokens_from_free_memory()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freetoken.config import CacheSizing
+from freetoken.config import CacheSizing, human_bytes
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
 from freetoken.moe.host_banks import BankBuilder, HostBank
@@ -123,22 +123,37 @@ class OffloadExperts(Experts):
         hits, misses = pool.lookup(layer, needed)
         if len(needed) > pool.num_slots or len(misses) > STREAM_ABOVE * self.shape.num_experts:
             return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
-        slots = pool.admit(layer, misses, set(hits.values()))
-        fetch, done = rt.copy(pool.data, slots, bank, misses) if misses else (None, None)
-        rt.wait(done)
-        slot_of = hits | dict(zip(misses, slots, strict=True))
+        slot_of, fetch = self._fetch(pool, hits, misses)
         compute = rt.stats.span()
-        if use_gather(x, topk_ids):
-            index = torch.tensor([slot_of[e] for e in flat], device=x.device)
-            gate, up, down = (self._pool_weight(pool, p, index)
-                              for p in ("gate_proj", "up_proj", "down_proj"))
-            out = gathered(x, topk_weights, gate, up, down, self.act)
-        else:
-            out = grouped(x, topk_ids, topk_weights, self.shape.num_experts,
-                          lambda e: self._row_weights(pool.data[slot_of[e]]), self.act)
+        out = self._compute(x, topk_ids, topk_weights, flat, pool, slot_of)
         rt.stats.record(layer, x.shape[0], len(hits), len(misses),
                         len(misses) * bank.expert_bytes, fetch=fetch, compute=compute.stop())
         return out
+
+    def _fetch(self, pool: SlotPool, hits: dict[int, int],
+               misses: list[int]) -> tuple[dict[int, int], Span | None]:
+        """Slots for ``misses`` (LRU victims, never one of ``hits``), filled from the bank; the
+        compute stream waits for the copies. Returns expert -> slot for hits and misses."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        slots = pool.admit(self.shape.layer, misses, set(hits.values()))
+        fetch, done = rt.copy(pool.data, slots, bank, misses) if misses else (None, None)
+        rt.wait(done)
+        return hits | dict(zip(misses, slots, strict=True)), fetch
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
+                 pool: SlotPool, slot_of: dict[int, int]) -> torch.Tensor:
+        """The experts in ``slot_of`` from their slots, with resident's kernels. Pairs routed
+        to other experts must carry weight 0 in ``w`` (they borrow any slot, or are skipped)."""
+        if use_gather(x, ids):
+            spare = next(iter(slot_of.values()))
+            index = torch.tensor([slot_of.get(e, spare) for e in flat], device=x.device)
+            gate, up, down = (self._pool_weight(pool, p, index)
+                              for p in ("gate_proj", "up_proj", "down_proj"))
+            return gathered(x, w, gate, up, down, self.act)
+        return grouped(x, ids, w, self.shape.num_experts,
+                       lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
+                       only=slot_of)
 
     def _pool_weight(self, pool: SlotPool, proj: str, index: torch.Tensor) -> torch.Tensor:
         """Projection ``proj`` of the slots ``index`` (one per pair), gathered like the resident
@@ -258,10 +273,14 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
         m.runtime = runtime
     for size, ms in by_size.items():
         pool = cache.pool(ms[0].shape.layer)
-        log.info("MoE plan: offload on %d %s layer%s (%.2f MB per expert, %d experts each), "
-                 "%d cache slots shared", len(ms), ms[0].bank.layout.kind if ms[0].bank else "?",
-                 "" if len(ms) == 1 else "s", size / 1e6, ms[0].shape.num_experts,
-                 pool.num_slots)
+        kind = ms[0].bank.layout.kind if ms[0].bank else "?"
+        plain = [m for m in ms if type(m) is OffloadExperts]
+        if plain:
+            log.info("MoE plan: offload on %d %s layer%s (%s per expert, %d experts each)",
+                     len(plain), kind, "" if len(plain) == 1 else "s", human_bytes(size),
+                     ms[0].shape.num_experts)
+        log.info("expert cache: %d slots of %s shared by %d %s layer%s", pool.num_slots,
+                 human_bytes(size), len(ms), kind, "" if len(ms) == 1 else "s")
     return runtime
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERSION = 6
-FETCH_CAP = 1  # experts fetched per miss when a layer has no row
+FETCH_CAP = 1  # experts a hybrid layer without a row fetches per step
 HYBRID_MARGIN = 1.10  # overlapped CPU + PCIe must beat PCIe alone by 10% to recommend hybrid
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -428,9 +428,9 @@ def lookup(
         log.info("bandwidth profile: no row for %s%s; using %s (same format, nearest thread "
                  "count)", wanted, where, used)
         return Match(wanted, "nearest_threads", used, profile.rows[used])
-    log.warning("bandwidth profile %s has no row for %s%s: those layers fetch at most %d expert "
-                "per miss; run ft bench bw --model %s", profile.path, wanted, where, FETCH_CAP,
-                checkpoint or "<checkpoint>")
+    log.warning("bandwidth profile %s has no row for %s%s: those hybrid layers fetch at most %d "
+                "expert per step and compute the other misses on the CPU; run ft bench bw "
+                "--model %s", profile.path, wanted, where, FETCH_CAP, checkpoint or "<checkpoint>")
     return Match(wanted, "missing")
 
 

@@ -6,7 +6,7 @@ which runs them on weights that come from its cache slots: same kernels, same bi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 from torch import nn
@@ -42,8 +42,9 @@ def gathered(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Ten
 
 
 def grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,
-            weights_of: WeightsOf, act: Act) -> torch.Tensor:
-    """Expert by expert in ascending id order, each over the tokens routed to it."""
+            weights_of: WeightsOf, act: Act, only: Container[int] | None = None) -> torch.Tensor:
+    """Expert by expert in ascending id order, each over the tokens routed to it; with
+    ``only``, the experts in it alone."""
     T, A = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -54,6 +55,9 @@ def grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: in
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
+            continue
+        if only is not None and e not in only:
+            start += n
             continue
         tok = tokens[start:start + n]
         gate, up, down = weights_of(e)

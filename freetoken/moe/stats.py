@@ -24,6 +24,8 @@ class LayerStats:
     bytes_fetched: int = 0
     fetch_s: float = 0.0
     compute_s: float = 0.0
+    cpu_experts: int = 0  # misses computed on the CPU (hybrid)
+    cpu_s: float = 0.0  # host wall time from CPU submit to its result (hybrid)
 
 
 class Span:
@@ -63,6 +65,10 @@ class MoEStats:
         self.first = min(layers) if layers else -1
         self.cuda = cuda
         self._pending: list[tuple[int, str, Span]] = []
+        self.fractions: dict[int, float | None] = {}  # hybrid layers: live fetch fraction
+
+    def set_fraction(self, layer: int, fraction: float | None) -> None:
+        self.fractions[layer] = fraction
 
     def span(self, stream: torch.cuda.Stream | None = None) -> Span:
         if self.cuda and stream is None:
@@ -70,8 +76,12 @@ class MoEStats:
         return Span(stream if self.cuda else None)
 
     def record(self, layer: int, tokens: int, hits: int, misses: int, nbytes: int,
-               streamed: int = 0, fetch: Span | None = None, compute: Span | None = None) -> None:
+               streamed: int = 0, fetch: Span | None = None, compute: Span | None = None,
+               cpu_experts: int = 0, cpu_s: float = 0.0) -> None:
+        """One layer call: ``misses`` are the experts fetched into the cache."""
         s = self.layers[layer]
+        s.cpu_experts += cpu_experts
+        s.cpu_s += cpu_s
         s.calls += 1
         s.tokens += tokens
         s.hits += hits
@@ -103,7 +113,7 @@ class MoEStats:
         for s in self.layers.values():
             for k, v in asdict(s).items():
                 setattr(tot, k, getattr(tot, k) + v)
-        lookups = tot.hits + tot.misses
+        lookups = tot.hits + tot.misses + tot.cpu_experts
         tokens = self.layers[self.first].tokens if self.layers else 0
         out: dict[str, Any] = {
             **asdict(tot),
@@ -113,4 +123,6 @@ class MoEStats:
         }
         if per_layer:
             out["layers"] = {str(k): asdict(v) for k, v in self.layers.items()}
+            for k, f in self.fractions.items():
+                out["layers"][str(k)]["fetch_fraction"] = f
         return out

@@ -57,6 +57,7 @@ def register(name: str) -> Callable[[ExpertsFactory], ExpertsFactory]:
 def strategy_names() -> list[str]:
     """Registered strategy names (importing the modules that register themselves)."""
     import freetoken.moe.cpu  # noqa: F401
+    import freetoken.moe.hybrid  # noqa: F401
     import freetoken.moe.offload  # noqa: F401
     import freetoken.moe.resident  # noqa: F401
 

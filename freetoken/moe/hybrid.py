@@ -1,0 +1,216 @@
+"""Hybrid strategy: of a layer's cache misses, fetch a fraction f over PCIe (the most used
+first) and compute the rest on the CPU from the same host bank, overlapped.
+
+Per layer call (decode):
+  route -> hits | misses; misses by use, descending -> the first n = round(f * misses) (capped
+  by ``--moe-hybrid-max-fetch``) are fetched into cache slots, the rest go to the CPU pool:
+  CPU submit (returns at once) -> fetch + GPU compute of hits and fetched experts -> CPU wait
+  -> add the CPU result.
+f starts from the layer's bandwidth-profile row (``pcie_ov / (pcie_ov + cpu_ov)``) and
+:class:`SplitPolicy` moves it toward the split where CPU and PCIe finish together, from the
+times it measures each step. Prefill chunks that miss most experts stream them to the GPU like
+offload does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken.errors import ConfigError
+from freetoken.moe.host_banks import PROJECTIONS
+from freetoken.moe.offload import STREAM_ABOVE, OffloadExperts
+from freetoken.moe.profile import LayerKind, Match, cpu_format, load_profile_or_empty, lookup
+from freetoken.moe.stats import Span
+from freetoken.moe.strategy import ExpertShape, register
+from freetoken.quant import QuantTensor, get_format
+
+log = logging.getLogger(__name__)
+
+REMEASURE_EVERY = 256  # calls after which a side left idle gets one expert, to time it again
+
+
+@dataclass
+class SplitPolicy:
+    """How many of a layer's misses to fetch; the rest run on the CPU.
+
+    ``fraction``: share of misses fetched (None until a profile row or measurements give one);
+    ``max_fetch``: cap on fetched experts per call (None: no cap). With ``online``, each
+    observation updates per-expert cost estimates (smoothed) and moves ``fraction`` toward
+    ``c_cpu / (c_cpu + c_pcie)``, where fetching f of the misses and computing 1 - f on the
+    CPU take equally long, by at most ``step`` per observation. A side without an estimate,
+    or idle for REMEASURE_EVERY calls, gets one expert so that it is measured.
+    """
+
+    fraction: float | None = None
+    max_fetch: int | None = 1
+    online: bool = True
+    smoothing: float = 0.3
+    step: float = 0.1
+    c_cpu: float | None = None  # seconds per expert on the CPU
+    c_pcie: float | None = None  # seconds per fetched expert
+    _idle_cpu: int = 0  # observations since the CPU last had an expert
+    _idle_pcie: int = 0
+
+    def n_fetch(self, misses: int) -> int:
+        n = misses if self.fraction is None else round(self.fraction * misses)
+        if self.max_fetch is not None:
+            n = min(n, self.max_fetch)
+        if self.online and misses >= 2:  # keep both sides measured, so f can move back
+            if self.c_pcie is None or self._idle_pcie >= REMEASURE_EVERY:
+                n = max(n, 1)
+            if self.c_cpu is None or self._idle_cpu >= REMEASURE_EVERY:
+                n = min(n, misses - 1)
+        return n
+
+    def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float) -> None:
+        if not self.online:
+            return
+        a = self.smoothing
+        self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
+        self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
+        if n_cpu > 0 and t_cpu > 0:
+            c = t_cpu / n_cpu
+            self.c_cpu = c if self.c_cpu is None else (1 - a) * self.c_cpu + a * c
+        if n_fetch > 0 and t_pcie > 0:
+            c = t_pcie / n_fetch
+            self.c_pcie = c if self.c_pcie is None else (1 - a) * self.c_pcie + a * c
+        if self.c_cpu is None or self.c_pcie is None:
+            return
+        target = self.c_cpu / (self.c_cpu + self.c_pcie)
+        if self.fraction is None:
+            self.fraction, self.max_fetch = target, None
+            return
+        delta = max(-self.step, min(self.step, target - self.fraction))
+        self.fraction = min(1.0, max(0.0, self.fraction + delta))
+
+
+@register("hybrid")
+class HybridExperts(OffloadExperts):
+    """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
+
+    def __init__(self, shape: ExpertShape) -> None:
+        from freetoken.moe import cpu_executor as cx
+
+        reason = cx.available()
+        if reason is not None:
+            raise ConfigError(f"--moe-strategy hybrid needs the CPU MoE library, but {reason}")
+        super().__init__(shape)
+        self.policy = SplitPolicy()
+        self.executor: cx.CpuMoeExecutor | None = None
+        self._last: tuple[int, float, int, Span | None] | None = None
+
+    def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
+        """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
+        if qt.fmt in ("f32", "f16"):
+            qt = get_format("bf16").quantize(get_format(qt.fmt).dequantize(qt))
+        return super().load_expert_tensor(proj, qt, expert)
+
+    def kind(self) -> LayerKind:
+        assert self.bank is not None
+        fmt, options = cpu_format(*self.bank.layout.formats)
+        s = self.shape
+        return LayerKind(fmt, s.hidden, s.intermediate, s.top_k, options)
+
+    def attach_executor(self) -> None:
+        """Hand the bank (read in place) to the process's CPU executor."""
+        from freetoken.moe import cpu_executor as cx
+        from freetoken.moe.cpu import shared_executor
+
+        bank = self.bank
+        assert bank is not None
+        stacks = [cx.ExpertStack.from_quant([bank.layout.quant(bank.rows[e], p)
+                                             for e in range(bank.num_experts)])
+                  for p in PROJECTIONS]
+        self.executor = shared_executor()
+        self.executor.add_layer(self.shape.layer, *stacks, activation=self.shape.activation)
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
+        rt, bank, ex = self.runtime, self.bank, self.executor
+        if rt is None or bank is None or ex is None:
+            raise RuntimeError(f"layer {self.shape.layer}: hybrid experts used before "
+                               "attach_offload() and attach_hybrid()")
+        layer = self.shape.layer
+        pool = rt.cache.pool(layer)
+        flat = topk_ids.reshape(-1).tolist()
+        needed = sorted(set(flat))
+        hits, misses = pool.lookup(layer, needed)
+        if len(needed) > pool.num_slots or len(misses) > STREAM_ABOVE * self.shape.num_experts:
+            return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
+        self._observe_last()
+        uses = Counter(flat)
+        by_use = sorted(misses, key=lambda e: (-uses[e], e))
+        n = self.policy.n_fetch(len(misses))
+        fetched, on_cpu = sorted(by_use[:n]), set(by_use[n:])
+        future, t0 = None, time.perf_counter()
+        if on_cpu:
+            cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(topk_ids.shape)
+            future = ex.submit(x, cpu_ids, topk_weights, layer)
+        slot_of, fetch = self._fetch(pool, hits, fetched)
+        compute = rt.stats.span()
+        if slot_of:
+            w = topk_weights
+            if on_cpu:
+                keep = torch.tensor([e not in on_cpu for e in flat], device=x.device)
+                w = w * keep.view(w.shape).to(w.dtype)
+            out = self._compute(x, topk_ids, w, flat, pool, slot_of)
+        else:
+            out = torch.zeros_like(x)
+        compute.stop()
+        t_cpu = 0.0
+        if future is not None:
+            cpu_out = future.wait()
+            t_cpu = time.perf_counter() - t0
+            out = out + cpu_out.to(device=x.device, dtype=x.dtype)
+        self._last = (len(on_cpu), t_cpu, len(fetched), fetch)
+        rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
+                        len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
+                        cpu_experts=len(on_cpu), cpu_s=t_cpu)
+        rt.stats.set_fraction(layer, self.policy.fraction)
+        return out
+
+    def _observe_last(self) -> None:
+        """Feed the previous call's times to the policy (its copy has finished by now)."""
+        if self._last is None:
+            return
+        n_cpu, t_cpu, n_fetch, span = self._last
+        t_pcie = span.done() if span is not None else 0.0
+        if t_pcie is not None:
+            self.policy.observe(n_cpu, t_cpu, n_fetch, t_pcie)
+        self._last = None
+
+
+def attach_hybrid(model: nn.Module, threads: int, max_fetch: int | None = None,
+                  online: bool = True, checkpoint: str | None = None) -> list[HybridExperts]:
+    """Give every hybrid layer the CPU executor and its split from the bandwidth profile.
+
+    ``max_fetch`` (``--moe-hybrid-max-fetch N``) caps fetched experts per call; None (auto)
+    caps only layers without a profile row, at 1. Logs one line per distinct plan.
+    """
+    layers = [m for m in model.modules() if isinstance(m, HybridExperts)]
+    if not layers:
+        return []
+    profile = load_profile_or_empty()
+    by_kind: dict[LayerKind, list[HybridExperts]] = {}
+    for m in layers:
+        m.attach_executor()
+        by_kind.setdefault(m.kind(), []).append(m)
+    for kind, ms in by_kind.items():
+        ids = [m.shape.layer for m in ms]
+        match: Match = lookup(profile, kind, threads, ids, checkpoint)
+        for m in ms:
+            m.policy = SplitPolicy(match.fraction, max_fetch if match.row else
+                                   (max_fetch or match.max_fetch), online)
+        assert ms[0].bank is not None
+        what = (f"at {100 * match.fraction:.1f} % (row {match.used})"
+                if match.fraction is not None else f"at a fetch cap of {ms[0].policy.max_fetch}")
+        log.info("MoE plan: hybrid on %d %s layer%s %s%s", len(ms), ms[0].bank.layout.kind,
+                 "" if len(ms) == 1 else "s", what, ", corrected online" if online else "")
+    return layers

@@ -1,0 +1,125 @@
+"""Hybrid: the split policy converges on a simulated CPU/PCIe pair, each layer finds its
+profile row (or falls back to a cap of 1 with a warning), and the text equals resident's."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing
+from freetoken.moe.hybrid import HybridExperts, SplitPolicy, attach_hybrid
+from freetoken.moe.offload import offload_stats
+from freetoken.moe.profile import VERSION, Row, save_rows
+from tests.models.helpers import load_ours, our_logits
+
+IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8]
+
+
+def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
+             steps: int = 200, noise: float = 0.1, seed: int = 0) -> list[float]:
+    """A layer step with 8 misses: the CPU and the link take a known time per expert."""
+    rng = random.Random(seed)
+    times = []
+    for _ in range(steps):
+        n = policy.n_fetch(8)
+        t_pcie = n * pcie_per_expert * (1 + noise * rng.uniform(-1, 1))
+        t_cpu = (8 - n) * cpu_per_expert * (1 + noise * rng.uniform(-1, 1))
+        policy.observe(8 - n, t_cpu, n, t_pcie)
+        times.append(max(t_cpu, t_pcie))
+    return times
+
+
+@pytest.mark.parametrize("ratio", [0.25, 1.0, 3.0])
+@pytest.mark.parametrize("start", [None, 0.0, 0.9])
+def test_online_split_converges_to_equal_finish(ratio, start):
+    """CPU ``ratio`` times slower per expert than the link: balance at f = ratio / (1 + ratio),
+    from a profile fraction that is wrong (0.0 or 0.9) or absent (cap 1)."""
+    policy = SplitPolicy(fraction=start, max_fetch=None if start is not None else 1)
+    times = simulate(policy, cpu_per_expert=ratio, pcie_per_expert=1.0)
+    want = ratio / (1 + ratio)
+    assert policy.fraction == pytest.approx(want, abs=0.05)
+    best = min(max(n * 1.0, (8 - n) * ratio) for n in range(9))
+    assert sum(times[-50:]) / 50 <= best * 1.2  # within noise of the best integer split
+    # never worse than offload alone (all fetched) or cpu alone
+    assert sum(times[-50:]) / 50 <= min(8 * 1.0, 8 * ratio) * 1.1
+
+
+def test_split_without_online_correction_stays_put():
+    policy = SplitPolicy(fraction=0.9, max_fetch=None, online=False)
+    simulate(policy, cpu_per_expert=1.0, pcie_per_expert=1.0, steps=20)
+    assert policy.fraction == 0.9 and policy.n_fetch(10) == 9
+    assert SplitPolicy(fraction=0.5, max_fetch=2).n_fetch(10) == 2
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hybrid") / "q8.gguf"
+    return convert_to_gguf(open_checkpoint(tiny_qwen3_moe), out,
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+
+
+def _hybrid(path, threads: int = 1, max_fetch: int | None = None):
+    from freetoken.moe.cpu import shared_executor
+
+    shared_executor(threads=1)
+    model = load_ours(path, strategy="hybrid", cache=CacheSizing("size", 3))
+    layers = attach_hybrid(model, threads, max_fetch, online=True, checkpoint=str(path))
+    return model, layers
+
+
+def test_each_layer_finds_its_row(q8_gguf, tmp_path, monkeypatch, caplog):
+    profile = tmp_path / "benchbw.json"
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(profile))
+    key = "gguf[down_type=8,gate_up_type=8]:64x32:top2:t1"
+    row = Row(100.0, 30.0, 90.0, 30.0, {"isa": "test"})
+    save_rows({key: row}, profile)
+    assert json.loads(profile.read_text())["version"] == VERSION
+    with caplog.at_level("INFO"):
+        _, layers = _hybrid(q8_gguf)
+    assert [m.shape.layer for m in layers] == [0, 2]
+    assert all(m.policy.fraction == pytest.approx(0.25) and m.policy.max_fetch is None
+               for m in layers)
+    assert f"hybrid on 2 q8_0 layers at 25.0 % (row {key})" in caplog.text
+    # the nearest thread count serves a server with another worker count
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        _, layers = _hybrid(q8_gguf, threads=4)
+    assert layers[0].policy.fraction == pytest.approx(0.25)
+    assert "nearest thread count" in caplog.text
+    # no row for the format: a cap of 1, with a warning naming the key
+    profile.unlink()
+    save_rows({"bf16:64x32:top2:t1": row}, profile)
+    caplog.clear()
+    _, layers = _hybrid(q8_gguf)
+    assert all(m.policy.fraction is None and m.policy.max_fetch == 1 for m in layers)
+    assert f"no row for {key}" in caplog.text and "ft bench bw --model" in caplog.text
+
+
+def test_damaged_profile_falls_back_to_cap_1(q8_gguf, tmp_path, monkeypatch, caplog):
+    profile = tmp_path / "benchbw.json"
+    profile.write_text("{not json")
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(profile))
+    _, layers = _hybrid(q8_gguf, max_fetch=2)
+    assert all(m.policy.max_fetch == 2 for m in layers)
+    assert str(profile) in caplog.text and "ft bench bw" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["hf", "q8_0"])
+def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monkeypatch, fmt):
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    path = tiny_qwen3_moe if fmt == "hf" else q8_gguf
+    resident = our_logits(load_ours(path), IDS, prefill=4)
+    model, layers = _hybrid(path)
+    hybrid = our_logits(model, IDS, prefill=4)
+    torch.testing.assert_close(hybrid, resident, atol=3e-3, rtol=3e-3)
+    assert torch.equal(hybrid.argmax(-1), resident.argmax(-1))
+    stats = offload_stats(model)
+    assert stats is not None
+    assert stats["cpu_experts"] > 0 and stats["misses"] > 0 and stats["hits"] > 0
+    assert all("fetch_fraction" in s for s in stats["layers"].values())
+    assert isinstance(layers[0], HybridExperts)

@@ -38,8 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-strategy",
         default="resident",
-        choices=strategy_names(),
-        help="where MoE experts live and how a miss is served",
+        choices=["auto", *strategy_names()],
+        help="where MoE experts live and how a miss is served: resident (all on the device), "
+        "offload (host RAM + a device expert cache, misses fetched), cpu (computed on the "
+        "CPU), hybrid (misses split between fetch and CPU), auto (per layer: resident while "
+        "it fits, then what the `ft bench bw` profile recommends, else offload)",
     )
     g.add_argument(
         "--max-seq-len",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +15,9 @@ from freetoken.config import CacheSizing, EngineConfig, human_bytes
 from freetoken.cpus import usable_cores
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import PoolPlan
+
+if TYPE_CHECKING:
+    from freetoken.moe.profile import LayerKind
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +185,33 @@ def _layer_span(layers: tuple[int, ...]) -> str:
     if len(layers) > 1 and list(layers) == list(range(layers[0], layers[-1] + 1)):
         return f"{layers[0]}..{layers[-1]}"
     return ",".join(map(str, layers))
+
+
+def plan_auto(kinds: dict[LayerKind, list[int]], num_layers: int, layer_bytes: int,
+              budget: int, recommend: Callable[[LayerKind], str | None]) -> tuple[str, ...]:
+    """``--moe-strategy auto`` per layer: resident while ``layer_bytes`` per layer fit in
+    ``budget`` (device memory left after the dense weights, the KV floor and the expert cache),
+    then per layer kind what its profile row recommends (``hybrid`` or ``offload``), else offload.
+    ``recommend(kind)`` returns the row's recommendation or None when the kind has no row."""
+    plan = ["resident"] * num_layers
+    moe = sorted(layer for layers in kinds.values() for layer in layers)
+    fit = max(0, min(len(moe), budget // layer_bytes)) if layer_bytes else len(moe)
+    rest = set(moe[fit:])
+    unbenched = []
+    for kind, layers in kinds.items():
+        rec = recommend(kind) if rest & set(layers) else None
+        if rest & set(layers) and rec is None:
+            unbenched.append(kind)
+        for layer in layers:
+            if layer in rest:
+                plan[layer] = rec or "offload"
+    if unbenched:
+        log.info("--moe-strategy auto: no bandwidth profile row for %s; those layers offload. "
+                 "Run `ft bench bw --model <checkpoint>` to let auto choose hybrid where it is "
+                 "faster", ", ".join(k.key(0)[:-3] for k in unbenched))
+    counts: dict[str, int] = {}
+    for layer in moe:
+        counts[plan[layer]] = counts.get(plan[layer], 0) + 1
+    log.info("--moe-strategy auto: %s", ", ".join(f"{s} on {n} layer{'s' * (n != 1)}"
+                                                  for s, n in counts.items()))
+    return tuple(plan)

@@ -16,11 +16,14 @@ from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
+from freetoken.moe import cpu_executor
 from freetoken.moe.cpu import shared_executor
 from freetoken.moe.host_banks import available_host_bytes, check_host_memory, expert_bytes
 from freetoken.moe.hybrid import attach_hybrid
 from freetoken.moe.offload import attach_offload
-from freetoken.resolve import CPU_POOL_STRATEGIES
+from freetoken.moe.profile import LayerKind, layer_kinds, load_profile_or_empty, lookup
+from freetoken.moe.strategy import StrategyPlan
+from freetoken.resolve import CPU_POOL_STRATEGIES, plan_auto
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +41,22 @@ class ModelRunner:
         self.model_config = mc = self.ckpt.config
         if cfg.moe_strategy in CPU_POOL_STRATEGIES:  # the first call sizes the CPU pool
             shared_executor(threads=cfg.moe_cpu_threads or None)
+        self.plan: StrategyPlan = cfg.moe_strategy
+        if cfg.moe_strategy == "auto":
+            self.plan = self._plan_auto()
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(mc, cfg.moe_strategy)
+                self.model = build_model(mc, self.plan)
         finally:
             torch.set_default_dtype(prev)
-        if cfg.moe_strategy == "offload":
+        if any(p in ("offload", "hybrid", "cpu") for p in _names(self.plan)):
             check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)
         self.model.eval()
         self.offload = attach_offload(self.model, cfg.moe_cache, self._cache_budget)
-        if cfg.moe_strategy in CPU_POOL_STRATEGIES:
+        if "hybrid" in _names(self.plan):
             attach_hybrid(self.model, shared_executor().threads,
                           cfg.moe_hybrid_max_fetch or None, cfg.moe_hybrid_online,
                           str(self.ckpt.path))
@@ -69,6 +75,33 @@ class ModelRunner:
         log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s; KV pool %d pages x %d tokens",
                  self.ckpt.path.name, mc.family, mc.num_layers, cfg.device, cfg.dtype,
                  self.load_s, self.kv.num_pages, page_size)
+
+    def _plan_auto(self) -> tuple[str, ...]:
+        """Resident layers while they fit on the device, then hybrid or offload per layer kind
+        from the bandwidth profile; on the CPU every MoE layer runs on the CPU pool."""
+        mc, ckpt = self.model_config, self.ckpt
+        kinds = layer_kinds(ckpt)
+        if self.device.type != "cuda":
+            name = "cpu" if cpu_executor.available() is None else "resident"
+            return tuple(name if moe else "resident" for moe in mc.moe_layers)
+        size = self.dtype.itemsize
+        dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+        layer_bytes = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
+        kv = self.cfg.kv_reserve_tokens * PagedKV.bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        sizing = self.cfg.moe_cache
+        cache = {"mem": sizing.value, "rate": sizing.value * layer_bytes * len(mc.moe_layers),
+                 "size": sizing.value * layer_bytes / max(1, mc.num_experts)}.get(sizing.kind, 0)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(free - dense * size - kv - cache - 0.05 * total)
+        profile = load_profile_or_empty()
+        threads = shared_executor().threads
+
+        def recommend(kind: LayerKind) -> str | None:
+            match = lookup(profile, kind, threads)
+            return match.row.recommended if match.row is not None else None
+
+        return plan_auto(kinds, mc.num_layers, layer_bytes, budget, recommend)
 
     def _cache_budget(self, margin: float = 0.05) -> int:
         """Bytes ``--moe-cache-auto`` may give the expert cache: the device memory left after
@@ -118,3 +151,7 @@ class ModelRunner:
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         ctx = ForwardContext.build(self.kv, segments, self.device, self.windows, all_logits)
         return self.model(ids, ctx)
+
+
+def _names(plan: StrategyPlan) -> set[str]:
+    return {plan} if isinstance(plan, str) else set(plan)

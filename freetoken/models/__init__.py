@@ -7,6 +7,7 @@ from torch import nn
 from freetoken.config import ModelConfig
 from freetoken.models.gemma3 import Gemma3ForCausalLM
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+from freetoken.moe.strategy import StrategyPlan
 
 MODELS: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -14,6 +15,6 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(cfg: ModelConfig, strategy: str = "resident") -> nn.Module:
+def build_model(cfg: ModelConfig, strategy: StrategyPlan = "resident") -> nn.Module:
     """Build the module tree (uninitialised weights) for ``cfg`` on the current default device."""
     return MODELS[cfg.family](cfg, strategy)

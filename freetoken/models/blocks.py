@@ -15,7 +15,7 @@ from freetoken.layers.attention import attention
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.moe.strategy import ExpertShape, make_experts
+from freetoken.moe.strategy import ExpertShape, StrategyPlan, make_experts
 
 
 class Attention(nn.Module):
@@ -67,11 +67,12 @@ class MoEBlock(nn.Module):
     Where the experts live and how a cache miss is served is the strategy's business.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, strategy: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, strategy: StrategyPlan) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
-        self.experts = make_experts(strategy, ExpertShape(
+        name = strategy if isinstance(strategy, str) else strategy[layer]
+        self.experts = make_experts(name, ExpertShape(
             layer, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k,
             cfg.hidden_act,
         ))

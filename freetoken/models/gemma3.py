@@ -19,10 +19,12 @@ from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
 from freetoken.models.blocks import MLP, Attention, MoEBlock
+from freetoken.moe.strategy import StrategyPlan
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, strategy: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary,
+                 strategy: StrategyPlan) -> None:
         super().__init__()
         sliding = cfg.sliding_layers[layer]
         window = cfg.sliding_window if sliding else 0
@@ -43,7 +45,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: str) -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan) -> None:
         super().__init__()
         local = Rotary(cfg.head_dim, cfg.rope_local_theta, cfg.max_position)
         full = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling_factor)
@@ -63,7 +65,7 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: str = "resident") -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
         super().__init__()
         self.config = cfg
         self.model = Gemma3TextModel(cfg, strategy)

@@ -16,10 +16,12 @@ from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
 from freetoken.models.blocks import MLP, Attention, MoEBlock
+from freetoken.moe.strategy import StrategyPlan
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary, strategy: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary,
+                 strategy: StrategyPlan) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, rotary)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -35,7 +37,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: str) -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan) -> None:
         super().__init__()
         rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -53,7 +55,7 @@ class Qwen3MoeModel(nn.Module):
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: str = "resident") -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
         super().__init__()
         self.config = cfg
         self.model = Qwen3MoeModel(cfg, strategy)

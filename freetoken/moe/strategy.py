@@ -43,6 +43,8 @@ class Experts(nn.Module):
 
 
 ExpertsFactory = Callable[[ExpertShape], Experts]
+# One strategy for every MoE layer, or one per layer (``--moe-strategy auto`` resolved)
+StrategyPlan = str | tuple[str, ...]
 STRATEGIES: dict[str, ExpertsFactory] = {}
 
 

@@ -123,3 +123,22 @@ def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monk
     assert stats["cpu_experts"] > 0 and stats["misses"] > 0 and stats["hits"] > 0
     assert all("fetch_fraction" in s for s in stats["layers"].values())
     assert isinstance(layers[0], HybridExperts)
+
+
+def test_auto_plan_per_layer(caplog):
+    from freetoken.moe.profile import LayerKind
+    from freetoken.resolve import plan_auto
+
+    q8 = LayerKind("gguf", 2816, 704, 8, (("down_type", "8"), ("gate_up_type", "8")))
+    bf = LayerKind("bf16", 2816, 704, 8)
+    kinds = {q8: list(range(1, 30)), bf: [30]}  # layer 0 dense
+    recs = {q8: "hybrid", bf: None}
+    with caplog.at_level("INFO"):
+        plan = plan_auto(kinds, 31, layer_bytes=10, budget=35, recommend=recs.get)
+    assert plan[:4] == ("resident",) * 4 and plan[4:30] == ("hybrid",) * 26
+    assert plan[30] == "offload"
+    assert "resident on 3 layers, hybrid on 26 layers, offload on 1 layer" in caplog.text
+    assert "no bandwidth profile row for bf16:2816x704:top8" in caplog.text
+    everything = plan_auto(kinds, 31, layer_bytes=10, budget=10**6, recommend=recs.get)
+    assert set(everything) == {"resident"}
+    assert plan_auto({q8: [0, 1]}, 2, 10, 0, lambda k: "offload") == ("offload", "offload")

@@ -8,6 +8,12 @@ experts (the engine's own stats, differenced over the measured run).
 PCIe roofline (offload): tokens/s <= gather GB/s / miss bytes per token, where the gather
 bandwidth is measured in the same run by the engine's own copy path (bank rows -> device rows,
 --gather-experts experts at a time, as one layer's misses arrive).
+Hybrid roofline: tokens/s <= (CPU + PCIe GB/s, overlapped) / miss bytes per token (fetched and
+CPU-computed misses), the GB/s from the layer kind's row of the bandwidth profile, which the
+GPU script writes with `ft bench bw --model` just before.
+
+Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no correction),
+hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online).
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -35,7 +41,8 @@ from freetoken.engine.sample import SamplingParams  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 from freetoken.resolve import parse_bytes  # noqa: E402
 
-COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s")
+COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
+            "cpu_experts", "cpu_s")
 
 
 def sync(device: torch.device) -> None:
@@ -71,7 +78,7 @@ def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> di
     if not before or not after:
         return {}
     d = {k: after[k] - before[k] for k in COUNTERS}
-    lookups = d["hits"] + d["misses"]
+    lookups = d["hits"] + d["misses"] + d["cpu_experts"]
     d["hit_rate"] = d["hits"] / lookups if lookups else 0.0
     d["bytes_per_token"] = d["bytes_fetched"] / d["tokens"] if d["tokens"] else 0.0
     d["layers"] = {
@@ -80,12 +87,35 @@ def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> di
     return d
 
 
-def run_strategy(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online)
+    "hybrid-cap1": ("hybrid", 1, False),
+    "hybrid-profile": ("hybrid", 0, False),
+    "hybrid-online": ("hybrid", 0, True),
+}
+
+
+def hybrid_roofline_gbps(engine: Engine) -> float | None:
+    """Overlapped CPU + PCIe GB/s of the model's first hybrid layer kind, from the profile."""
+    from freetoken.moe.hybrid import HybridExperts
+    from freetoken.moe.profile import load_profile_or_empty, lookup
+
+    layers = [m for m in engine.model.modules() if isinstance(m, HybridExperts)]
+    if not layers or layers[0].executor is None:
+        return None
+    match = lookup(load_profile_or_empty(), layers[0].kind(), layers[0].executor.threads)
+    if match.row is None:
+        return None
+    return match.row.cpu_overlapped_gbps + match.row.pcie_overlapped_gbps
+
+
+def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    strategy, max_fetch, online = VARIANTS.get(name, (name, 0, True))
     graphs = args.cuda_graph_max_bs if strategy == "resident" and args.device == "cuda" else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        moe_strategy=strategy, max_seq_len=args.tokens + 256,
                        cuda_graph_max_bs=graphs, moe_cpu_threads=args.moe_cpu_threads,
-                       moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)))
+                       moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
+                       moe_hybrid_max_fetch=max_fetch, moe_hybrid_online=online)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load_s = time.perf_counter() - t0
@@ -105,13 +135,25 @@ def run_strategy(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
                      "prefill_s": stats.prefill_s, "wall_s": wall,
                      "moe": moe_delta(before, after)})
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
-    out: dict[str, Any] = {"strategy": strategy, "load_s": load_s, "cuda_graph_max_bs": graphs,
+    out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
                            "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"]}
     if rt is not None:
         moe = best["moe"]
+        seconds = best["wall_s"]
         gather = gather_bytes_per_s(engine, args.gather_experts)
         roofline = gather / moe["bytes_per_token"] if moe["bytes_per_token"] else float("inf")
-        seconds = best["wall_s"]
+        expert = next(m.bank.expert_bytes for m in engine.model.modules()
+                      if isinstance(m, OffloadExperts) and m.bank is not None)
+        miss_bytes = moe["bytes_per_token"] + expert * moe["cpu_experts"] / moe["tokens"]
+        hybrid_gbps = hybrid_roofline_gbps(engine)
+        if hybrid_gbps:
+            out |= {"hybrid_overlapped_gbps": hybrid_gbps, "all_miss_bytes_per_token": miss_bytes,
+                    "hybrid_roofline_tokens_per_s": hybrid_gbps * 1e9 / miss_bytes,
+                    "fraction_of_hybrid_roofline":
+                        best["decode_tokens_per_s"] * miss_bytes / (hybrid_gbps * 1e9),
+                    "share_cpu_wait": moe["cpu_s"] / seconds,
+                    "fetch_fractions": {k: v.get("fetch_fraction") for k, v in
+                                        rt.stats.snapshot()["layers"].items()}}
         out |= {
             "cache_slots": rt.cache.num_slots, "cache_bytes": rt.cache.nbytes,
             "hit_rate": moe["hit_rate"], "miss_bytes_per_token": moe["bytes_per_token"],

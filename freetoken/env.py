@@ -27,3 +27,9 @@ def benchbw_path() -> Path | None:
     ``cache_dir() / "benchbw.json"``."""
     value = os.environ.get("FREETOKEN_BENCHBW_PATH", "").strip()
     return Path(value).expanduser() if value else None
+
+
+def git_sha() -> str | None:
+    """FREETOKEN_GIT_SHA: the commit to record in bench results when the tree was copied
+    without its git history; unset means ask git."""
+    return os.environ.get("FREETOKEN_GIT_SHA", "").strip() or None

@@ -1,9 +1,9 @@
 """CPU MoE and gather bandwidth of one MoE layer kind, on synthetic expert banks.
 
 A bank holds E synthetic experts in the kind's formats, laid out by :class:`BankBuilder` as the
-serving banks are, with unit scales in block formats (a zero scale makes every weight a
-denormal, which slows the CPU kernels several-fold). :class:`LayerBench` measures, each over a
-wall-clock window:
+serving banks are, with unit scales in block formats (a zero-filled scale is 0, or the denormal
+2**-127 in e8m0, and denormal weights slow the CPU kernels several-fold). :class:`LayerBench`
+measures, each over a wall-clock window:
 
 - CPU MoE: decode-like calls (1..4 tokens, top-k distinct random experts per token) on the CPU
   executor, which reads the bank in place; GB/s = expert weight bytes the kernels read / time.
@@ -45,7 +45,7 @@ from freetoken.quant import QuantTensor, format_for_gguf_type, get_format
 from freetoken.quant.floats import to_bf16
 
 BATCHES = (1, 2, 3, 4)  # tokens per decode-like call, cycled
-WORKING_SET_L3 = 4  # a bank is at least this many times the L3, so weights come from DRAM
+WORKING_SET_L3 = 8  # a bank is at least this many times the L3, so weights come from DRAM
 DISTINCT = 4  # experts with their own random bytes; the rest of the bank repeats them
 WARMUP_CALLS = 4
 MIN_CALLS = 3
@@ -215,8 +215,8 @@ class LayerBench:
                  device: torch.device, activation: str = "silu", layer: int = 0) -> None:
         self.bank, self.ex, self.layer = bank, executor, layer
         lay = bank.layout
-        stacks = [cx.ExpertStack.from_quant(lay.quant(bank.rows, p)) for p in PROJECTIONS]
-        self.kernels = executor.add_layer(layer, *stacks, activation=activation).kernels
+        gate, up, down = (cx.ExpertStack.from_quant(lay.quant(bank.rows, p)) for p in PROJECTIONS)
+        self.kernels = executor.add_layer(layer, gate, up, down, activation=activation).kernels
         E = bank.num_experts
         self.calls = draw_calls(E, kind.top_k, kind.hidden)
         slots = min(E, kind.top_k * max(BATCHES))

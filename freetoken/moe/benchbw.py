@@ -19,9 +19,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from freetoken import env
 from freetoken.checkpoint.synth.presets import PRESETS, parse_expert_formats
 from freetoken.errors import CheckpointError, ConfigError
 from freetoken.moe import bandwidth as bw
@@ -177,45 +179,59 @@ def bench_kinds(targets: Sequence[Target], threads: int = 0, device: str = "auto
                               f"{bw.kind_name(t.kind)}; pass --experts {t.kind.top_k} or more")
     common = _host_meta(dev)
     rows: dict[str, Row] = {}
-    bar = tqdm(total=len(targets) * len(PHASES), desc="ft bench bw", unit="phase",
-               disable=not progress)
-    for t in targets:
-        name = bw.kind_name(t.kind)
-        missing = bw.cpu_kernel_missing(t.kind, t.activation)
-        if missing is not None:
-            log.warning("skipping layer kind %s (from %s): %s", name, ", ".join(t.sources),
-                        missing)
-            bar.update(len(PHASES))
-            continue
-        bar.set_postfix_str(f"{name} {PHASES[0]}")
-        bank = bw.synthetic_bank(t.kind, experts, t.experts, pinned=dev.type == "cuda")
-        bar.update()
-        ex = cx.CpuMoeExecutor(threads=threads or None)  # what `ft serve` does
-        try:
-            try:
-                bench = bw.LayerBench(t.kind, bank, ex, dev, t.activation)
-            except ValueError as e:
-                log.warning("skipping layer kind %s (from %s): %s", name, ", ".join(t.sources), e)
-                bar.update(len(PHASES) - 1)
-                continue
-            results = []
-            for phase, run in zip(PHASES[1:], (bench.cpu, bench.gather, bench.overlapped),
-                                  strict=True):
-                bar.set_postfix_str(f"{name} {phase}")
-                results.append(run(seconds))
-                bar.update()
-            cpu, pcie, (cpu_ov, pcie_ov) = results
-            meta = {**common, "isa": ex.isa, "cores": list(ex.cores),
-                    "activation": t.activation,
-                    "kernels": [f"{isa}/{act}" for isa, act in bench.kernels],
-                    "sources": list(t.sources), "experts": bank.num_experts,
-                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            rows[t.kind.key(ex.threads)] = Row(cpu, pcie, cpu_ov, pcie_ov, meta)
-        finally:
-            ex.close()
-            del bank
-    bar.close()
+    with tqdm(total=len(targets) * len(PHASES), desc="ft bench bw", unit="phase",
+              disable=not progress) as bar:
+        for t in targets:
+            done = _bench_one(t, threads, dev, seconds, experts, common, bar)
+            if done is not None:
+                rows[done[0]] = done[1]
     return rows
+
+
+def _bench_one(t: Target, threads: int, dev: torch.device, seconds: float,
+               experts: int | None, common: dict[str, object], bar: Any,
+               ) -> tuple[str, Row] | None:
+    """One kind's key and row, None when it is skipped. Its bank and executor are freed on
+    return, before the next kind's are made."""
+    name = bw.kind_name(t.kind)
+
+    def skip(why: object, phases_left: int) -> None:
+        log.warning("skipping layer kind %s (from %s): %s", name, ", ".join(t.sources), why)
+        bar.update(phases_left)
+
+    def running(phase: str) -> None:
+        bar.set_postfix_str(f"{name} {phase}")
+
+    missing = bw.cpu_kernel_missing(t.kind, t.activation)
+    if missing is not None:
+        skip(missing, len(PHASES))
+        return None
+    running("banks")
+    bank = bw.synthetic_bank(t.kind, experts, t.experts, pinned=dev.type == "cuda")
+    bar.update()
+    ex = cx.CpuMoeExecutor(threads=threads or None)  # what `ft serve` does with the flag
+    try:
+        try:
+            bench = bw.LayerBench(t.kind, bank, ex, dev, t.activation)
+        except ValueError as e:  # the kernels refuse this shape or format mix
+            skip(e, len(PHASES) - 1)
+            return None
+        running("cpu")
+        cpu = bench.cpu(seconds)
+        bar.update()
+        running("gather")
+        pcie = bench.gather(seconds)
+        bar.update()
+        running("overlapped")
+        cpu_ov, pcie_ov = bench.overlapped(seconds)
+        bar.update()
+    finally:
+        ex.close()
+    meta = {**common, "isa": ex.isa, "cores": list(ex.cores), "activation": t.activation,
+            "kernels": [f"{isa}/{act}" for isa, act in bench.kernels],
+            "sources": list(t.sources), "experts": bank.num_experts,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return t.kind.key(ex.threads), Row(cpu, pcie, cpu_ov, pcie_ov, meta)
 
 
 def _host_meta(device: torch.device) -> dict[str, object]:
@@ -235,7 +251,10 @@ def _cpu_model() -> str:
 
 
 def _commit() -> str | None:
-    """The package's git commit, ``+dirty`` when its tree has changes; None outside git."""
+    """The package's git commit, ``+dirty`` when its tree has changes; None outside git.
+    FREETOKEN_GIT_SHA names it for a tree copied without its history."""
+    if env.git_sha():
+        return env.git_sha()
     root = Path(__file__).resolve().parents[2]
 
     def git(*cmd: str) -> str | None:

@@ -56,6 +56,9 @@ def gather_bytes_per_s(engine: Engine, experts: int, seconds: float = 2.0) -> fl
     layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
     rt: OffloadRuntime | None = engine.runner.offload
     assert rt is not None and layers
+    sizes = [m.bank.expert_bytes for m in layers if m.bank is not None]
+    size = max(set(sizes), key=sizes.count)  # the most common expert size
+    layers = [m for m in layers if m.bank is not None and m.bank.expert_bytes == size]
     bank = layers[0].bank
     assert bank is not None
     dst = torch.empty(experts, bank.expert_bytes, dtype=torch.uint8, device=rt.device)

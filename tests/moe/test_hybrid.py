@@ -142,3 +142,18 @@ def test_auto_plan_per_layer(caplog):
     everything = plan_auto(kinds, 31, layer_bytes=10, budget=10**6, recommend=recs.get)
     assert set(everything) == {"resident"}
     assert plan_auto({q8: [0, 1]}, 2, 10, 0, lambda k: "offload") == ("offload", "offload")
+
+
+@pytest.mark.cuda
+def test_hybrid_on_cuda_close_to_resident(q8_gguf, tmp_path, monkeypatch):
+    from freetoken.moe.cpu import shared_executor
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    shared_executor(threads=1)
+    resident = our_logits(load_ours(q8_gguf, torch.bfloat16, "cuda"), IDS, 4, "cuda")
+    model = load_ours(q8_gguf, torch.bfloat16, "cuda", "hybrid", CacheSizing("size", 3))
+    attach_hybrid(model, 1, None, online=True)
+    hybrid = our_logits(model, IDS, 4, "cuda")
+    torch.testing.assert_close(hybrid, resident, atol=5e-2, rtol=5e-2)
+    stats = offload_stats(model)
+    assert stats is not None and stats["cpu_experts"] > 0 and stats["misses"] > 0

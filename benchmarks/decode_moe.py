@@ -13,7 +13,8 @@ CPU-computed misses), the GB/s from the layer kind's row of the bandwidth profil
 GPU script writes with `ft bench bw --model` just before.
 
 Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no correction),
-hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online).
+hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online); all
+but cpu decode through CUDA graphs (pieces around host-planned experts), offload-eager without.
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -90,10 +91,11 @@ def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> di
     return d
 
 
-VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online)
-    "hybrid-cap1": ("hybrid", 1, False),
-    "hybrid-profile": ("hybrid", 0, False),
-    "hybrid-online": ("hybrid", 0, True),
+VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online, graphs)
+    "offload-eager": ("offload", 0, True, False),
+    "hybrid-cap1": ("hybrid", 1, False, True),
+    "hybrid-profile": ("hybrid", 0, False, True),
+    "hybrid-online": ("hybrid", 0, True, True),
 }
 
 
@@ -112,8 +114,9 @@ def hybrid_roofline_gbps(engine: Engine) -> float | None:
 
 
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    strategy, max_fetch, online = VARIANTS.get(name, (name, 0, True))
-    graphs = args.cuda_graph_max_bs if strategy == "resident" and args.device == "cuda" else 0
+    strategy, max_fetch, online, capture = VARIANTS.get(name, (name, 0, True, True))
+    capture = capture and strategy != "cpu" and args.device == "cuda"
+    graphs = args.cuda_graph_max_bs if capture else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        moe_strategy=strategy, max_seq_len=args.tokens + 256,
                        cuda_graph_max_bs=graphs, moe_cpu_threads=args.moe_cpu_threads,
@@ -185,7 +188,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--gather-experts", type=int, default=8, help="experts per copy batch")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=16, help="for resident")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=16)
     p.add_argument("--label", default="")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))

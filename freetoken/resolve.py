@@ -54,9 +54,8 @@ def resolve_engine(args: Any) -> EngineConfig:
     if args.cuda_graph_max_bs < 0:
         raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {args.cuda_graph_max_bs}")
     graphs = args.cuda_graph_max_bs if device == "cuda" else 0
-    if graphs and args.moe_strategy != "resident":
-        log.info("--moe-strategy %s decides per layer on the host: decode runs eagerly "
-                 "(CUDA graphs need --moe-strategy resident)", args.moe_strategy)
+    if graphs and args.moe_strategy == "cpu":
+        log.info("--moe-strategy cpu: decode runs eagerly (CUDA graphs are not captured)")
         graphs = 0
     cache = _cache_sizing(args)
     if getattr(args, "kv_reserve_tokens", 0) < 0:

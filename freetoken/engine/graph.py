@@ -4,11 +4,18 @@ A decode step at batch b runs the graph captured for the smallest size >= b. Eve
 in a static buffer sized for that graph: keys are padded to the runner's full context, padded
 batch rows write their KV to a scratch page and attend to it alone, and their logits are
 dropped. Prefill and mixed steps, and batches above the largest size, run eagerly.
+
+Layers whose experts the host must plan (offload, hybrid: which slot, fetch or CPU) cannot be
+inside a graph. Their experts split the capture: each graph ends where such a layer's experts
+are called (its inputs, the normed hidden states and the routed ids and weights, stay in the
+graph's memory), the experts run eagerly on them between replays, and the next graph starts by
+reading their output from a static buffer. The dense part of every layer stays captured.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +51,52 @@ class _Graph:
             masks=self.masks, decode=True)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[Break] = []
+
+
+class Break:
+    """Host-planned experts between two captured pieces: their inputs and static output."""
+
+    def __init__(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                 w: torch.Tensor) -> None:
+        self.experts, self.x, self.ids, self.w = experts, x, ids, w
+        self.out = torch.zeros_like(x)
+
+    def run(self, n: int) -> None:
+        """The experts for the first ``n`` rows (padded rows keep a stale, finite output)."""
+        self.out[:n].copy_(self.experts(self.x[:n], self.ids[:n], self.w[:n]))
+
+
+class PiecewiseCapture:
+    """Capture state while a model forward is being recorded in pieces.
+
+    Host-planned experts call :meth:`split` instead of running: it ends the current piece,
+    records a :class:`Break` and begins the next piece, all in one memory pool.
+    """
+
+    def __init__(self, pool: tuple[int, int]) -> None:
+        self.pool = pool
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[Break] = []
+        self.current = torch.cuda.CUDAGraph()
+
+    def begin(self) -> None:
+        self.current.capture_begin(pool=self.pool)
+
+    def split(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+              w: torch.Tensor) -> torch.Tensor:
+        self.current.capture_end()
+        self.pieces.append(self.current)
+        brk = Break(experts, x, ids, w)
+        self.breaks.append(brk)
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+        return brk.out
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.pieces.append(self.current)
 
 
 class DecodeGraphs:
@@ -54,8 +107,10 @@ class DecodeGraphs:
         self.model, self.kv, self.keys, self.windows = model, kv, max_len, windows
         self.scratch = kv.allocate(1)[0] * kv.page_size
         self.graphs: dict[int, _Graph] = {}
-        pool = None
-        for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first: share its pool
+        self.recorders = list({id(rt): rt for m in model.modules()
+                               if (rt := getattr(m, "runtime", None)) is not None}.values())
+        pool = torch.cuda.graph_pool_handle()
+        for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first
             g = _Graph(bs, max_len, windows, kv, device)
             self._pad(g, 0)
             stream = torch.cuda.Stream()
@@ -63,15 +118,36 @@ class DecodeGraphs:
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # warm up: lazy inits must not land in the graph
                     model(g.ids, g.ctx)
-            torch.cuda.current_stream().wait_stream(stream)
-            g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=pool), torch.inference_mode():
-                g.out = model(g.ids, g.ctx)
-            pool = g.graph.pool()
+            if self.recorders:
+                self._capture_pieces(g, pool, stream)
+            else:
+                torch.cuda.current_stream().wait_stream(stream)
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph, pool=pool), torch.inference_mode():
+                    g.out = model(g.ids, g.ctx)
             self.graphs[bs] = g
         self.sizes = sorted(self.graphs)
-        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d)",
-                 self.sizes, max_len)
+        pieces = len(next(iter(self.graphs.values())).pieces) or 1
+        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s)",
+                 self.sizes, max_len, f"; {pieces} pieces around host-planned experts"
+                 if pieces > 1 else "")
+
+    def _capture_pieces(self, g: _Graph, pool: tuple[int, int],
+                        stream: torch.cuda.Stream) -> None:
+        cap = PiecewiseCapture(pool)
+        for rt in self.recorders:
+            rt.capture = cap
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.stream(stream), torch.inference_mode():
+                cap.begin()
+                g.out = self.model(g.ids, g.ctx)
+                cap.end()
+        finally:
+            for rt in self.recorders:
+                rt.capture = None
+        torch.cuda.current_stream().wait_stream(stream)
+        g.pieces, g.breaks = cap.pieces, cap.breaks
 
     def fits(self, segments: list[Segment]) -> bool:
         return len(segments) <= self.sizes[-1] and all(s.count == 1 for s in segments)
@@ -100,6 +176,13 @@ class DecodeGraphs:
             m[:n, ..., S:] = False
             m[:n, ..., :S].copy_(cpu.masks[w], non_blocking=True)
         self._pad(g, n)
-        assert g.graph is not None and g.out is not None
-        g.graph.replay()
+        assert g.out is not None
+        if g.pieces:
+            for i, piece in enumerate(g.pieces):
+                piece.replay()
+                if i < len(g.breaks):
+                    g.breaks[i].run(n)
+        else:
+            assert g.graph is not None
+            g.graph.replay()
         return g.out[:n]

@@ -137,6 +137,8 @@ class HybridExperts(OffloadExperts):
         if rt is None or bank is None or ex is None:
             raise RuntimeError(f"layer {self.shape.layer}: hybrid experts used before "
                                "attach_offload() and attach_hybrid()")
+        if rt.capture is not None:  # the host plans this call: leave it out of the graph
+            return rt.capture.split(self, x, topk_ids, topk_weights)
         layer = self.shape.layer
         pool = rt.cache.pool(layer)
         flat = topk_ids.reshape(-1).tolist()

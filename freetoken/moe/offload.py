@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
+from freetoken.engine.graph import PiecewiseCapture
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
 from freetoken.moe.host_banks import BankBuilder, HostBank
@@ -48,6 +49,7 @@ class OffloadRuntime:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._staging: dict[int, list[torch.Tensor]] = {}
+        self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
 
     def staging(self, row_bytes: int) -> list[torch.Tensor]:
         if row_bytes not in self._staging:
@@ -116,6 +118,8 @@ class OffloadExperts(Experts):
         if rt is None or bank is None:
             raise RuntimeError(f"layer {self.shape.layer}: offloaded experts used before "
                                "attach_offload() gave them a cache")
+        if rt.capture is not None:  # the host plans this call: leave it out of the graph
+            return rt.capture.split(self, x, topk_ids, topk_weights)
         layer = self.shape.layer
         pool = rt.cache.pool(layer)
         flat = topk_ids.reshape(-1).tolist()

@@ -244,3 +244,30 @@ def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill):
     assert torch.equal(offload, resident)
     stats = offload_stats(model)
     assert stats is not None and stats["misses"] > 3 and stats["fetch_s"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy):
+    """Captured pieces with the experts run eagerly between them give eager decode's tokens."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.sample import SamplingParams
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    model = tmp_path / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--expert-format", "q8_0", "--out", str(model)], check=True,
+                   capture_output=True, timeout=300)
+    tokens = {}
+    for name, strat, graphs in (("eager", "resident", 0), ("graphs", strategy, 4)):
+        cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
+                           moe_strategy=strat, max_seq_len=256, cuda_graph_max_bs=graphs,
+                           moe_cpu_threads=1, moe_cache=CacheSizing("size", 5))
+        engine = Engine(cfg, progress=False)
+        if graphs:
+            g = engine.runner.graphs
+            assert g is not None and len(g.graphs[1].pieces) == 3  # 2 MoE layers -> 3 pieces
+        tokens[name] = engine.generate(engine.encode("hello world"),
+                                       SamplingParams(max_tokens=24, ignore_eos=True))
+    assert tokens["graphs"] == tokens["eager"]

@@ -260,10 +260,11 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
                     "--expert-format", "q8_0", "--out", str(model)], check=True,
                    capture_output=True, timeout=300)
     tokens = {}
-    for name, strat, graphs in (("eager", "resident", 0), ("graphs", strategy, 4)):
+    for name, graphs in (("eager", 0), ("graphs", 4)):
         cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
-                           moe_strategy=strat, max_seq_len=256, cuda_graph_max_bs=graphs,
-                           moe_cpu_threads=1, moe_cache=CacheSizing("size", 5))
+                           moe_strategy=strategy, max_seq_len=256, cuda_graph_max_bs=graphs,
+                           moe_cpu_threads=1, moe_cache=CacheSizing("size", 5),
+                           moe_hybrid_max_fetch=1, moe_hybrid_online=False)
         engine = Engine(cfg, progress=False)
         if graphs:
             g = engine.runner.graphs

@@ -96,7 +96,9 @@ FT_API int64_t ft_submit(void* ex, int layer, const float* x, const int64_t* ids
   return ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A);
 }
 
-FT_API int64_t ft_wait(void* ex, int64_t handle) { return ((ft::Executor*)ex)->wait(handle); }
+FT_API int64_t ft_wait(void* ex, int64_t handle, int64_t* ns) {
+  return ((ft::Executor*)ex)->wait(handle, ns);
+}
 
 FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);

@@ -285,10 +285,11 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   return slot;
 }
 
-int64_t Executor::wait(int64_t handle) {
+int64_t Executor::wait(int64_t handle, int64_t* ns) {
   int slot = (int)handle;
   pool_.wait(slot);
   int64_t bytes = jobs_[slot].weight_bytes;
+  if (ns) *ns = pool_.elapsed_ns(slot);
   pool_.release(slot);
   return bytes;
 }

@@ -87,7 +87,8 @@ class Executor {
   int64_t submit(int layer, const float* x, const int64_t* ids, const float* w, float* out,
                  int T, int A);
   // Blocks until the job is done; returns the weight bytes it read. Once per handle.
-  int64_t wait(int64_t handle);
+  // Block until the job is done; its weight bytes read, and its run time in *ns if given.
+  int64_t wait(int64_t handle, int64_t* ns = nullptr);
 
   // Seconds to read `bytes` of buf `reps` times with all workers (a stream-read ceiling).
   double stream_read(const uint8_t* buf, int64_t bytes, int reps);

@@ -114,6 +114,7 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
     s.done[p].v.store(0, std::memory_order_relaxed);
   }
   s.exited.v.store(0, std::memory_order_relaxed);
+  s.published_ns = now_ns();
   s.state.v.store(kReady, std::memory_order_release);
   std::lock_guard<std::mutex> lock(mu_);
   queue_[next_ticket_ % kQueue] = slot;
@@ -124,6 +125,10 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
 
 void Pool::wait(int slot) {
   await(slots_[slot].state, [](uint32_t v) { return v == kDone; }, wait_spin_ns_);
+}
+
+int64_t Pool::elapsed_ns(int slot) const {
+  return slots_[slot].done_ns - slots_[slot].published_ns;
 }
 
 void Pool::release(int slot) {
@@ -147,6 +152,7 @@ void Pool::run(Slot& s, int worker) {
       s.fn(s.ctx, p, item, worker);
       if ((int64_t)s.done[p].v.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
         if (p == last) {
+          s.done_ns = now_ns();
           s.state.v.store(kDone);
           wake(s.state);
         } else {

@@ -49,6 +49,8 @@ class Pool {
                unsigned overlap = 0);
   // Block until the slot's job is done.
   void wait(int slot);
+  // Nanoseconds from the slot's publish to its last item's end (valid after wait).
+  int64_t elapsed_ns(int slot) const;
   // Hand the slot back (after wait).
   void release(int slot);
   void debug();
@@ -64,6 +66,7 @@ class Pool {
     unsigned overlap = 0;
     ItemFn fn = nullptr;
     void* ctx = nullptr;
+    int64_t published_ns = 0, done_ns = 0;
   };
   enum : uint32_t { kFree = 0, kReady = 1, kDone = 2 };
   // Published jobs in order: ticket t runs slot queue_[t % kQueue]. An entry is rewritten only

@@ -190,10 +190,11 @@ class CpuMoeFuture:
         self._keep = keep  # inputs the workers read until the job is done
         self._done = False
         self.weight_bytes = 0
+        self.seconds = 0.0  # the pool's time on the job, from submit to its last item
 
     def wait(self) -> torch.Tensor:
         if not self._done:
-            self.weight_bytes = self._executor._wait(self._ticket)
+            self.weight_bytes, self.seconds = self._executor._wait(self._ticket)
             self._done = True
             self._keep = ()
         return self._out
@@ -339,11 +340,12 @@ class CpuMoeExecutor:
         """submit + wait."""
         return self.submit(hidden, expert_ids, weights, layer).wait()
 
-    def _wait(self, ticket: int) -> int:
-        nbytes = int(self._lib.ft_wait(self._handle, ticket))
+    def _wait(self, ticket: int) -> tuple[int, float]:
+        ns = ctypes.c_int64(0)
+        nbytes = int(self._lib.ft_wait(self._handle, ticket, ctypes.byref(ns)))
         with self._lock:
             self._in_flight -= 1
-        return nbytes
+        return nbytes, ns.value / 1e9
 
     def stream_read_seconds(self, buf: torch.Tensor, reps: int = 1) -> float:
         """Seconds for the workers to read ``buf`` ``reps`` times (the bandwidth ceiling)."""

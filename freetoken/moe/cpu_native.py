@@ -108,7 +108,7 @@ def native() -> ctypes.CDLL:
             c.c_int64,
             [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
         ),
-        "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64]),
+        "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64, c.POINTER(c.c_int64)]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
     }

@@ -25,7 +25,7 @@ class LayerStats:
     fetch_s: float = 0.0
     compute_s: float = 0.0
     cpu_experts: int = 0  # misses computed on the CPU (hybrid)
-    cpu_s: float = 0.0  # host wall time from CPU submit to its result (hybrid)
+    cpu_s: float = 0.0  # the CPU pool's time on its jobs, submit to last item (hybrid)
 
 
 class Span:

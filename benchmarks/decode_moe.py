@@ -193,7 +193,14 @@ def main() -> None:
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    results = [run_strategy(args, s) for s in args.strategies.split(",")]
+    results = []
+    for name in args.strategies.split(","):
+        try:
+            results.append(run_strategy(args, name))
+        except Exception as e:  # record it and go on: one broken strategy must not lose the rest
+            print(f"error: {name}: {type(e).__name__}: {e}", flush=True)
+            results.append({"strategy": name, "error": f"{type(e).__name__}: {e}"})
+            gc.collect()
     result = {
         "bench": "decode_moe", "label": args.label, **git_state(args.git_sha), **host(),
         "torch": torch.__version__,

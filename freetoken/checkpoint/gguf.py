@@ -145,6 +145,11 @@ class GGUFCheckpoint:
                 t = QuantTensor("f32", t.shape, self._as_float(t) - 1.0)
             yield ours, t
 
+    def stored_tensors(self) -> Iterator[tuple[str, QuantTensor]]:
+        """Every tensor under its GGUF name, exactly as stored (Gemma norms stay ``1 + w``)."""
+        for name, ne, ttype, offset in self._infos:
+            yield name, self._view(name, ne, ttype, offset)
+
     def _view(self, name: str, ne: list[int], ttype: int, offset: int) -> QuantTensor:
         fmt = format_for_gguf_type(ttype)
         shape = tuple(reversed(ne))

@@ -72,7 +72,7 @@ def write_gguf(
     plans = list(plans)
     w = GGUFWriter(path, arch)
     for key, value in {**gguf_metadata(cfg), **(extra or {})}.items():
-        _add(w, key, value)
+        add_metadata(w, key, value)
     for p in plans:
         fmt = get_format(p.fmt)
         nbytes = int(np.prod(p.shape[:-1], dtype=np.int64)) * fmt.row_bytes(p.shape[-1])
@@ -102,7 +102,7 @@ def _encode(x: torch.Tensor, p: TensorPlan, family: str) -> torch.Tensor:
     return out
 
 
-def _add(w: GGUFWriter, key: str, value: Any) -> None:
+def add_metadata(w: GGUFWriter, key: str, value: Any) -> None:
     if isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):

@@ -21,7 +21,7 @@ import torch
 from freetoken.checkpoint.base import Checkpoint
 from freetoken.errors import ConfigError
 from freetoken.moe.host_memory import host_buffer
-from freetoken.quant import QuantTensor, get_format
+from freetoken.quant import QuantTensor, dequantize_as
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ExpertLayout:
         qt = self.quant(rows, proj)
         if qt.fmt in _FLOAT_FORMATS:
             return qt.data if qt.data.dtype == dtype else qt.data.to(dtype)
-        return get_format(qt.fmt).dequantize(qt).to(dtype)
+        return dequantize_as(qt, dtype)
 
 
 def _align(n: int) -> int:

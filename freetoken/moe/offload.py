@@ -30,7 +30,7 @@ from freetoken.moe.host_banks import BankBuilder, HostBank
 from freetoken.moe.resident import gathered, grouped, use_gather
 from freetoken.moe.stats import MoEStats, Span
 from freetoken.moe.strategy import Experts, ExpertShape, register
-from freetoken.quant import QuantTensor
+from freetoken.quant import QuantTensor, dequantize_as
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +195,7 @@ class OffloadExperts(Experts):
 
 
 def _to_weight(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
-    from freetoken.quant import get_format
-
-    if qt.fmt in ("f32", "f16", "bf16"):
-        return qt.data.to(dtype)
-    return get_format(qt.fmt).dequantize(qt).to(dtype)
+    return dequantize_as(qt, dtype)
 
 
 class _Stream:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from gguf import GGMLQuantizationType
 
-from freetoken.quant.base import QuantFormat
+from freetoken.quant.base import QuantFormat, QuantTensor
 from freetoken.quant.floats import BF16, F16, F32
 from freetoken.quant.fp8_block import FP8Block
 from freetoken.quant.mxfp4 import MXFP4
@@ -40,6 +41,18 @@ def get_format(name: str) -> QuantFormat:
     except KeyError:
         choices = ", ".join(FORMATS)
         raise ValueError(f"unknown quant format {name!r} (choose from {choices})") from None
+
+
+def dequantize_as(t: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, the same values as ``dequantize(t).to(dtype)``; formats with a
+    ``dequantize_as`` of their own do it without the float32 intermediate."""
+    fmt = get_format(t.fmt)
+    fused = getattr(fmt, "dequantize_as", None)
+    if fused is not None:
+        return fused(t, dtype)
+    if t.data.dtype.is_floating_point and t.fmt in ("f32", "f16", "bf16"):
+        return t.data.to(dtype)
+    return fmt.dequantize(t).to(dtype)
 
 
 def format_for_gguf_type(t: int) -> QuantFormat:

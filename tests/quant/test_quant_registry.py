@@ -68,3 +68,17 @@ def test_round_trip_contract(name: str) -> None:
     out = fmt.dequantize(q)
     assert out.dtype == torch.float32 and out.shape == x.shape
     assert (out - x).norm() / x.norm() < 0.15
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "bf16", "f16", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_as_equals_reference_then_cast(fmt, dtype, device):
+    from freetoken.quant import dequantize_as
+
+    torch.manual_seed(0)
+    t = get_format(fmt).quantize(torch.randn(3, 16, 256) * 4)
+    t = QuantTensor(t.fmt, t.shape, t.data.to(device),
+                    {k: v.to(device) for k, v in t.scales.items()})
+    want = get_format(fmt).dequantize(t).to(dtype)
+    assert torch.equal(dequantize_as(t, dtype), want)

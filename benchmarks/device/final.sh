@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU machine: offload/hybrid decode with the fused q8_0 dequantise, through CUDA graph pieces,
+# on the gemma4-26b-a4b geometry with a 4 GB expert cache (profile rows from the earlier
+# `ft bench bw` run, benchmarks/results/benchbw-gemma4-qwen3-h200.json), after the CUDA tests.
+# Run as: GIT_SHA=<commit> bash benchmarks/device/final.sh (the copied tree has no .git).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
+cp benchmarks/results/benchbw-gemma4-qwen3-h200.json /tmp/benchbw.json
+export FREETOKEN_GIT_SHA=${GIT_SHA:-} FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
+cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
+  && cmake --build /tmp/build >> "$OUT/build.log" 2>&1 \
+  && cp /tmp/build/libfreetoken_cpu.so freetoken/ || { tail -20 "$OUT/build.log"; exit 1; }
+python3 -m pytest -m cuda -q -p no:cacheprovider tests/moe/test_offload.py tests/moe/test_hybrid.py \
+  tests/quant/test_quant_registry.py 2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -20 \
+  | tee "$OUT/cuda_tests.log"
+KEYS='"(strategy|decode_tokens_per_s|hit_rate|pcie_roofline_tokens_per_s|hybrid_roofline_tokens_per_s|fraction_of_roofline|fraction_of_hybrid_roofline|share_fetch|share_expert_compute|share_cpu_wait)"|error'
+M=/tmp/gemma4-26b-a4b-geometry.gguf
+python3 -m freetoken.cli synth --preset gemma4-26b-a4b --device cuda --router-skew 1 \
+  --router-locality 0.5 --out $M 2>&1 | tail -1
+python3 benchmarks/decode_moe.py --model $M --device cuda \
+  --strategies offload,hybrid-profile,hybrid-online --moe-cache-mem 4GB \
+  --tokens 64 --repeats 2 --label gemma4-26b-a4b-geometry-fused-h200 --out "$OUT" \
+  --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" | tee "$OUT/decode_gemma4.log" | grep -E "$KEYS"

@@ -271,8 +271,9 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
             assert runner.graphs is not None
             assert len(runner.graphs.graphs[1].pieces) == 3  # 2 MoE layers -> 3 pieces
         pages = runner.kv.allocate(runner.pages_for(len(IDS)))
-        logits[name] = torch.cat([runner.forward([[t]], [Segment(pages, i, 1)])
-                                  for i, t in enumerate(IDS)]).float().cpu()
+        # each step's logits are copied out: with graphs they live in a static buffer
+        logits[name] = torch.cat([runner.forward([[t]], [Segment(pages, i, 1)]).float().cpu()
+                                  for i, t in enumerate(IDS)])
     if strategy == "offload":
         assert torch.equal(logits["graphs"], logits["eager"])
     else:

@@ -15,6 +15,7 @@ offload does.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -40,10 +41,14 @@ class SplitPolicy:
 
     ``fraction``: share of misses fetched (None until a profile row or measurements give one);
     ``max_fetch``: cap on fetched experts per call (None: no cap). With ``online``, each
-    observation updates per-expert cost estimates (smoothed) and moves ``fraction`` toward
-    ``c_cpu / (c_cpu + c_pcie)``, where fetching f of the misses and computing 1 - f on the
-    CPU take equally long, by at most ``step`` per observation. A side without an estimate,
-    or idle for REMEASURE_EVERY calls, gets one expert so that it is measured.
+    observation updates smoothed costs: seconds per expert on the CPU (``c_cpu``) and per
+    fetched expert (``c_pcie``), and the host time the CPU half adds to a call (``o``: handing
+    over the hidden states and adding the result back). For the call's m misses the best n
+    minimises ``max(n * c_pcie, (m - n) * c_cpu) + (o if n < m else 0)``; ``fraction`` moves
+    toward n / m by at most ``step`` per observation, so a wrong profile row, or a CPU half
+    that costs more than it saves, is corrected toward the better split (all fetched, as
+    offload, when the CPU does not pay). A side without an estimate, or idle for
+    REMEASURE_EVERY calls, gets one expert so that it is measured.
     """
 
     fraction: float | None = None
@@ -53,6 +58,7 @@ class SplitPolicy:
     step: float = 0.1
     c_cpu: float | None = None  # seconds per expert on the CPU
     c_pcie: float | None = None  # seconds per fetched expert
+    o: float = 0.0  # host seconds the CPU half adds to a call
     _idle_cpu: int = 0  # observations since the CPU last had an expert
     _idle_pcie: int = 0
 
@@ -67,26 +73,32 @@ class SplitPolicy:
                 n = min(n, misses - 1)
         return n
 
-    def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float) -> None:
+    def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
+                overhead: float = 0.0) -> None:
         if not self.online:
             return
-        a = self.smoothing
         self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
         self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
         if n_cpu > 0 and t_cpu > 0:
-            c = t_cpu / n_cpu
-            self.c_cpu = c if self.c_cpu is None else (1 - a) * self.c_cpu + a * c
+            self.c_cpu = self._smooth(self.c_cpu, t_cpu / n_cpu)
+            self.o = self._smooth(self.o, overhead)
         if n_fetch > 0 and t_pcie > 0:
-            c = t_pcie / n_fetch
-            self.c_pcie = c if self.c_pcie is None else (1 - a) * self.c_pcie + a * c
-        if self.c_cpu is None or self.c_pcie is None:
+            self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
+        m = n_cpu + n_fetch
+        if self.c_cpu is None or self.c_pcie is None or m == 0:
             return
-        target = self.c_cpu / (self.c_cpu + self.c_pcie)
+        c_cpu, c_pcie, o = self.c_cpu, self.c_pcie, self.o
+        best = min(range(m + 1), key=lambda n: max(n * c_pcie, (m - n) * c_cpu)
+                   + (o if n < m else 0.0))
+        target = best / m
         if self.fraction is None:
             self.fraction, self.max_fetch = target, None
             return
         delta = max(-self.step, min(self.step, target - self.fraction))
         self.fraction = min(1.0, max(0.0, self.fraction + delta))
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
 
 @register("hybrid")
@@ -102,7 +114,7 @@ class HybridExperts(OffloadExperts):
         super().__init__(shape)
         self.policy = SplitPolicy()
         self.executor: cx.CpuMoeExecutor | None = None
-        self._last: tuple[int, float, int, Span | None] | None = None
+        self._last: tuple[int, float, int, Span | None, float] | None = None
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -150,17 +162,21 @@ class HybridExperts(OffloadExperts):
         by_use = sorted(misses, key=lambda e: (-uses[e], e))
         n = self.policy.n_fetch(len(misses))
         fetched, on_cpu = sorted(by_use[:n]), set(by_use[n:])
-        future = None
+        future, overhead = None, 0.0
         if on_cpu:
+            t0 = time.perf_counter()
             cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(topk_ids.shape)
             future = ex.submit(x, cpu_ids, topk_weights, layer)
+            overhead = time.perf_counter() - t0
         slot_of, fetch = self._fetch(pool, hits, fetched)
         compute = rt.stats.span()
         if slot_of:
             w = topk_weights
             if on_cpu:
+                t0 = time.perf_counter()
                 keep = torch.tensor([e not in on_cpu for e in flat], device=x.device)
                 w = w * keep.view(w.shape).to(w.dtype)
+                overhead += time.perf_counter() - t0
             out = self._compute(x, topk_ids, w, flat, pool, slot_of)
         else:
             out = torch.zeros_like(x)
@@ -169,8 +185,10 @@ class HybridExperts(OffloadExperts):
         if future is not None:
             cpu_out = future.wait()
             t_cpu = future.seconds
+            t0 = time.perf_counter()
             out = out + cpu_out.to(device=x.device, dtype=x.dtype)
-        self._last = (len(on_cpu), t_cpu, len(fetched), fetch)
+            overhead += time.perf_counter() - t0
+        self._last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
         rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
                         len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
                         cpu_experts=len(on_cpu), cpu_s=t_cpu)
@@ -181,10 +199,10 @@ class HybridExperts(OffloadExperts):
         """Feed the previous call's times to the policy (its copy has finished by now)."""
         if self._last is None:
             return
-        n_cpu, t_cpu, n_fetch, span = self._last
+        n_cpu, t_cpu, n_fetch, span, overhead = self._last
         t_pcie = span.done() if span is not None else 0.0
         if t_pcie is not None:
-            self.policy.observe(n_cpu, t_cpu, n_fetch, t_pcie)
+            self.policy.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead)
         self._last = None
 
 

@@ -59,6 +59,39 @@ def serve_plot() -> None:
     fig.savefig(ROOT / "docs/img/serve.png", dpi=120)
 
 
+def decode_moe_plot() -> None:
+    """Decode tok/s per strategy on the gemma4-26b-a4b geometry, one group per run, next to
+    the run's roofline (PCIe for offload, overlapped CPU + PCIe for hybrid)."""
+    paths = sorted((ROOT / "benchmarks/results").glob("decode_moe-gemma4-*.json"),
+                   key=lambda p: int(p.stem.rsplit("-", 1)[1]))  # in the order they ran
+    runs = [json.loads(p.read_text()) for p in paths]
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    labels, measured, ceilings = [], [], []
+    for r in runs:
+        tag = {"838f973": "eager", "5e660ec": "graph pieces", "2838117": "+ fused q8_0"}.get(
+            r["sha"], r["sha"][:7])
+        for s in r["strategies"]:
+            if "decode_tokens_per_s" not in s or s["strategy"] == "resident":
+                continue
+            labels.append(f"{s['strategy']}\n{tag}")
+            measured.append(s["decode_tokens_per_s"])
+            ceilings.append(s.get("hybrid_roofline_tokens_per_s")
+                            or s.get("pcie_roofline_tokens_per_s") or 0)
+    x = range(len(labels))
+    ax.bar(x, ceilings, color="#dddddd", label="roofline of the same run")
+    ax.bar(x, measured, color="#3a6ea5", label="measured")
+    ax.set_xticks(list(x), labels, fontsize=6, rotation=60, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylim(5, 400)
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/decode_moe.png", dpi=120)
+
+
 if __name__ == "__main__":
     generate_plot()
     serve_plot()
+    decode_moe_plot()

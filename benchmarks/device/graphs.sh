@@ -7,13 +7,10 @@
 # Run as: GIT_SHA=<commit> bash benchmarks/device/graphs.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
+source benchmarks/device/setup.sh
 cp benchmarks/results/benchbw-gemma4-qwen3-h200.json /tmp/benchbw.json
-export FREETOKEN_GIT_SHA=${GIT_SHA:-} FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
-cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
-  && cmake --build /tmp/build >> "$OUT/build.log" 2>&1 \
-  && cp /tmp/build/libfreetoken_cpu.so freetoken/ || { tail -20 "$OUT/build.log"; exit 1; }
+export FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
+build_cpu_library
 python3 -m pytest -m cuda -q -p no:cacheprovider tests/moe/test_offload.py tests/moe/test_hybrid.py \
   tests/engine 2>&1 | tail -4 | tee "$OUT/cuda_tests.log"
 KEYS='"(strategy|decode_tokens_per_s|hit_rate|pcie_roofline_tokens_per_s|hybrid_roofline_tokens_per_s|fraction_of_roofline|fraction_of_hybrid_roofline|share_fetch|share_expert_compute|share_cpu_wait)"|Error|error'

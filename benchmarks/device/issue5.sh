@@ -4,8 +4,7 @@
 # Run as: GIT_SHA=<commit> bash benchmarks/device/issue5.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
+source benchmarks/device/setup.sh
 python3 -m pytest -m cuda -q -p no:cacheprovider tests/moe/test_offload.py tests/moe/test_resident.py \
   2>&1 | tail -3 | tee "$OUT/cuda_tests.log"
 for FMT in q8_0 bf16; do

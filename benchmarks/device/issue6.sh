@@ -6,12 +6,9 @@
 # Run as: GIT_SHA=<commit> bash benchmarks/device/issue6.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
-export FREETOKEN_GIT_SHA=${GIT_SHA:-} FREETOKEN_BENCHBW_PATH=$OUT/benchbw.json
-cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
-  && cmake --build /tmp/build >> "$OUT/build.log" 2>&1 \
-  && cp /tmp/build/libfreetoken_cpu.so freetoken/ || { tail -20 "$OUT/build.log"; exit 1; }
+source benchmarks/device/setup.sh
+export FREETOKEN_BENCHBW_PATH=$OUT/benchbw.json
+build_cpu_library
 python3 -m pytest -m cuda -q -p no:cacheprovider tests/moe 2>&1 | tail -3 | tee "$OUT/cuda_tests.log"
 M=/tmp/gemma4-26b-a4b-geometry.gguf
 python3 -m freetoken.cli synth --preset gemma4-26b-a4b --device cuda --router-skew 1 \

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from freetoken.errors import ConfigError
+from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS
-from freetoken.moe.offload import STREAM_ABOVE, OffloadExperts
+from freetoken.moe.offload import OffloadExperts, OffloadRuntime
 from freetoken.moe.profile import LayerKind, Match, cpu_format, load_profile_or_empty, lookup
 from freetoken.moe.stats import Span
 from freetoken.moe.strategy import ExpertShape, register
@@ -141,22 +142,19 @@ class HybridExperts(OffloadExperts):
         self.executor = shared_executor()
         self.executor.add_layer(self.shape.layer, *stacks, activation=self.shape.activation)
 
-    def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
-        rt, bank, ex = self.runtime, self.bank, self.executor
-        if rt is None or bank is None or ex is None:
+    def _runtime(self) -> OffloadRuntime:
+        if self.executor is None:
             raise RuntimeError(f"layer {self.shape.layer}: hybrid experts used before "
-                               "attach_offload() and attach_hybrid()")
-        if rt.capture is not None:  # the host plans this call: leave it out of the graph
-            return rt.capture.split(self, x, topk_ids, topk_weights)
+                               "attach_hybrid() gave them the CPU executor")
+        return super()._runtime()
+
+    def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               flat: list[int], pool: SlotPool, hits: dict[int, int],
+               misses: list[int]) -> torch.Tensor:
+        """One decode-sized call: the most used misses fetched, the rest on the CPU."""
+        rt, bank, ex = self.runtime, self.bank, self.executor
+        assert rt is not None and bank is not None and ex is not None
         layer = self.shape.layer
-        pool = rt.cache.pool(layer)
-        flat = topk_ids.reshape(-1).tolist()
-        needed = sorted(set(flat))
-        hits, misses = pool.lookup(layer, needed)
-        if len(needed) > pool.num_slots or len(misses) > STREAM_ABOVE * self.shape.num_experts:
-            return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
         self._observe_last()
         uses = Counter(flat)
         by_use = sorted(misses, key=lambda e: (-uses[e], e))

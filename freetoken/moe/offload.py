@@ -114,10 +114,7 @@ class OffloadExperts(Experts):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
-        rt, bank = self.runtime, self.bank
-        if rt is None or bank is None:
-            raise RuntimeError(f"layer {self.shape.layer}: offloaded experts used before "
-                               "attach_offload() gave them a cache")
+        rt = self._runtime()
         if rt.capture is not None:  # the host plans this call: leave it out of the graph
             return rt.capture.split(self, x, topk_ids, topk_weights)
         layer = self.shape.layer
@@ -127,10 +124,23 @@ class OffloadExperts(Experts):
         hits, misses = pool.lookup(layer, needed)
         if len(needed) > pool.num_slots or len(misses) > STREAM_ABOVE * self.shape.num_experts:
             return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
+        return self._serve(x, topk_ids, topk_weights, flat, pool, hits, misses)
+
+    def _runtime(self) -> OffloadRuntime:
+        if self.runtime is None or self.bank is None:
+            raise RuntimeError(f"layer {self.shape.layer}: offloaded experts used before "
+                               "attach_offload() gave them a cache")
+        return self.runtime
+
+    def _serve(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
+               pool: SlotPool, hits: dict[int, int], misses: list[int]) -> torch.Tensor:
+        """One decode-sized call: every miss fetched into the cache, then computed."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
         slot_of, fetch = self._fetch(pool, hits, misses)
         compute = rt.stats.span()
-        out = self._compute(x, topk_ids, topk_weights, flat, pool, slot_of)
-        rt.stats.record(layer, x.shape[0], len(hits), len(misses),
+        out = self._compute(x, ids, w, flat, pool, slot_of)
+        rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
                         len(misses) * bank.expert_bytes, fetch=fetch, compute=compute.stop())
         return out
 

@@ -28,10 +28,17 @@ def test_cpu_strategy_matches_resident(tiny_qwen3_moe, tmp_path, expert_fmt):
     assert torch.equal(cpu.argmax(-1), resident.argmax(-1))
 
 
-def test_ft_generate_cpu_strategy_equals_resident(tmp_path):
+@pytest.mark.parametrize(("strategy", "flags", "logged"), [
+    ("cpu", ["--moe-cpu-threads", "1"], "CPU MoE executor ready: threads=1"),
+    ("offload", ["--moe-cache-size", "3"], "MoE plan: offload on 2 q8_0 layers"),
+    ("hybrid", ["--moe-cache-size", "3", "--moe-cpu-threads", "1"],
+     "MoE plan: hybrid on 2 q8_0 layers at a fetch cap of 1"),
+])
+def test_ft_generate_strategy_equals_resident(tmp_path, monkeypatch, strategy, flags, logged):
     import subprocess
     import sys
 
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     model = tmp_path / "tiny.gguf"
     subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
                     "--expert-format", "q8_0", "--out", str(model)], check=True,
@@ -44,7 +51,7 @@ def test_ft_generate_cpu_strategy_equals_resident(tmp_path):
             capture_output=True, text=True, timeout=300)
 
     resident = generate()
-    cpu = generate("--moe-strategy", "cpu", "--moe-cpu-threads", "1")
-    assert resident.returncode == 0 and cpu.returncode == 0, cpu.stderr
-    assert cpu.stdout.split() == resident.stdout.split() and len(cpu.stdout.split()) == 12
-    assert "CPU MoE executor ready: threads=1" in cpu.stderr
+    other = generate("--moe-strategy", strategy, *flags)
+    assert resident.returncode == 0 and other.returncode == 0, other.stderr
+    assert other.stdout.split() == resident.stdout.split() and len(other.stdout.split()) == 12
+    assert logged in other.stderr

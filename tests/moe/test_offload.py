@@ -213,26 +213,6 @@ def test_offload_logits_equal_resident_bitwise(checkpoint, slots):
         assert set(stats["layers"]) == {"0", "2"}
 
 
-def test_ft_generate_offload_equals_resident(tmp_path):
-    model = tmp_path / "tiny.gguf"
-    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
-                    "--expert-format", "q8_0", "--out", str(model)], check=True,
-                   capture_output=True, timeout=300)
-
-    def generate(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "freetoken.cli", "generate", "--device", "cpu", "--model",
-             str(model), "--prompt", "hello world", "--max-tokens", "24", "--ids", *extra],
-            capture_output=True, text=True, timeout=300)
-
-    resident = generate()
-    offload = generate("--moe-strategy", "offload", "--moe-cache-size", "3")
-    assert resident.returncode == 0 and offload.returncode == 0, offload.stderr
-    assert offload.stdout.split() == resident.stdout.split() and len(resident.stdout.split()) == 24
-    assert "resolved moe_cache_size=3 " in offload.stderr
-    assert "MoE plan: offload on 2 q8_0 layers" in offload.stderr
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("prefill", [1, 70])
 def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill):

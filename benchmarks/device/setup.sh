@@ -1,0 +1,10 @@
+# Sourced by the GPU scripts: carried wheels on the path, the bench environment, and the CPU
+# MoE library built there (Python 3.12 / g++ 13). Expects OUT and, for copied trees, GIT_SHA.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
+export FREETOKEN_GIT_SHA=${GIT_SHA:-}
+build_cpu_library() {
+  cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
+    && cmake --build /tmp/build >> "$OUT/build.log" 2>&1 \
+    && cp /tmp/build/libfreetoken_cpu.so freetoken/ || { tail -20 "$OUT/build.log"; exit 1; }
+}

@@ -72,9 +72,13 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None
                            "max_len": runner.max_len, "load_s": runner.load_s}))
     last_stats = 0.0
     last_log, decoded = time.monotonic(), 0
+    fresh = True  # the API process has the stats of the last step
     while True:
         # block only when idle: a busy engine drains the pipe without waiting
         if not sched.has_work():
+            if not fresh:  # the stats as they ended, before waiting for more work
+                outbox.send(("events", ([], sched.stats())))
+                fresh = True
             inbox.poll(None)
         events: list[Event] = []
         while inbox.poll(0):
@@ -105,6 +109,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None
             decoded, last_log = 0, now
         if events or stats:
             outbox.send(("events", (events, stats)))
+        fresh = stats is not None
 
 
 class EngineClient:

@@ -87,13 +87,11 @@ class ModelRunner:
         size = self.dtype.itemsize
         dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
         layer_bytes = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
-        kv = self.cfg.kv_reserve_tokens * PagedKV.bytes_per_token(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         sizing = self.cfg.moe_cache
-        cache = {"mem": sizing.value, "rate": sizing.value * layer_bytes * len(mc.moe_layers),
+        cache = {"mem": sizing.value, "rate": sizing.value * layer_bytes * sum(mc.moe_layers),
                  "size": sizing.value * layer_bytes / max(1, mc.num_experts)}.get(sizing.kind, 0)
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(free - dense * size - kv - cache - 0.05 * total)
+        budget = int(free - dense * size - self._kv_floor_bytes() - cache - 0.05 * total)
         profile = load_profile_or_empty()
         threads = shared_executor().threads
 
@@ -107,9 +105,7 @@ class ModelRunner:
         """Bytes ``--moe-cache-auto`` may give the expert cache: the device memory left after
         the weights, less ``--kv-reserve-tokens`` of KV and a margin for activations (on the
         CPU, a quarter of the available host memory stands in for the device's)."""
-        mc = self.model_config
-        kv = self.cfg.kv_reserve_tokens * PagedKV.bytes_per_token(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        kv = self._kv_floor_bytes()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - kv - margin * total
@@ -118,6 +114,12 @@ class ModelRunner:
         log.info("expert cache budget: %.2f GB free after the weights and %d KV tokens",
                  budget / 1e9, self.cfg.kv_reserve_tokens)
         return int(max(0, budget))
+
+    def _kv_floor_bytes(self) -> int:
+        """Bytes of ``--kv-reserve-tokens`` KV tokens, which expert memory must leave free."""
+        mc = self.model_config
+        return self.cfg.kv_reserve_tokens * PagedKV.bytes_per_token(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
 
     def _kv_tokens_from_free_memory(self, fraction: float = 0.85) -> int:
         """KV tokens that fit in ``fraction`` of the GPU memory left after the weights

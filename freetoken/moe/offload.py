@@ -100,6 +100,7 @@ class OffloadExperts(Experts):
                                    shape.intermediate)
         self.bank: HostBank | None = None
         self.runtime: OffloadRuntime | None = None
+        self._pool_views: dict[str, QuantTensor] = {}
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -173,10 +174,12 @@ class OffloadExperts(Experts):
         """Projection ``proj`` of the slots ``index`` (one per pair), gathered like the resident
         strategy gathers its stacked parameters."""
         assert self.bank is not None
-        qt = self.bank.layout.quant(pool.data, proj)
+        qt = self._pool_views.get(proj)
+        if qt is None:  # views of the whole pool, made once: the pool never moves
+            qt = self._pool_views[proj] = self.bank.layout.quant(pool.data, proj)
         picked = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],
                              {k: s[index] for k, s in qt.scales.items()})
-        return _to_weight(picked, self.dtype)
+        return dequantize_as(picked, self.dtype)
 
     def _row_weights(self, row: torch.Tensor) -> Weights:
         assert self.bank is not None
@@ -202,10 +205,6 @@ class OffloadExperts(Experts):
                         len(misses) * bank.expert_bytes, streamed=len(misses),
                         fetch=stream.finish(), compute=compute.stop())
         return out
-
-
-def _to_weight(qt: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_as(qt, dtype)
 
 
 class _Stream:
@@ -280,7 +279,7 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
     stats = MoEStats([m.shape.layer for m in layers], device.type == "cuda")
     runtime = OffloadRuntime(cache, stats, device)
     for m in layers:
-        m.runtime = runtime
+        m.runtime, m._pool_views = runtime, {}
     for size, ms in by_size.items():
         pool = cache.pool(ms[0].shape.layer)
         kind = ms[0].bank.layout.kind if ms[0].bank else "?"

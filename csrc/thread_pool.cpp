@@ -124,6 +124,9 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
 }
 
 void Pool::wait(int slot) {
+  // The waiting thread has a core of its own and nothing else to do: it takes items of the
+  // job too (items do not depend on who runs them), then blocks for the rest.
+  run(slots_[slot], -1);
   await(slots_[slot].state, [](uint32_t v) { return v == kDone; }, wait_spin_ns_);
 }
 

@@ -47,7 +47,7 @@ class Pool {
   // rather than all done; its items must then wait for what they need themselves.
   void publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx,
                unsigned overlap = 0);
-  // Block until the slot's job is done.
+  // Run items of the slot's job on the calling thread, then block until the job is done.
   void wait(int slot);
   // Nanoseconds from the slot's publish to its last item's end (valid after wait).
   int64_t elapsed_ns(int slot) const;

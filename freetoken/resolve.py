@@ -171,11 +171,12 @@ def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup],
                 "lower --kv-reserve-tokens)")
         plans.append(PoolPlan(g.slot_bytes, min(n, g.experts), g.layers))
     n_slots = sum(p.num_slots for p in plans)
-    log.info("resolved moe_cache_size=%d (%.2f GB, %.1f %% of %d experts) from %s%s", n_slots,
-             sum(p.num_slots * p.slot_bytes for p in plans) / 1e9, 100 * n_slots / total_experts,
+    log.info("resolved moe_cache_size=%d (%s, %.1f %% of %d experts) from %s%s", n_slots,
+             human_bytes(sum(p.num_slots * p.slot_bytes for p in plans)),
+             100 * n_slots / total_experts,
              total_experts, sizing.describe(),
              "" if len(plans) == 1 else "; pools: " + ", ".join(
-                 f"{p.num_slots} x {p.slot_bytes / 1e6:.2f} MB for layers "
+                 f"{p.num_slots} x {human_bytes(p.slot_bytes)} for layers "
                  f"{_layer_span(p.layers)}" for p in plans))
     return plans
 

@@ -2,7 +2,8 @@
 
 Both decode greedily from the same prompt ids, one token per step, after a prefill. llama.cpp
 runs with --threads T; we run with T cores in all: T-1 CPU expert workers (at least 1) plus the
-engine thread, which also runs the dense layers in torch.
+engine thread, with the dense layers in torch (`--cpu-dense torch`) or in their own format on
+the pool, where the engine thread joins the workers while it waits (`--cpu-dense pool`).
 
     python benchmarks/cpu_peer.py --model qwen3-4layers-q8_0.gguf --threads 2 --tokens 32
 """
@@ -44,9 +45,10 @@ def llamacpp_decode(model: str, ids: list[int], tokens: int, threads: int) -> di
 
 
 def ours_decode(model: str, ids: list[int], tokens: int, threads: int,
-                strategy: str) -> dict[str, object]:
+                strategy: str, cpu_dense: str = "torch") -> dict[str, object]:
     cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
-                       max_seq_len=512, moe_cpu_threads=max(1, threads - 1))
+                       max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
+                       cpu_dense=cpu_dense)
     configure_threads(cfg)
     engine = Engine(cfg, progress=False)
     stats = GenerationStats()
@@ -65,12 +67,16 @@ def main() -> None:
     args = p.parse_args()
     ids = list(range(1000, 1016))
     peer = llamacpp_decode(args.model, ids, args.tokens, args.threads)
+    pool = ours_decode(args.model, ids, args.tokens, args.threads, "cpu", "pool")
     cpu = ours_decode(args.model, ids, args.tokens, args.threads, "cpu")
     resident = ours_decode(args.model, ids, args.tokens, args.threads, "resident")
     result = {
         "bench": "cpu_peer", "label": args.label,
         **git_state(), **host(), "params": vars(args) | {"out": str(args.out)},
-        "llama_cpp": peer, "ours_cpu": cpu, "ours_resident_f32": resident,
+        "llama_cpp": peer, "ours_cpu_dense_pool": pool, "ours_cpu": cpu,
+        "ours_resident_f32": resident,
+        "ratio_cpu_dense_pool_to_llama_cpp":
+            pool["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
         "ratio_cpu_to_llama_cpp": cpu["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
     }
     print(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=1)[:2000])

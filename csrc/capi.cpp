@@ -96,6 +96,26 @@ FT_API int64_t ft_submit(void* ex, int layer, const float* x, const int64_t* ids
   return ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A);
 }
 
+// A dense matrix under `id`: 0 or -1 with the reason in err.
+FT_API int ft_add_linear(void* ex, int id, const ProjDesc* w, int act_mode, char* err, int len) {
+  std::string e = ((ft::Executor*)ex)->add_linear(id, to_proj(*w, 1), act_mode);
+  copy_error(e, err, len);
+  return e.empty() ? 0 : -1;
+}
+
+// The tier and activation kind of linear `id`'s kernel.
+FT_API int ft_linear_kernel(void* ex, int id, int* isa, int* act) {
+  const ft::Proj* p = ((ft::Executor*)ex)->linear(id);
+  if (!p) return -1;
+  *isa = p->isa;
+  *act = p->act;
+  return 0;
+}
+
+FT_API int64_t ft_submit_linear(void* ex, int id, const float* x, float* out, int T) {
+  return ((ft::Executor*)ex)->submit_linear(id, x, out, T);
+}
+
 FT_API int64_t ft_wait(void* ex, int64_t handle, int64_t* ns) {
   return ((ft::Executor*)ex)->wait(handle, ns);
 }

@@ -13,10 +13,6 @@ static inline void cpu_relax() {}
 #endif
 
 namespace ft {
-namespace {
-
-constexpr int kGroup = 16;     // pairs per kernel call
-constexpr int64_t kMaxChunk = 64;  // rows per work item
 
 int64_t block_of(int fmt) {
   switch (fmt) {
@@ -38,6 +34,11 @@ const char* fmt_name(int fmt) {
                                        "q6_k",  "mxfp4", "nvfp4", "fp8_block"};
   return fmt >= 0 && fmt < F_COUNT ? names[fmt] : "unknown";
 }
+
+namespace {
+
+constexpr int kGroup = 16;     // pairs per kernel call
+constexpr int64_t kMaxChunk = 64;  // rows per work item
 
 inline float activate(int kind, float g) {
   switch (kind) {
@@ -272,6 +273,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   }
   j.weight_bytes =
       j.n_active * (L->gate.expert_bytes + L->up.expert_bytes + L->down.expert_bytes);
+  bytes_[slot] = j.weight_bytes;
 
   // Enough items that every worker takes several (the last round is then short); chunks
   // stay whole q8 blocks.
@@ -288,7 +290,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
 int64_t Executor::wait(int64_t handle, int64_t* ns) {
   int slot = (int)handle;
   pool_.wait(slot);
-  int64_t bytes = jobs_[slot].weight_bytes;
+  int64_t bytes = bytes_[slot];
   if (ns) *ns = pool_.elapsed_ns(slot);
   pool_.release(slot);
   return bytes;
@@ -329,21 +331,25 @@ double Executor::stream_read(const uint8_t* buf, int64_t bytes, int reps) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
+void encode_act(const float* x, int act, const Act& a, int64_t t) {
+  const int64_t K = a.K;
+  if (act == ACT_BF16) {
+    uint16_t* o = const_cast<uint16_t*>(a.bf) + t * K;
+    for (int64_t i = 0; i < K; ++i) o[i] = f32_to_bf16(x[i]);
+  } else if (act == ACT_Q8) {
+    quantize_q8(x, K, const_cast<int8_t*>(a.q) + t * K, const_cast<float*>(a.d) + t * (K / 32),
+                const_cast<float*>(a.dl) + t * (K / 4), const_cast<int32_t*>(a.gs) + t * (K / 4),
+                const_cast<int32_t*>(a.gb) + t * (K / 4));
+  }
+}
+
 namespace {
 
 void prepare_x(Job& j, int64_t t) {
   const Layer& L = *j.L;
-  const int64_t H = L.H;
-  const float* x = j.x + t * H;
-  if (L.x_needs[ACT_BF16]) {
-    uint16_t* o = const_cast<uint16_t*>(j.xa.bf) + t * H;
-    for (int64_t i = 0; i < H; ++i) o[i] = f32_to_bf16(x[i]);
-  }
-  if (L.x_needs[ACT_Q8])
-    quantize_q8(x, H, const_cast<int8_t*>(j.xa.q) + t * H,
-                const_cast<float*>(j.xa.d) + t * (H / 32), const_cast<float*>(j.xa.dl) + t * (H / 4),
-                const_cast<int32_t*>(j.xa.gs) + t * (H / 4),
-                const_cast<int32_t*>(j.xa.gb) + t * (H / 4));
+  const float* x = j.x + t * L.H;
+  for (int act : {ACT_BF16, ACT_Q8})
+    if (L.x_needs[act]) encode_act(x, act, j.xa, t);
 }
 
 // Gate and up for rows [i0, i1) of one expert, for all of its pairs; h = act(g) * u.

@@ -69,6 +69,26 @@ struct Job {
   Scratch scratch;
 };
 
+// One dense matrix (rows x cols) multiplied by T vectors on the pool: phase 0 encodes the
+// vectors in the kernel's activation format (per vector), phase 1 runs chunks of rows.
+struct LinearJob {
+  const Proj* W = nullptr;
+  const float* x = nullptr;
+  float* out = nullptr;
+  int T = 0;
+  int64_t chunk = 64, chunks = 0;
+  Act xa{};
+  int32_t* tok = nullptr;  // (T) 0..T-1, the vector index of each output row block
+  Scratch scratch;
+};
+
+// Elements per block of a format (rows must hold whole blocks), and its name.
+int64_t block_of(int fmt);
+const char* fmt_name(int fmt);
+
+// Write vector t of `a` (length a.K) from the floats x in the representation `act` needs.
+void encode_act(const float* x, int act, const Act& a, int64_t t);
+
 class Executor {
  public:
   Executor(const std::vector<int>& cores, int isa_cap, int spin_us);
@@ -90,6 +110,12 @@ class Executor {
   // Block until the job is done; its weight bytes read, and its run time in *ns if given.
   int64_t wait(int64_t handle, int64_t* ns = nullptr);
 
+  // A dense matrix (one Proj of one "expert"): out = x @ W^T for T vectors of length cols.
+  std::string add_linear(int id, Proj w, int act_mode);
+  const Proj* linear(int id) const;
+  // Returns a handle for wait(); -1 for an unknown id. Thread-safe like submit.
+  int64_t submit_linear(int id, const float* x, float* out, int T);
+
   // Seconds to read `bytes` of buf `reps` times with all workers (a stream-read ceiling).
   double stream_read(const uint8_t* buf, int64_t bytes, int reps);
 
@@ -99,7 +125,10 @@ class Executor {
   Pool pool_;
   int isa_;
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::unique_ptr<Proj>> linears_;
   Job jobs_[Pool::kSlots];  // one per pool slot
+  LinearJob linear_jobs_[Pool::kSlots];
+  int64_t bytes_[Pool::kSlots] = {};  // weight bytes the slot's job reads
   std::mutex layers_mu_;
 };
 

@@ -87,6 +87,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "finish together, from the times measured while serving",
     )
     g.add_argument(
+        "--cpu-dense",
+        default="torch",
+        choices=("torch", "pool"),
+        help="--device cpu: dense layers (attention, dense MLPs, an untied head) in torch at "
+        "the compute dtype, or in their checkpoint format on the CPU MoE pool's kernels "
+        "(pool: fewer bytes per token and every pool core; activations rounded to int8/bf16 "
+        "as the expert kernels do)",
+    )
+    g.add_argument(
         "--cuda-graph-max-bs",
         type=int,
         default=16,

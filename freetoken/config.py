@@ -272,4 +272,5 @@ class EngineConfig:
     kv_reserve_tokens: int = 8192  # KV tokens --moe-cache-auto leaves room for
     moe_hybrid_max_fetch: int = 0  # experts fetched per hybrid layer call at most (0: auto)
     moe_hybrid_online: bool = True  # hybrid corrects its fetch fraction from measured times
+    cpu_dense: str = "torch"  # dense layers on the CPU: "torch" (f32/bf16) or "pool" (own format)
 

@@ -31,7 +31,7 @@ def configure_threads(cfg: EngineConfig | None = None) -> int:
     cores the CPU expert pool takes when the cpu strategy runs."""
     usable = len(usable_cores())
     threads = usable
-    if cfg is not None and cfg.moe_strategy in CPU_POOL_STRATEGIES:
+    if cfg is not None and (cfg.moe_strategy in CPU_POOL_STRATEGIES or cfg.cpu_dense == "pool"):
         workers = cfg.moe_cpu_threads or max(1, usable - 1)
         threads = max(1, usable - workers)
     torch.set_num_threads(threads)
@@ -67,6 +67,9 @@ def resolve_engine(args: Any) -> EngineConfig:
         if not str(max_fetch).isdigit() or int(max_fetch) < 1:
             raise ConfigError(f"--moe-hybrid-max-fetch must be auto or a count >= 1, "
                               f"got {max_fetch!r}")
+    cpu_dense = getattr(args, "cpu_dense", "torch")
+    if cpu_dense == "pool" and device != "cpu":
+        raise ConfigError("--cpu-dense pool runs dense layers on the CPU; it needs --device cpu")
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
@@ -74,6 +77,7 @@ def resolve_engine(args: Any) -> EngineConfig:
         kv_reserve_tokens=getattr(args, "kv_reserve_tokens", 8192),
         moe_hybrid_max_fetch=0 if max_fetch == "auto" else int(max_fetch),
         moe_hybrid_online=getattr(args, "moe_hybrid_online", "on") == "on",
+        cpu_dense=cpu_dense,
     )
     threads = configure_threads(cfg)
     log.info("resolved engine config: model=%s device=%s dtype=%s moe_strategy=%s "

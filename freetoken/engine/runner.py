@@ -14,6 +14,7 @@ from freetoken.config import EngineConfig
 from freetoken.engine.context import ForwardContext, Segment
 from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
+from freetoken.layers.pool_linear import use_pool_linears
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
 from freetoken.moe import cpu_executor
@@ -39,7 +40,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.ckpt = ckpt or open_checkpoint(cfg.model)
         self.model_config = mc = self.ckpt.config
-        if cfg.moe_strategy in CPU_POOL_STRATEGIES:  # the first call sizes the CPU pool
+        if cfg.moe_strategy in CPU_POOL_STRATEGIES or cfg.cpu_dense == "pool":
+            # the first call sizes the process's CPU pool
             shared_executor(threads=cfg.moe_cpu_threads or None)
         self.plan: StrategyPlan = cfg.moe_strategy
         if cfg.moe_strategy == "auto":
@@ -51,6 +53,9 @@ class ModelRunner:
                 self.model = build_model(mc, self.plan)
         finally:
             torch.set_default_dtype(prev)
+        if cfg.cpu_dense == "pool":
+            log.info("dense layers on the CPU pool in their checkpoint format: %d matrices",
+                     use_pool_linears(self.model))
         if any(p in ("offload", "hybrid", "cpu") for p in _names(self.plan)):
             check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)

@@ -35,12 +35,18 @@ def load_weights(
     # Experts that keep checkpoint tensors in their own format (the cpu strategy) take them
     # undequantised; everything else lands in parameters.
     hooks = {n: m for n, m in model.named_modules() if hasattr(m, "load_expert_tensor")}
+    # Dense layers that multiply their weight in its own format (PoolLinear) take it as is.
+    dense = {f"{n}.weight": m for n, m in model.named_modules()
+             if hasattr(m, "load_weight_tensor")}
     names = ckpt.tensor_names()
     bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress,
                leave=False)
     for name, qt in ckpt.tensors():
         bar.update(1)
         if hooks and _hand_over(hooks, name, qt):
+            continue
+        if name in dense:
+            dense[name].load_weight_tensor(qt)
             continue
         if name in params:
             _copy(params[name], qt, device, name)
@@ -64,6 +70,7 @@ def load_weights(
             and p is params.get("model.embed_tokens.weight")}
     missing = sorted(set(params) - filled - tied)
     missing += [f"{n}.{t}" for n, h in hooks.items() for t in h.missing_expert_tensors()]
+    missing += [n for n, m in dense.items() if m.missing_weight()]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(

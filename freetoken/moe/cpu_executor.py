@@ -236,6 +236,7 @@ class CpuMoeExecutor:
         self.isa = ISAS[lib.ft_executor_isa(self._handle)]
         self.layers: dict[int, LayerInfo] = {}
         self._stacks: dict[int, tuple[ExpertStack, ...]] = {}
+        self._linears: list[ExpertStack] = []  # dense matrices by id, kept alive
         self._lock = threading.Lock()
         self._in_flight = 0
         self._announced = False
@@ -333,6 +334,46 @@ class CpuMoeExecutor:
                 self._in_flight -= 1
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
         return CpuMoeFuture(self, ticket, out, (x, ids, w))
+
+    def add_linear(self, weight: ExpertStack) -> int:
+        """Register a dense matrix (a one-expert stack, rows x cols); returns its id."""
+        if weight.num_experts != 1:
+            raise ValueError("a dense matrix is a stack of one")
+        err = ctypes.create_string_buffer(512)
+        lid = len(self._linears)
+        desc = weight.desc()
+        if self._lib.ft_add_linear(self._handle, lid, ctypes.byref(desc), self._act_mode, err,
+                                   512) != 0:
+            raise ValueError(f"dense {weight.fmt} {weight.rows}x{weight.cols}: "
+                             f"{err.value.decode()}")
+        self._linears.append(weight)
+        return lid
+
+    def linear_kernel(self, lid: int) -> tuple[str, str]:
+        """(isa, activation kind) of dense matrix ``lid``'s kernel."""
+        isa, act = ctypes.c_int(), ctypes.c_int()
+        self._lib.ft_linear_kernel(self._handle, lid, ctypes.byref(isa), ctypes.byref(act))
+        return ISAS[isa.value], ACT_KINDS[act.value]
+
+    def submit_linear(self, x: torch.Tensor, lid: int) -> CpuMoeFuture:
+        """Start ``x @ W^T`` for x (T, cols) on the pool; the future's result is (T, rows)."""
+        w = self._linears[lid]
+        xf = x.detach().to("cpu", torch.float32).contiguous()
+        if xf.dim() != 2 or xf.shape[1] != w.cols:
+            raise ValueError(f"dense {w.rows}x{w.cols}: input {tuple(x.shape)}")
+        out = torch.empty(xf.shape[0], w.rows, dtype=torch.float32)
+        with self._lock:
+            if self._in_flight >= MAX_IN_FLIGHT:
+                raise RuntimeError(f"more than {MAX_IN_FLIGHT} CPU jobs in flight; wait() on "
+                                   "earlier futures first")
+            self._in_flight += 1
+        ticket = self._lib.ft_submit_linear(self._handle, lid, xf.data_ptr(), out.data_ptr(),
+                                            xf.shape[0])
+        if ticket < 0:
+            with self._lock:
+                self._in_flight -= 1
+            raise ValueError(f"dense matrix {lid} is not registered or the input is empty")
+        return CpuMoeFuture(self, ticket, out, (xf,))
 
     def run(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int

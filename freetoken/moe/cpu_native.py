@@ -109,6 +109,15 @@ def native() -> ctypes.CDLL:
             [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
         ),
         "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64, c.POINTER(c.c_int64)]),
+        "ft_add_linear": (
+            c.c_int, [c.c_void_p, c.c_int, c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int],
+        ),
+        "ft_linear_kernel": (
+            c.c_int, [c.c_void_p, c.c_int, c.POINTER(c.c_int), c.POINTER(c.c_int)],
+        ),
+        "ft_submit_linear": (
+            c.c_int64, [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int],
+        ),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
     }

@@ -1,0 +1,101 @@
+// Dense matrices in their checkpoint format on the expert pool: out = x @ W^T for T vectors,
+// with the same per-format, per-ISA row kernels the expert op uses. Phase 0 encodes each
+// vector in the kernel's activation format; phase 1 runs chunks of rows for every vector, so
+// the result does not depend on the number of threads.
+#include <cstring>
+
+#include "expert_op.h"
+
+namespace ft {
+namespace {
+
+constexpr int kVectors = 16;  // vectors per kernel call
+
+size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+void run_linear_item(void* ctx, int phase, int64_t item, int) {
+  LinearJob& j = *(LinearJob*)ctx;
+  const Proj& W = *j.W;
+  if (phase == 0) {
+    encode_act(j.x + item * W.cols, W.act, j.xa, item);
+    return;
+  }
+  int64_t r0 = item * j.chunk, r1 = min64(W.rows, r0 + j.chunk);
+  for (int t0 = 0; t0 < j.T; t0 += kVectors) {
+    int n = (int)min64(kVectors, j.T - t0);
+    W.fn(W.experts[0], W.cols, r0, r1, j.xa, j.tok + t0, n, j.out + t0 * W.rows + r0, W.rows);
+  }
+}
+
+}  // namespace
+
+std::string Executor::add_linear(int id, Proj w, int act_mode) {
+  if (id < 0 || w.rows <= 0 || w.cols <= 0) return "id, rows and cols must be positive";
+  if (w.fmt < 0 || w.fmt >= F_COUNT) return "unknown format";
+  if (w.experts.size() != 1) return "a dense matrix is one Mat";
+  if (w.cols % block_of(w.fmt))
+    return std::string(fmt_name(w.fmt)) + " rows of " + std::to_string(w.cols) +
+           " are not whole blocks";
+  std::string err = set_kernel(w, act_mode);
+  if (!err.empty()) return err;
+  std::lock_guard<std::mutex> lock(layers_mu_);
+  if ((int)linears_.size() <= id) linears_.resize(id + 1);
+  linears_[id] = std::make_unique<Proj>(std::move(w));
+  return "";
+}
+
+const Proj* Executor::linear(int id) const {
+  return id >= 0 && id < (int)linears_.size() ? linears_[id].get() : nullptr;
+}
+
+int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
+  const Proj* W;
+  {
+    std::lock_guard<std::mutex> lock(layers_mu_);
+    W = linear(id);
+  }
+  if (!W || T <= 0) return -1;
+  int slot = pool_.acquire();
+  LinearJob& j = linear_jobs_[slot];
+  const int64_t K = W->cols;
+  const bool bf = W->act == ACT_BF16, q = W->act == ACT_Q8;
+  size_t sizes[] = {
+      bf ? (size_t)T * K * 2 : 0,      // x bf16
+      q ? (size_t)T * K : 0,           // x q
+      q ? (size_t)T * (K / 32) * 4 : 0,  // x d
+      q ? (size_t)T * (K / 4) * 4 : 0,   // x dl
+      q ? (size_t)T * (K / 4) * 4 : 0,   // x gs
+      q ? (size_t)T * (K / 4) * 4 : 0,   // x gb
+      (size_t)T * 4,                   // tok
+  };
+  constexpr int kParts = sizeof sizes / sizeof sizes[0];
+  size_t total = 0;
+  for (size_t s : sizes) total += align64(s);
+  if (j.scratch.size < total) {
+    j.scratch.mem.reset(new uint8_t[total + 64]);
+    j.scratch.size = total;
+  }
+  uint8_t* base = j.scratch.mem.get();
+  base += (64 - (uintptr_t)base % 64) % 64;
+  uint8_t* part[kParts];
+  size_t off = 0;
+  for (int i = 0; i < kParts; off += align64(sizes[i]), ++i) part[i] = base + off;
+  j.W = W;
+  j.x = x;
+  j.out = out;
+  j.T = T;
+  j.xa = Act{K, x, (uint16_t*)part[0], (int8_t*)part[1], (float*)part[2], (float*)part[3],
+             (int32_t*)part[4], (int32_t*)part[5]};
+  j.tok = (int32_t*)part[6];
+  for (int t = 0; t < T; ++t) j.tok[t] = t;
+  // Enough items that every worker takes several; chunks stay within the kernels' limits.
+  const int64_t target = 8 * (int64_t)threads();
+  j.chunk = W->rows / 64 >= target ? 64 : W->rows / 32 >= target ? 32 : 16;
+  j.chunks = (W->rows + j.chunk - 1) / j.chunk;
+  bytes_[slot] = W->expert_bytes;
+  int64_t counts[2] = {bf || q ? T : 0, j.chunks};
+  pool_.publish(slot, counts, 2, run_linear_item, &j);
+  return slot;
+}
+
+}  // namespace ft

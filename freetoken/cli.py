@@ -88,12 +88,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--cpu-dense",
-        default="torch",
-        choices=("torch", "pool"),
+        default="auto",
+        choices=("auto", "torch", "pool"),
         help="--device cpu: dense layers (attention, dense MLPs, an untied head) in torch at "
         "the compute dtype, or in their checkpoint format on the CPU MoE pool's kernels "
         "(pool: fewer bytes per token and every pool core; activations rounded to int8/bf16 "
-        "as the expert kernels do)",
+        "as the expert kernels do). auto: pool with --moe-strategy cpu, else torch",
     )
     g.add_argument(
         "--cuda-graph-max-bs",

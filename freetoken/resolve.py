@@ -67,7 +67,9 @@ def resolve_engine(args: Any) -> EngineConfig:
         if not str(max_fetch).isdigit() or int(max_fetch) < 1:
             raise ConfigError(f"--moe-hybrid-max-fetch must be auto or a count >= 1, "
                               f"got {max_fetch!r}")
-    cpu_dense = getattr(args, "cpu_dense", "torch")
+    cpu_dense = getattr(args, "cpu_dense", "auto")
+    if cpu_dense == "auto":
+        cpu_dense = "pool" if device == "cpu" and args.moe_strategy == "cpu" else "torch"
     if cpu_dense == "pool" and device != "cpu":
         raise ConfigError("--cpu-dense pool runs dense layers on the CPU; it needs --device cpu")
     cfg = EngineConfig(
@@ -81,9 +83,9 @@ def resolve_engine(args: Any) -> EngineConfig:
     )
     threads = configure_threads(cfg)
     log.info("resolved engine config: model=%s device=%s dtype=%s moe_strategy=%s "
-             "max_seq_len=%d cuda_graph_max_bs=%d%s torch_threads=%d", model, device, dtype,
-             cfg.moe_strategy, cfg.max_seq_len, graphs, " (eager on cpu)" if
-             device == "cpu" else "", threads)
+             "max_seq_len=%d cuda_graph_max_bs=%d%s torch_threads=%d cpu_dense=%s", model,
+             device, dtype, cfg.moe_strategy, cfg.max_seq_len, graphs, " (eager on cpu)" if
+             device == "cpu" else "", threads, cfg.cpu_dense)
     return cfg
 
 

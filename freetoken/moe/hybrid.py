@@ -7,9 +7,9 @@ Per layer call (decode):
   CPU submit (returns at once) -> fetch + GPU compute of hits and fetched experts -> CPU wait
   -> add the CPU result.
 f starts from the layer's bandwidth-profile row (``pcie_ov / (pcie_ov + cpu_ov)``) and
-:class:`SplitPolicy` moves it toward the split where CPU and PCIe finish together, from the
-times it measures each step. Prefill chunks that miss most experts stream them to the GPU like
-offload does.
+:class:`SplitPolicy` moves it toward the split with the shortest step (CPU and PCIe finishing
+together, counting the host time the CPU half costs), from the times it measures each
+step. Prefill chunks that miss most experts stream them to the GPU like offload does.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ When a call needs more experts than the pool has slots, or misses more than half
 experts (a prefill chunk), the misses are streamed instead: copied in chunks through two staging
 buffers (the copy of chunk k+1 overlaps the compute of chunk k) without touching the cache.
 
-On ``--device cpu`` the same code runs with host memory as the "device" and memcpy as the link.
+Decode CUDA graphs leave these calls out of the capture (:mod:`freetoken.engine.graph`): the
+host plans each one between graph pieces. On ``--device cpu`` the same code runs with host
+memory as the "device" and memcpy as the link.
 """
 
 from __future__ import annotations

@@ -14,6 +14,20 @@ static inline void cpu_relax() {}
 
 namespace ft {
 
+void Scratch::carve(const size_t* sizes, int n, uint8_t** part) {
+  auto align64 = [](size_t v) { return (v + 63) & ~(size_t)63; };
+  size_t total = 0;
+  for (int i = 0; i < n; ++i) total += align64(sizes[i]);
+  if (size < total) {
+    mem.reset(new uint8_t[total + 64]);
+    size = total;
+  }
+  uint8_t* base = mem.get();
+  base += (64 - (uintptr_t)base % 64) % 64;
+  size_t off = 0;
+  for (int i = 0; i < n; off += align64(sizes[i]), ++i) part[i] = sizes[i] ? base + off : nullptr;
+}
+
 int64_t block_of(int fmt) {
   switch (fmt) {
     case F_BF16:
@@ -53,7 +67,6 @@ inline float activate(int kind, float g) {
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 // Act views advanced to vector `first` of K-long vectors.
 Act offset_act(const Act& a, int64_t first) {
@@ -72,34 +85,6 @@ Act offset_act(const Act& a, int64_t first) {
 void run_item(void* ctx, int phase, int64_t item, int worker);
 
 }  // namespace
-
-void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
-                 int32_t* gb) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + 32 * b;
-    float amax = 0;
-    for (int i = 0; i < 32; ++i) {
-      float a = xb[i] < 0 ? -xb[i] : xb[i];
-      amax = a > amax ? a : amax;
-    }
-    float db = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-    d[b] = db;
-    for (int g = 0; g < 8; ++g) {
-      int32_t s = 0;
-      for (int i = 0; i < 4; ++i) {
-        // round to nearest even without a libm call: |x * id| <= 127 < 2^22
-        float v = (xb[4 * g + i] * id + 12582912.0f) - 12582912.0f;
-        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-        int8_t qi = (int8_t)v;
-        q[32 * b + 4 * g + i] = qi;
-        s += qi;
-      }
-      gs[8 * b + g] = s;
-      gb[8 * b + g] = -128 * s;
-      dl[8 * b + g] = db;
-    }
-  }
-}
 
 Executor::Executor(const std::vector<int>& cores, int isa_cap, int spin_us)
     : pool_(cores, spin_us), isa_(isa_cap < best_isa() ? isa_cap : best_isa()) {
@@ -220,18 +205,8 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
       hq ? (size_t)P * (I / 4) * 4 : 0,               // h gb
   };
   constexpr int kParts = sizeof sizes / sizeof sizes[0];
-  size_t total = 0;
-  for (size_t s : sizes) total += align64(s);
-  if (j.scratch.size < total) {
-    j.scratch.mem.reset(new uint8_t[total + 64]);
-    j.scratch.size = total;
-  }
-  uint8_t* base = j.scratch.mem.get();
-  base += (64 - (uintptr_t)base % 64) % 64;
   uint8_t* part[kParts];
-  size_t off = 0;
-  for (int i = 0; i < kParts; off += align64(sizes[i]), ++i)
-    part[i] = sizes[i] ? base + off : nullptr;
+  j.scratch.carve(sizes, kParts, part);
   j.count = (int32_t*)part[0];
   j.active = (int32_t*)part[1];
   j.ready = (int32_t*)part[2];
@@ -329,18 +304,6 @@ double Executor::stream_read(const uint8_t* buf, int64_t bytes, int reps) {
   auto t1 = std::chrono::steady_clock::now();
   pool_.release(slot);
   return std::chrono::duration<double>(t1 - t0).count();
-}
-
-void encode_act(const float* x, int act, const Act& a, int64_t t) {
-  const int64_t K = a.K;
-  if (act == ACT_BF16) {
-    uint16_t* o = const_cast<uint16_t*>(a.bf) + t * K;
-    for (int64_t i = 0; i < K; ++i) o[i] = f32_to_bf16(x[i]);
-  } else if (act == ACT_Q8) {
-    quantize_q8(x, K, const_cast<int8_t*>(a.q) + t * K, const_cast<float*>(a.d) + t * (K / 32),
-                const_cast<float*>(a.dl) + t * (K / 4), const_cast<int32_t*>(a.gs) + t * (K / 4),
-                const_cast<int32_t*>(a.gb) + t * (K / 4));
-  }
 }
 
 namespace {

@@ -44,6 +44,8 @@ struct Layer {
 struct Scratch {
   std::unique_ptr<uint8_t[]> mem;  // size + 64 bytes, used from its first 64-byte boundary
   size_t size = 0;
+  // Grow to hold n 64-byte-aligned parts of sizes[i] bytes; part[i] is null where sizes[i] is 0.
+  void carve(const size_t* sizes, int n, uint8_t** part);
 };
 
 struct Job {

@@ -11,7 +11,6 @@ namespace {
 
 constexpr int kVectors = 16;  // vectors per kernel call
 
-size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 void run_linear_item(void* ctx, int phase, int64_t item, int) {
   LinearJob& j = *(LinearJob*)ctx;
@@ -69,17 +68,8 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
       (size_t)T * 4,                   // tok
   };
   constexpr int kParts = sizeof sizes / sizeof sizes[0];
-  size_t total = 0;
-  for (size_t s : sizes) total += align64(s);
-  if (j.scratch.size < total) {
-    j.scratch.mem.reset(new uint8_t[total + 64]);
-    j.scratch.size = total;
-  }
-  uint8_t* base = j.scratch.mem.get();
-  base += (64 - (uintptr_t)base % 64) % 64;
   uint8_t* part[kParts];
-  size_t off = 0;
-  for (int i = 0; i < kParts; off += align64(sizes[i]), ++i) part[i] = base + off;
+  j.scratch.carve(sizes, kParts, part);
   j.W = W;
   j.x = x;
   j.out = out;

@@ -32,6 +32,18 @@ void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int3
   }
 }
 
+void act_sizes(int64_t n, int64_t K, bool bf16, bool q8, size_t* sizes) {
+  sizes[0] = bf16 ? (size_t)(n * K * 2) : 0;
+  sizes[1] = q8 ? (size_t)(n * K) : 0;
+  sizes[2] = q8 ? (size_t)(n * (K / 32) * 4) : 0;
+  for (int i = 3; i < kActParts; ++i) sizes[i] = q8 ? (size_t)(n * (K / 4) * 4) : 0;
+}
+
+Act act_view(int64_t K, const float* f, uint8_t* const* p) {
+  return Act{K, f, (uint16_t*)p[0], (int8_t*)p[1], (float*)p[2], (float*)p[3], (int32_t*)p[4],
+             (int32_t*)p[5]};
+}
+
 void encode_act(const float* x, int act, const Act& a, int64_t t) {
   const int64_t K = a.K;
   if (act == ACT_BF16) {

@@ -190,20 +190,12 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
       (size_t)((E < P ? E : P) + 1) * 4,              // start
       (size_t)P * 4,                                  // ptok
       (size_t)P * 4,                                  // pw
-      xbf ? (size_t)T * H * 2 : 0,                    // x bf16
-      xq ? (size_t)T * H : 0,                         // x q
-      xq ? (size_t)T * (H / 32) * 4 : 0,              // x d
-      xq ? (size_t)T * (H / 4) * 4 : 0,               // x dl
-      xq ? (size_t)T * (H / 4) * 4 : 0,               // x gs
-      xq ? (size_t)T * (H / 4) * 4 : 0,               // x gb
+      0, 0, 0, 0, 0, 0,                               // x representations (6..11)
       (size_t)P * I * 4,                              // h f32
-      hbf ? (size_t)P * I * 2 : 0,                    // h bf16
-      hq ? (size_t)P * I : 0,                         // h q
-      hq ? (size_t)P * (I / 32) * 4 : 0,              // h d
-      hq ? (size_t)P * (I / 4) * 4 : 0,               // h dl
-      hq ? (size_t)P * (I / 4) * 4 : 0,               // h gs
-      hq ? (size_t)P * (I / 4) * 4 : 0,               // h gb
+      0, 0, 0, 0, 0, 0,                               // h representations (13..18)
   };
+  act_sizes(T, H, xbf, xq, sizes + 6);
+  act_sizes(P, I, hbf, hq, sizes + 13);
   constexpr int kParts = sizeof sizes / sizeof sizes[0];
   uint8_t* part[kParts];
   j.scratch.carve(sizes, kParts, part);
@@ -213,8 +205,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.start = (int32_t*)part[3];
   j.ptok = (int32_t*)part[4];
   j.pw = (float*)part[5];
-  j.xa = Act{H, x, (uint16_t*)part[6], (int8_t*)part[7], (float*)part[8], (float*)part[9],
-             (int32_t*)part[10], (int32_t*)part[11]};
+  j.xa = act_view(H, x, part + 6);
   j.hf = (float*)part[12];
   j.hbf = (uint16_t*)part[13];
   j.hq = (int8_t*)part[14];
@@ -222,7 +213,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.hdl = (float*)part[16];
   j.hgs = (int32_t*)part[17];
   j.hgb = (int32_t*)part[18];
-  j.ha = Act{I, j.hf, j.hbf, j.hq, j.hd, j.hdl, j.hgs, j.hgb};
+  j.ha = act_view(I, j.hf, part + 13);
 
   // Group the (token, expert) pairs by expert: a counting sort, stable in token order.
   for (int64_t e = 0; e < E; ++e) j.count[e] = 0;

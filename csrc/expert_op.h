@@ -88,6 +88,12 @@ struct LinearJob {
 int64_t block_of(int fmt);
 const char* fmt_name(int fmt);
 
+// Scratch bytes for n vectors of length K in the representations a kernel may need, in Act's
+// order: bf16, q, d, dl, gs, gb (0 where not needed); and the Act over floats f and those parts.
+constexpr int kActParts = 6;
+void act_sizes(int64_t n, int64_t K, bool bf16, bool q8, size_t* sizes);
+Act act_view(int64_t K, const float* f, uint8_t* const* parts);
+
 // Write vector t of `a` (length a.K) from the floats x in the representation `act` needs.
 void encode_act(const float* x, int act, const Act& a, int64_t t);
 

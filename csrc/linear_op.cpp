@@ -58,25 +58,18 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   LinearJob& j = linear_jobs_[slot];
   const int64_t K = W->cols;
   const bool bf = W->act == ACT_BF16, q = W->act == ACT_Q8;
-  size_t sizes[] = {
-      bf ? (size_t)T * K * 2 : 0,      // x bf16
-      q ? (size_t)T * K : 0,           // x q
-      q ? (size_t)T * (K / 32) * 4 : 0,  // x d
-      q ? (size_t)T * (K / 4) * 4 : 0,   // x dl
-      q ? (size_t)T * (K / 4) * 4 : 0,   // x gs
-      q ? (size_t)T * (K / 4) * 4 : 0,   // x gb
-      (size_t)T * 4,                   // tok
-  };
-  constexpr int kParts = sizeof sizes / sizeof sizes[0];
+  size_t sizes[kActParts + 1];
+  act_sizes(T, K, bf, q, sizes);
+  sizes[kActParts] = (size_t)T * 4;  // tok
+  constexpr int kParts = kActParts + 1;
   uint8_t* part[kParts];
   j.scratch.carve(sizes, kParts, part);
   j.W = W;
   j.x = x;
   j.out = out;
   j.T = T;
-  j.xa = Act{K, x, (uint16_t*)part[0], (int8_t*)part[1], (float*)part[2], (float*)part[3],
-             (int32_t*)part[4], (int32_t*)part[5]};
-  j.tok = (int32_t*)part[6];
+  j.xa = act_view(K, x, part);
+  j.tok = (int32_t*)part[kActParts];
   for (int t = 0; t < T; ++t) j.tok[t] = t;
   // Enough items that every worker takes several; chunks stay within the kernels' limits.
   const int64_t target = 8 * (int64_t)threads();

@@ -6,7 +6,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -15,9 +15,7 @@ from freetoken.config import CacheSizing, EngineConfig, human_bytes
 from freetoken.cpus import usable_cores
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import PoolPlan
-
-if TYPE_CHECKING:
-    from freetoken.moe.profile import LayerKind
+from freetoken.moe.layer_kind import LayerKind, layer_span
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +163,7 @@ def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup],
     plans = []
     for g, n in zip(groups, slots, strict=True):
         if n < 1:
-            where = f"one {human_bytes(g.slot_bytes)} expert of layers {_layer_span(g.layers)}"
+            where = f"one {human_bytes(g.slot_bytes)} expert of layers {layer_span(g.layers)}"
             if sizing.kind == "size":
                 least = f"{len(groups)} slots, one per expert size"
             else:  # the budget that gives every pool its first slot
@@ -183,14 +181,8 @@ def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup],
              total_experts, sizing.describe(),
              "" if len(plans) == 1 else "; pools: " + ", ".join(
                  f"{p.num_slots} x {human_bytes(p.slot_bytes)} for layers "
-                 f"{_layer_span(p.layers)}" for p in plans))
+                 f"{layer_span(p.layers)}" for p in plans))
     return plans
-
-
-def _layer_span(layers: tuple[int, ...]) -> str:
-    if len(layers) > 1 and list(layers) == list(range(layers[0], layers[-1] + 1)):
-        return f"{layers[0]}..{layers[-1]}"
-    return ",".join(map(str, layers))
 
 
 def plan_auto(kinds: dict[LayerKind, list[int]], num_layers: int, layer_bytes: int,

@@ -9,7 +9,7 @@ a bandwidth profile row is keyed by the kind plus the CPU worker count,
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -168,3 +168,14 @@ def layer_kinds_from_formats(
                          options)
         kinds.setdefault(kind, []).append(layer)
     return kinds
+
+
+def layer_span(layers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2, 5, 7-8``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

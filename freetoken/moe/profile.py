@@ -30,6 +30,7 @@ from freetoken.moe.layer_kind import (  # noqa: F401  (the profile's public name
     cpu_format,
     layer_kinds,
     layer_kinds_from_formats,
+    layer_span,
     parse_key,
 )
 
@@ -264,7 +265,7 @@ def lookup(
     only make the log lines concrete.
     """
     wanted = kind.key(threads)
-    where = f" (layers {_span(layers)})" if layers else ""
+    where = f" (layers {layer_span(layers)})" if layers else ""
     if wanted in profile.rows:
         return Match(wanted, "exact", wanted, profile.rows[wanted])
     parsed = {k: parse_key(k) for k in profile.rows}
@@ -297,17 +298,6 @@ def plan_fractions(
         match = lookup(profile, kind, threads, layers, checkpoint)
         plan.update(dict.fromkeys(layers, match))
     return dict(sorted(plan.items()))
-
-
-def _span(layers: list[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2, 5, 7-8``."""
-    runs: list[list[int]] = []
-    for i in sorted(layers):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def format_table(rows: Mapping[str, Row]) -> str:

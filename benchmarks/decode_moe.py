@@ -11,6 +11,10 @@ bandwidth is measured in the same run by the engine's own copy path (bank rows -
 Hybrid roofline: tokens/s <= (CPU + PCIe GB/s, overlapped) / miss bytes per token (fetched and
 CPU-computed misses), the GB/s from the layer kind's row of the bandwidth profile, which the
 GPU script writes with `ft bench bw --model` just before.
+Serial ceilings (when resident is measured in the same run): a step cannot beat the resident
+step plus its link time, since a layer's misses are known only after its router ran on the
+GPU: tokens/s <= 1 / (1 / resident tokens/s + miss bytes per token / link GB/s), with the
+gather GB/s for offload and the overlapped CPU + PCIe GB/s for hybrid.
 
 Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no correction),
 hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online); all
@@ -176,6 +180,26 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     return out
 
 
+def add_serial_ceilings(results: list[dict[str, Any]]) -> None:
+    """Each cached strategy's serial ceiling (module doc), from resident's speed in this run."""
+    resident = next((r["decode_tokens_per_s"] for r in results
+                     if r.get("strategy") == "resident" and "decode_tokens_per_s" in r), None)
+    if not resident:
+        return
+    for r in results:
+        links = [("pcie", r.get("miss_bytes_per_token"), r.get("gather_bytes_per_s")),
+                 ("hybrid", r.get("all_miss_bytes_per_token"),
+                  (r.get("hybrid_overlapped_gbps") or 0) * 1e9)]
+        for name, nbytes, rate in links:
+            if nbytes is None or not rate:
+                continue
+            ceiling = 1 / (1 / resident + nbytes / rate)
+            r[f"{name}_serial_ceiling_tokens_per_s"] = ceiling
+            r[f"fraction_of_{name}_serial_ceiling"] = r["decode_tokens_per_s"] / ceiling
+            print(f"{r['strategy']}: {name} serial ceiling {ceiling:.1f} tok/s, reached "
+                  f"{100 * r['decode_tokens_per_s'] / ceiling:.0f} %", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
@@ -201,6 +225,7 @@ def main() -> None:
             print(f"error: {name}: {type(e).__name__}: {e}", flush=True)
             results.append({"strategy": name, "error": f"{type(e).__name__}: {e}"})
             gc.collect()
+    add_serial_ceilings(results)
     result = {
         "bench": "decode_moe", "label": args.label, **git_state(args.git_sha), **host(),
         "torch": torch.__version__,

@@ -5,17 +5,23 @@ in a static buffer sized for that graph: keys are padded to the runner's full co
 batch rows write their KV to a scratch page and attend to it alone, and their logits are
 dropped. Prefill and mixed steps, and batches above the largest size, run eagerly.
 
-Layers whose experts the host must plan (offload, hybrid: which slot, fetch or CPU) cannot be
-inside a graph. Their experts split the capture: each graph ends where such a layer's experts
-are called (its inputs, the normed hidden states and the routed ids and weights, stay in the
-graph's memory), the experts run eagerly on them between replays, and the next graph starts by
-reading their output from a static buffer. The dense part of every layer stays captured.
+Layers whose experts the host must plan (offload, hybrid: which slot, fetch or CPU) split the
+capture into pieces. Each piece ends where such a layer's experts are called (their inputs, the
+normed hidden states and the routed ids and weights, stay in the graph's memory) and the host
+runs its part between replays:
+- a plan (:meth:`PiecewiseCapture.host`): copies and the layer's slot table; the next piece
+  begins with the experts' device compute, which reads the slots through that table, plus a
+  static buffer the plan may fill (the CPU's share);
+- or, for calls with too many pairs to gather, the whole experts call
+  (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
+The dense part of every layer stays captured.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +29,7 @@ from freetoken.engine.context import ForwardContext, Segment
 from freetoken.kvcache.paged import PagedKV
 
 log = logging.getLogger(__name__)
+T = TypeVar("T", "Break", "HostStep")
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -52,7 +59,7 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.breaks: list[Break] = []
+        self.breaks: list[Break | HostStep] = []
 
 
 class Break:
@@ -68,17 +75,38 @@ class Break:
         self.out[:n].copy_(self.experts(self.x[:n], self.ids[:n], self.w[:n]))
 
 
+class HostStep:
+    """A plan between two captured pieces. ``plan(x, ids, w)`` returns what the captured
+    compute does not cover (or None); it lands in ``extra``, which the next piece adds."""
+
+    def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
+                 ids: torch.Tensor, w: torch.Tensor) -> None:
+        self.plan, self.x, self.ids, self.w = plan, x, ids, w
+        self.extra = torch.zeros_like(x)
+        self.dirty = False  # extra holds a value (zeroed again when a plan returns None)
+
+    def run(self, n: int) -> None:
+        extra = self.plan(self.x[:n], self.ids[:n], self.w[:n])
+        if extra is not None:
+            self.extra[:n].copy_(extra)
+            self.dirty = True
+        elif self.dirty:
+            self.extra.zero_()
+            self.dirty = False
+
+
 class PiecewiseCapture:
     """Capture state while a model forward is being recorded in pieces.
 
-    Host-planned experts call :meth:`split` instead of running: it ends the current piece,
-    records a :class:`Break` and begins the next piece, all in one memory pool.
+    Host-planned experts call :meth:`host` (or :meth:`split`) instead of running: it ends the
+    current piece, records a :class:`HostStep` (or :class:`Break`) and begins the next piece,
+    all in one memory pool.
     """
 
     def __init__(self, pool: tuple[int, int]) -> None:
         self.pool = pool
         self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.breaks: list[Break] = []
+        self.breaks: list[Break | HostStep] = []
         self.current = torch.cuda.CUDAGraph()
 
     def begin(self) -> None:
@@ -86,13 +114,25 @@ class PiecewiseCapture:
 
     def split(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
               w: torch.Tensor) -> torch.Tensor:
+        """The whole experts call between two pieces; returns its static output buffer."""
+        return self._between(lambda: Break(experts, x, ids, w)).out
+
+    def host(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor, ids: torch.Tensor,
+             w: torch.Tensor) -> torch.Tensor:
+        """``plan`` between two pieces; returns the static buffer of its extra output, for the
+        captured compute that follows to add."""
+        return self._between(lambda: HostStep(plan, x, ids, w)).extra
+
+    def _between(self, make: Callable[[], T]) -> T:
+        """End the current piece, make the break (outside any capture: its buffers must not
+        be written by a replay), begin the next piece."""
         self.current.capture_end()
         self.pieces.append(self.current)
-        brk = Break(experts, x, ids, w)
-        self.breaks.append(brk)
+        item = make()
+        self.breaks.append(item)
         self.current = torch.cuda.CUDAGraph()
         self.current.capture_begin(pool=self.pool)
-        return brk.out
+        return item
 
     def end(self) -> None:
         self.current.capture_end()

@@ -3,7 +3,9 @@
 Slots are byte rows of one size (an expert's bank row, see ``host_banks.ExpertLayout``). Layers
 whose experts take the same bytes share one :class:`SlotPool` and its LRU; a checkpoint with
 mixed expert formats (e.g. 29 q8_0 layers and 1 bf16 layer) gets one pool per size, the cache
-budget split between them by their share of expert bytes. Each layer has a table expert -> slot.
+budget split between them by their share of expert bytes. Each layer has a table expert -> slot,
+kept on the host for planning and published to the device (:meth:`SlotPool.publish`) for the
+kernels that read the slots, so they need no host-made index and can run inside a CUDA graph.
 
 Threads: the engine's main thread only. A slot handed out by :meth:`SlotPool.admit` is not
 evicted again within the same call's ``keep`` set, so a step never loses an expert it still needs.
@@ -24,13 +26,37 @@ class SlotPool:
         if num_slots < 1:
             raise ValueError("an expert cache pool needs at least one slot")
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
-        self.data = torch.empty(num_slots, slot_bytes, dtype=torch.uint8, device=device)
+        # zeros: a slot never filled still dequantises to finite weights (a masked pair reads it)
+        self.data = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8, device=device)
+        self.device = device
         self.owner: list[tuple[int, int] | None] = [None] * num_slots  # slot -> (layer, expert)
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
         self.tables: dict[int, list[int]] = {}  # layer -> expert -> slot (-1: not cached)
+        self.device_tables: dict[int, torch.Tensor] = {}  # the same, as last published
+        self._staged: dict[int, torch.Tensor] = {}  # pinned host copies being published
 
     def add_layer(self, layer: int, num_experts: int) -> None:
         self.tables[layer] = [-1] * num_experts
+        pinned = self.device.type == "cuda"
+        self._staged[layer] = torch.full((num_experts,), -1, dtype=torch.long, pin_memory=pinned)
+        self.device_tables[layer] = torch.full((num_experts,), -1, dtype=torch.long,
+                                               device=self.device)
+
+    def publish(self, layer: int, empty: bool = False) -> torch.Tensor:
+        """Copy ``layer``'s table (all -1 with ``empty``) to its device tensor, in order on the
+        current stream, and return that tensor.
+
+        The copy reads a pinned host buffer after this call returns. The buffer is rewritten
+        only by the layer's next publish, which comes after the host has read that next call's
+        routed ids: a sync on the same stream, later than this copy."""
+        staged = self._staged[layer]
+        if empty:
+            staged.fill_(-1)
+        else:
+            staged.copy_(torch.tensor(self.tables[layer], dtype=torch.long))
+        table = self.device_tables[layer]
+        table.copy_(staged, non_blocking=True)
+        return table
 
     def lookup(self, layer: int, experts: list[int]) -> tuple[dict[int, int], list[int]]:
         """Split ``experts`` into hits (expert -> slot, marked most recently used) and misses."""

@@ -4,8 +4,9 @@ first) and compute the rest on the CPU from the same host bank, overlapped.
 Per layer call (decode):
   route -> hits | misses; misses by use, descending -> the first n = round(f * misses) (capped
   by ``--moe-hybrid-max-fetch``) are fetched into cache slots, the rest go to the CPU pool:
-  CPU submit (returns at once) -> fetch + GPU compute of hits and fetched experts -> CPU wait
-  -> add the CPU result.
+  CPU submit (returns at once) -> copies on the copy stream -> CPU wait -> the GPU computes
+  hits and fetched experts from the published slot table and adds the CPU result. With decode
+  CUDA graphs the host part runs between two pieces and the GPU part is captured.
 f starts from the layer's bandwidth-profile row (``pcie_ov / (pcie_ov + cpu_ov)``) and
 :class:`SplitPolicy` moves it toward the split with the shortest step (CPU and PCIe finishing
 together, counting the host time the CPU half costs), from the times it measures each
@@ -18,6 +19,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +32,9 @@ from freetoken.moe.profile import LayerKind, Match, cpu_format, load_profile_or_
 from freetoken.moe.stats import Span
 from freetoken.moe.strategy import ExpertShape, register
 from freetoken.quant import QuantTensor, get_format
+
+if TYPE_CHECKING:
+    from freetoken.moe.cpu_executor import CpuMoeFuture
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,7 @@ class HybridExperts(OffloadExperts):
         self.policy = SplitPolicy()
         self.executor: cx.CpuMoeExecutor | None = None
         self._last: tuple[int, float, int, Span | None, float] | None = None
+        self._staged: torch.Tensor | None = None  # pinned, the CPU's result on its way (CUDA)
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -136,11 +142,12 @@ class HybridExperts(OffloadExperts):
 
         bank = self.bank
         assert bank is not None
-        stacks = [cx.ExpertStack.from_quant([bank.layout.quant(bank.rows[e], p)
-                                             for e in range(bank.num_experts)])
-                  for p in PROJECTIONS]
+        gate, up, down = (cx.ExpertStack.from_quant([bank.layout.quant(bank.rows[e], p)
+                                                     for e in range(bank.num_experts)])
+                          for p in PROJECTIONS)
         self.executor = shared_executor()
-        self.executor.add_layer(self.shape.layer, *stacks, activation=self.shape.activation)
+        self.executor.add_layer(self.shape.layer, gate, up, down,
+                                activation=self.shape.activation)
 
     def _runtime(self) -> OffloadRuntime:
         if self.executor is None:
@@ -148,50 +155,92 @@ class HybridExperts(OffloadExperts):
                                "attach_hybrid() gave them the CPU executor")
         return super()._runtime()
 
+    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """The host's part of a gathered call: the CPU's share submitted, the most used misses
+        fetched, the slot table published (the CPU's experts stay out of it, so
+        :meth:`_from_table` gives their pairs 0), then the CPU's result, which is returned."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        flat, pool, hits, misses = self._route(ids)
+        if self._must_stream(len(hits) + len(misses), len(misses), pool):
+            pool.publish(self.shape.layer, empty=True)
+            return self._streamed(x, ids, w, pool, hits, misses)
+        fetched, on_cpu = self._split(flat, misses)
+        future, overhead = self._submit(x, ids, w, flat, on_cpu)
+        _, fetch = self._fetch(pool, hits, fetched)
+        pool.publish(self.shape.layer)
+        cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
+        self._record(x, hits, fetched, on_cpu, fetch, None, t_cpu, overhead)
+        return cpu_out
+
     def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                flat: list[int], pool: SlotPool, hits: dict[int, int],
                misses: list[int]) -> torch.Tensor:
-        """One decode-sized call: the most used misses fetched, the rest on the CPU."""
-        rt, bank, ex = self.runtime, self.bank, self.executor
-        assert rt is not None and bank is not None and ex is not None
-        layer = self.shape.layer
+        """A call with too many pairs to gather (or on the CPU): the CPU's share submitted
+        first, the fetched experts and hits computed expert by expert meanwhile."""
+        rt = self.runtime
+        assert rt is not None
+        fetched, on_cpu = self._split(flat, misses)
+        future, overhead = self._submit(x, topk_ids, topk_weights, flat, on_cpu)
+        slot_of, fetch = self._fetch(pool, hits, fetched)
+        compute = rt.stats.span()
+        out = (self._compute(x, topk_ids, topk_weights, pool, slot_of) if slot_of
+               else torch.zeros_like(x))
+        compute.stop()
+        cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
+        self._record(x, hits, fetched, on_cpu, fetch, compute, t_cpu, overhead)
+        return out if cpu_out is None else out + cpu_out
+
+    def _split(self, flat: list[int], misses: list[int]) -> tuple[list[int], set[int]]:
+        """Misses to fetch (the policy's count, most used first) and misses for the CPU."""
         self._observe_last()
         uses = Counter(flat)
         by_use = sorted(misses, key=lambda e: (-uses[e], e))
         n = self.policy.n_fetch(len(misses))
-        fetched, on_cpu = sorted(by_use[:n]), set(by_use[n:])
-        future, overhead = None, 0.0
-        if on_cpu:
-            t0 = time.perf_counter()
-            cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(topk_ids.shape)
-            future = ex.submit(x, cpu_ids, topk_weights, layer)
-            overhead = time.perf_counter() - t0
-        slot_of, fetch = self._fetch(pool, hits, fetched)
-        compute = rt.stats.span()
-        if slot_of:
-            w = topk_weights
-            if on_cpu:
-                t0 = time.perf_counter()
-                keep = torch.tensor([e not in on_cpu for e in flat], device=x.device)
-                w = w * keep.view(w.shape).to(w.dtype)
-                overhead += time.perf_counter() - t0
-            out = self._compute(x, topk_ids, w, flat, pool, slot_of)
+        return sorted(by_use[:n]), set(by_use[n:])
+
+    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
+                on_cpu: set[int]) -> tuple[CpuMoeFuture | None, float]:
+        """The CPU's share on the pool (pairs of other experts as -1); returns at once."""
+        if not on_cpu:
+            return None, 0.0
+        assert self.executor is not None
+        t0 = time.perf_counter()
+        cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(ids.shape)
+        future = self.executor.submit(x, cpu_ids, w, self.shape.layer)
+        return future, time.perf_counter() - t0
+
+    def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor,
+                 overhead: float) -> tuple[torch.Tensor | None, float, float]:
+        """The CPU's result on ``x``'s device, the pool's time on it, and the host overhead.
+        On CUDA the result goes through a pinned buffer without waiting for the stream (which
+        may still be waiting for the copies): the buffer is rewritten only at this layer's next
+        call, after the host has synced on that call's routed ids."""
+        if future is None:
+            return None, 0.0, overhead
+        out = future.wait()
+        t0 = time.perf_counter()
+        if x.is_cuda:
+            T, H = out.shape
+            if self._staged is None or self._staged.shape[0] < T:
+                self._staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
+            staged = self._staged[:T]
+            staged.copy_(out)
+            out = staged.to(x.device, non_blocking=True)
         else:
-            out = torch.zeros_like(x)
-        compute.stop()
-        t_cpu = 0.0
-        if future is not None:
-            cpu_out = future.wait()
-            t_cpu = future.seconds
-            t0 = time.perf_counter()
-            out = out + cpu_out.to(device=x.device, dtype=x.dtype)
-            overhead += time.perf_counter() - t0
+            out = out.to(dtype=x.dtype)
+        return out, future.seconds, overhead + time.perf_counter() - t0
+
+    def _record(self, x: torch.Tensor, hits: dict[int, int], fetched: list[int],
+                on_cpu: set[int], fetch: Span | None, compute: Span | None, t_cpu: float,
+                overhead: float) -> None:
+        rt, bank, layer = self.runtime, self.bank, self.shape.layer
+        assert rt is not None and bank is not None
         self._last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
         rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
                         len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
                         cpu_experts=len(on_cpu), cpu_s=t_cpu)
         rt.stats.set_fraction(layer, self.policy.fraction)
-        return out
 
     def _observe_last(self) -> None:
         """Feed the previous call's times to the policy (its copy has finished by now)."""

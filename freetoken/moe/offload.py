@@ -10,9 +10,12 @@ When a call needs more experts than the pool has slots, or misses more than half
 experts (a prefill chunk), the misses are streamed instead: copied in chunks through two staging
 buffers (the copy of chunk k+1 overlaps the compute of chunk k) without touching the cache.
 
-Decode CUDA graphs leave these calls out of the capture (:mod:`freetoken.engine.graph`): the
-host plans each one between graph pieces. On ``--device cpu`` the same code runs with host
-memory as the "device" and memcpy as the link.
+Decode-sized calls on a GPU (pairs few enough to gather) are split in two: the host's plan
+(routed ids, hits and misses, copies, the layer's slot table published to the device) and the
+device's compute (:meth:`OffloadExperts._from_table`, which reads slots through that table and
+so needs nothing from the host). Decode CUDA graphs (:mod:`freetoken.engine.graph`) run the
+plan between two pieces and capture the compute; larger calls run between pieces whole. On
+``--device cpu`` the same code runs with host memory as the "device" and memcpy as the link.
 """
 
 from __future__ import annotations
@@ -118,16 +121,59 @@ class OffloadExperts(Experts):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
         rt = self._runtime()
-        if rt.capture is not None:  # the host plans this call: leave it out of the graph
+        if use_gather(x, topk_ids):  # decode on a GPU: the host plans, the device computes
+            if rt.capture is not None:  # capture: the plan runs between graph pieces
+                static = rt.capture.host(self._plan, x, topk_ids, topk_weights)
+                return self._from_table(x, topk_ids, topk_weights) + static
+            extra = self._plan(x, topk_ids, topk_weights)
+            out = self._from_table(x, topk_ids, topk_weights)
+            return out if extra is None else out + extra
+        if rt.capture is not None:  # too many pairs to gather: all of it between the pieces
             return rt.capture.split(self, x, topk_ids, topk_weights)
-        layer = self.shape.layer
-        pool = rt.cache.pool(layer)
-        flat = topk_ids.reshape(-1).tolist()
-        needed = sorted(set(flat))
-        hits, misses = pool.lookup(layer, needed)
-        if len(needed) > pool.num_slots or len(misses) > STREAM_ABOVE * self.shape.num_experts:
+        flat, pool, hits, misses = self._route(topk_ids)
+        if self._must_stream(len(hits) + len(misses), len(misses), pool):
             return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
         return self._serve(x, topk_ids, topk_weights, flat, pool, hits, misses)
+
+    def _route(self, ids: torch.Tensor) -> tuple[list[int], SlotPool, dict[int, int], list[int]]:
+        """The routed ids on the host (a sync), and the experts they need split into hits
+        (expert -> slot) and misses."""
+        assert self.runtime is not None
+        pool = self.runtime.cache.pool(self.shape.layer)
+        flat = ids.reshape(-1).tolist()
+        hits, misses = pool.lookup(self.shape.layer, sorted(set(flat)))
+        return flat, pool, hits, misses
+
+    def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
+        return needed > pool.num_slots or misses > STREAM_ABOVE * self.shape.num_experts
+
+    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """The host's part of a gathered call: fetch the misses, publish the layer's slot table
+        for :meth:`_from_table`. Returns what :meth:`_from_table` does not compute (streamed
+        experts here, the CPU's share in hybrid), or None."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        flat, pool, hits, misses = self._route(ids)
+        if self._must_stream(len(hits) + len(misses), len(misses), pool):
+            pool.publish(self.shape.layer, empty=True)
+            return self._streamed(x, ids, w, pool, hits, misses)
+        _, fetch = self._fetch(pool, hits, misses)
+        pool.publish(self.shape.layer)
+        rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
+                        len(misses) * bank.expert_bytes, fetch=fetch)
+        return None
+
+    def _from_table(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every pair whose expert the published slot table holds, gathered from its slot with
+        resident's kernel; the other pairs count 0. Device work only (capturable)."""
+        assert self.runtime is not None
+        pool = self.runtime.cache.pool(self.shape.layer)
+        slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
+        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
+        index = slot.clamp(min=0)
+        gate, up, down = (self._pool_weight(pool, p, index)
+                          for p in ("gate_proj", "up_proj", "down_proj"))
+        return gathered(x, w, gate, up, down, self.act)
 
     def _runtime(self) -> OffloadRuntime:
         if self.runtime is None or self.bank is None:
@@ -142,7 +188,7 @@ class OffloadExperts(Experts):
         assert rt is not None and bank is not None
         slot_of, fetch = self._fetch(pool, hits, misses)
         compute = rt.stats.span()
-        out = self._compute(x, ids, w, flat, pool, slot_of)
+        out = self._compute(x, ids, w, pool, slot_of)
         rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
                         len(misses) * bank.expert_bytes, fetch=fetch, compute=compute.stop())
         return out
@@ -158,16 +204,10 @@ class OffloadExperts(Experts):
         rt.wait(done)
         return hits | dict(zip(misses, slots, strict=True)), fetch
 
-    def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
-                 pool: SlotPool, slot_of: dict[int, int]) -> torch.Tensor:
-        """The experts in ``slot_of`` from their slots, with resident's kernels. Pairs routed
-        to other experts must carry weight 0 in ``w`` (they borrow any slot, or are skipped)."""
-        if use_gather(x, ids):
-            spare = next(iter(slot_of.values()))
-            index = torch.tensor([slot_of.get(e, spare) for e in flat], device=x.device)
-            gate, up, down = (self._pool_weight(pool, p, index)
-                              for p in ("gate_proj", "up_proj", "down_proj"))
-            return gathered(x, w, gate, up, down, self.act)
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
+                 slot_of: dict[int, int]) -> torch.Tensor:
+        """The experts in ``slot_of`` from their slots, expert by expert with resident's
+        kernel (too many pairs to gather, or the CPU); other experts' pairs are skipped."""
         return grouped(x, ids, w, self.shape.num_experts,
                        lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
                        only=slot_of)

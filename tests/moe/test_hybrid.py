@@ -125,8 +125,14 @@ def test_damaged_profile_falls_back_to_cap_1(q8_gguf, tmp_path, monkeypatch, cap
     assert str(profile) in caplog.text and "ft bench bw" in caplog.text
 
 
+@pytest.mark.parametrize("path", ["grouped", "gathered"])
 @pytest.mark.parametrize("fmt", ["hf", "q8_0"])
-def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monkeypatch, fmt):
+def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monkeypatch, fmt,
+                                         path, request):
+    """Grouped: the CPU's path. Gathered: the GPU's (host plan, published slot table, CPU
+    result added after the gather), run on the CPU."""
+    if path == "gathered":
+        request.getfixturevalue("gather_on_cpu")
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     path = tiny_qwen3_moe if fmt == "hf" else q8_gguf
     resident = our_logits(load_ours(path), IDS, prefill=4)

@@ -213,6 +213,45 @@ def test_offload_logits_equal_resident_bitwise(checkpoint, slots):
         assert set(stats["layers"]) == {"0", "2"}
 
 
+@pytest.mark.parametrize("slots", [4, 6])
+def test_slot_table_path_equals_resident_bitwise(checkpoint, slots, gather_on_cpu):
+    """Decode through published slot tables, with evictions all along, gives resident's bits.
+    (A call that must stream, e.g. a prefill missing most experts, is computed expert by expert
+    instead, which is not bitwise the gathered kernel: prefill is 1 token here.)"""
+    resident = our_logits(load_ours(checkpoint), IDS, prefill=1)
+    model = load_ours(checkpoint, strategy="offload", cache=CacheSizing("size", slots))
+    assert torch.equal(our_logits(model, IDS, prefill=1), resident)
+    stats = offload_stats(model)
+    assert stats is not None and stats["misses"] > slots and stats["hits"] > 0
+
+
+def test_published_table_masks_what_it_does_not_hold(tiny_qwen3_moe, gather_on_cpu):
+    """A pair whose expert is not in the published table counts 0; the held ones compute as
+    resident does for them alone."""
+    from freetoken.moe.offload import OffloadExperts
+    from freetoken.moe.resident import ResidentExperts
+
+    model = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 6))
+    ref = load_ours(tiny_qwen3_moe)
+    off = next(m for m in model.modules() if isinstance(m, OffloadExperts))
+    res = next(m for m in ref.modules() if isinstance(m, ResidentExperts)
+               and m.shape.layer == off.shape.layer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, off.shape.hidden, generator=g)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    w = torch.rand(3, 2, generator=g)
+    layer, pool = off.shape.layer, off.runtime.cache.pool(off.shape.layer)
+    assert off._plan(x, ids, w) is None  # every needed expert fetched, table published
+    held = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    assert torch.equal(off._from_table(x, ids, w), res(x, ids, w * held))
+    pool.tables[layer][1] = -1  # expert 1 leaves the table the device reads
+    pool.publish(layer)
+    held = (ids != 1).float()
+    assert torch.equal(off._from_table(x, ids, w), res(x, ids, w * held))
+    pool.publish(layer, empty=True)
+    assert torch.equal(off._from_table(x, ids, w), torch.zeros_like(x))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("prefill", [1, 70])
 def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill):

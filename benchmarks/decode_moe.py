@@ -47,7 +47,7 @@ from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 from freetoken.resolve import parse_bytes  # noqa: E402
 
 COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
-            "cpu_experts", "cpu_s")
+            "cpu_experts", "cpu_s", "plan_s")
 
 
 def sync(device: torch.device) -> None:
@@ -170,7 +170,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
             "gather_bytes_per_s": gather, "pcie_roofline_tokens_per_s": roofline,
             "fraction_of_roofline": best["decode_tokens_per_s"] / roofline,
             "share_fetch": moe["fetch_s"] / seconds, "share_expert_compute":
-                moe["compute_s"] / seconds,
+                moe["compute_s"] / seconds, "share_plan": moe["plan_s"] / seconds,
         }
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1), flush=True)
     del engine

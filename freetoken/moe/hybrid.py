@@ -162,6 +162,7 @@ class HybridExperts(OffloadExperts):
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         flat, pool, hits, misses = self._route(ids)
+        t0 = time.perf_counter()
         if self._must_stream(len(hits) + len(misses), len(misses), pool):
             pool.publish(self.shape.layer, empty=True)
             return self._streamed(x, ids, w, pool, hits, misses)
@@ -170,7 +171,8 @@ class HybridExperts(OffloadExperts):
         _, fetch = self._fetch(pool, hits, fetched)
         pool.publish(self.shape.layer)
         cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
-        self._record(x, hits, fetched, on_cpu, fetch, None, t_cpu, overhead)
+        self._record(x, hits, fetched, on_cpu, fetch, None, t_cpu, overhead,
+                     time.perf_counter() - t0)
         return cpu_out
 
     def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -233,13 +235,13 @@ class HybridExperts(OffloadExperts):
 
     def _record(self, x: torch.Tensor, hits: dict[int, int], fetched: list[int],
                 on_cpu: set[int], fetch: Span | None, compute: Span | None, t_cpu: float,
-                overhead: float) -> None:
+                overhead: float, plan_s: float = 0.0) -> None:
         rt, bank, layer = self.runtime, self.bank, self.shape.layer
         assert rt is not None and bank is not None
         self._last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
         rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
                         len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
-                        cpu_experts=len(on_cpu), cpu_s=t_cpu)
+                        cpu_experts=len(on_cpu), cpu_s=t_cpu, plan_s=plan_s)
         rt.stats.set_fraction(layer, self.policy.fraction)
 
     def _observe_last(self) -> None:

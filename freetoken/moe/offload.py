@@ -21,6 +21,7 @@ plan between two pieces and capture the compute; larger calls run between pieces
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -154,13 +155,15 @@ class OffloadExperts(Experts):
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         flat, pool, hits, misses = self._route(ids)
+        t0 = time.perf_counter()
         if self._must_stream(len(hits) + len(misses), len(misses), pool):
             pool.publish(self.shape.layer, empty=True)
             return self._streamed(x, ids, w, pool, hits, misses)
         _, fetch = self._fetch(pool, hits, misses)
         pool.publish(self.shape.layer)
         rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
-                        len(misses) * bank.expert_bytes, fetch=fetch)
+                        len(misses) * bank.expert_bytes, fetch=fetch,
+                        plan_s=time.perf_counter() - t0)
         return None
 
     def _from_table(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ class LayerStats:
     streamed: int = 0  # experts read through the prefill stream, not the cache
     bytes_fetched: int = 0
     fetch_s: float = 0.0
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # expert-by-expert calls (gathered ones run inside the step's graph)
+    plan_s: float = 0.0  # host seconds from a gathered call's routed ids to its plan's end
     cpu_experts: int = 0  # misses computed on the CPU (hybrid)
     cpu_s: float = 0.0  # the CPU pool's time on its jobs, submit to last item (hybrid)
 
@@ -77,9 +78,10 @@ class MoEStats:
 
     def record(self, layer: int, tokens: int, hits: int, misses: int, nbytes: int,
                streamed: int = 0, fetch: Span | None = None, compute: Span | None = None,
-               cpu_experts: int = 0, cpu_s: float = 0.0) -> None:
+               cpu_experts: int = 0, cpu_s: float = 0.0, plan_s: float = 0.0) -> None:
         """One layer call: ``misses`` are the experts fetched into the cache."""
         s = self.layers[layer]
+        s.plan_s += plan_s
         s.cpu_experts += cpu_experts
         s.cpu_s += cpu_s
         s.calls += 1

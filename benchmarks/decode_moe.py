@@ -117,6 +117,18 @@ def hybrid_roofline_gbps(engine: Engine) -> float | None:
     return match.row.cpu_overlapped_gbps + match.row.pcie_overlapped_gbps
 
 
+def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
+    """Per hybrid layer, the costs its online split learned (microseconds)."""
+    from freetoken.moe.hybrid import HybridExperts
+
+    def us(v: float | None) -> float | None:
+        return None if v is None else round(v * 1e6, 1)
+
+    return {str(m.shape.layer): {"cpu_per_expert": us(m.policy.c_cpu),
+                                 "pcie_per_expert": us(m.policy.c_pcie), "overhead": us(m.policy.o)}
+            for m in engine.model.modules() if isinstance(m, HybridExperts)}
+
+
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     strategy, max_fetch, online, capture = VARIANTS.get(name, (name, 0, True, True))
     capture = capture and strategy != "cpu" and args.device == "cuda"
@@ -124,6 +136,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        moe_strategy=strategy, max_seq_len=args.tokens + 256,
                        cuda_graph_max_bs=graphs, moe_cpu_threads=args.moe_cpu_threads,
+                       moe_cpu_spin_us=args.moe_cpu_spin_us,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
                        moe_hybrid_max_fetch=max_fetch, moe_hybrid_online=online)
     t0 = time.perf_counter()
@@ -163,7 +176,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                         best["decode_tokens_per_s"] * miss_bytes / (hybrid_gbps * 1e9),
                     "share_cpu_wait": moe["cpu_s"] / seconds,
                     "fetch_fractions": {k: v.get("fetch_fraction") for k, v in
-                                        rt.stats.snapshot()["layers"].items()}}
+                                        rt.stats.snapshot()["layers"].items()},
+                    "split_costs_us": split_costs(engine)}
         out |= {
             "cache_slots": rt.cache.num_slots, "cache_bytes": rt.cache.nbytes,
             "hit_rate": moe["hit_rate"], "miss_bytes_per_token": moe["bytes_per_token"],
@@ -208,6 +222,7 @@ def main() -> None:
     p.add_argument("--strategies", default="resident,offload")
     p.add_argument("--moe-cache-mem", default="4GB")
     p.add_argument("--moe-cpu-threads", type=int, default=0)
+    p.add_argument("--moe-cpu-spin-us", type=int, default=1000)
     p.add_argument("--prompt", default="The history of computing")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)

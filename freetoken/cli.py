@@ -57,6 +57,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU expert workers for --moe-strategy cpu, each pinned to its own core "
         "(0: one per usable core but the first, which the engine thread keeps)",
     )
+    g.add_argument(
+        "--moe-cpu-spin-us",
+        type=int,
+        default=1000,
+        metavar="US",
+        help="how long an idle CPU worker spins for the next job before it sleeps (bounded; "
+        "0: sleep at once). Decode hands the pool one job per layer, a fraction of a "
+        "millisecond apart: a spin that outlasts the gap saves a wake-up per job",
+    )
     c = g.add_mutually_exclusive_group()
     c.add_argument("--moe-cache-mem", metavar="BYTES",
                    help="expert cache of offloaded layers in bytes, e.g. 4GB or 512MiB")

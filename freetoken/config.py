@@ -268,6 +268,7 @@ class EngineConfig:
     max_seq_len: int
     cuda_graph_max_bs: int = 0  # 0: decode runs eagerly (always on the CPU)
     moe_cpu_threads: int = 0  # CPU expert workers (0: one per usable core but the first)
+    moe_cpu_spin_us: int = 1000  # how long idle CPU workers spin for the next job, then sleep
     moe_cache: CacheSizing = CacheSizing()  # the expert cache of offloaded layers
     kv_reserve_tokens: int = 8192  # KV tokens --moe-cache-auto leaves room for
     moe_hybrid_max_fetch: int = 0  # experts fetched per hybrid layer call at most (0: auto)

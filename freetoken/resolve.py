@@ -60,6 +60,9 @@ def resolve_engine(args: Any) -> EngineConfig:
         raise ConfigError(f"--kv-reserve-tokens must be >= 0, got {args.kv_reserve_tokens}")
     if args.moe_cpu_threads < 0:
         raise ConfigError(f"--moe-cpu-threads must be >= 0, got {args.moe_cpu_threads}")
+    spin = getattr(args, "moe_cpu_spin_us", 1000)
+    if not 0 <= spin <= 100_000:
+        raise ConfigError(f"--moe-cpu-spin-us must be within 0..100000, got {spin}")
     max_fetch = getattr(args, "moe_hybrid_max_fetch", "auto")
     if max_fetch != "auto":
         if not str(max_fetch).isdigit() or int(max_fetch) < 1:
@@ -73,7 +76,7 @@ def resolve_engine(args: Any) -> EngineConfig:
     cfg = EngineConfig(
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
-        moe_cpu_threads=args.moe_cpu_threads, moe_cache=cache,
+        moe_cpu_threads=args.moe_cpu_threads, moe_cpu_spin_us=spin, moe_cache=cache,
         kv_reserve_tokens=getattr(args, "kv_reserve_tokens", 8192),
         moe_hybrid_max_fetch=0 if max_fetch == "auto" else int(max_fetch),
         moe_hybrid_online=getattr(args, "moe_hybrid_online", "on") == "on",

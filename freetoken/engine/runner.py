@@ -42,7 +42,7 @@ class ModelRunner:
         self.model_config = mc = self.ckpt.config
         if cfg.moe_strategy in CPU_POOL_STRATEGIES or cfg.cpu_dense == "pool":
             # the first call sizes the process's CPU pool
-            shared_executor(threads=cfg.moe_cpu_threads or None)
+            shared_executor(threads=cfg.moe_cpu_threads or None, spin_us=cfg.moe_cpu_spin_us)
         self.plan: StrategyPlan = cfg.moe_strategy
         if cfg.moe_strategy == "auto":
             self.plan = self._plan_auto()

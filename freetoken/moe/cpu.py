@@ -22,13 +22,14 @@ _EXECUTOR: cx.CpuMoeExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
 
 
-def shared_executor(threads: int | None = None, isa: str | None = None) -> cx.CpuMoeExecutor:
-    """The process's CPU MoE executor; the first call's arguments make it (``--moe-cpu-threads``
-    and the ISA cap), later calls return it as it is."""
+def shared_executor(threads: int | None = None, isa: str | None = None,
+                    spin_us: int = cx.DEFAULT_SPIN_US) -> cx.CpuMoeExecutor:
+    """The process's CPU MoE executor; the first call's arguments make it (``--moe-cpu-threads``,
+    the ISA cap, ``--moe-cpu-spin-us``), later calls return it as it is."""
     global _EXECUTOR
     with _EXECUTOR_LOCK:
         if _EXECUTOR is None:
-            _EXECUTOR = cx.CpuMoeExecutor(threads=threads, isa=isa)
+            _EXECUTOR = cx.CpuMoeExecutor(threads=threads, isa=isa, spin_us=spin_us)
         return _EXECUTOR
 
 

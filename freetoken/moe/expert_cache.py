@@ -50,10 +50,7 @@ class SlotPool:
         only by the layer's next publish, which comes after the host has read that next call's
         routed ids: a sync on the same stream, later than this copy."""
         staged = self._staged[layer]
-        if empty:
-            staged.fill_(-1)
-        else:
-            staged.copy_(torch.tensor(self.tables[layer], dtype=torch.long))
+        staged.numpy()[:] = -1 if empty else self.tables[layer]  # numpy: no tensor made
         table = self.device_tables[layer]
         table.copy_(staged, non_blocking=True)
         return table

@@ -209,6 +209,9 @@ class HybridExperts(OffloadExperts):
         assert self.executor is not None
         t0 = time.perf_counter()
         cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(ids.shape)
+        if x.is_cuda:  # one transfer (one sync) for both
+            both = torch.cat([x.float(), w.float()], dim=1).cpu()
+            x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
         future = self.executor.submit(x, cpu_ids, w, self.shape.layer)
         return future, time.perf_counter() - t0
 

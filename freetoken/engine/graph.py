@@ -9,9 +9,10 @@ Layers whose experts the host must plan (offload, hybrid: which slot, fetch or C
 capture into pieces. Each piece ends where such a layer's experts are called (their inputs, the
 normed hidden states and the routed ids and weights, stay in the graph's memory) and the host
 runs its part between replays:
-- a plan (:meth:`PiecewiseCapture.host`): copies and the layer's slot table; the next piece
-  begins with the experts' device compute, which reads the slots through that table, plus a
-  static buffer the plan may fill (the CPU's share);
+- a plan (:meth:`PiecewiseCapture.host`): its inputs come to pinned host buffers with one
+  sync; it makes the copies and the layer's slot table; the next piece begins with the
+  experts' device compute, which reads the slots through that table, plus a static buffer the
+  plan may fill (the CPU's share, which the CPU pool writes straight into pinned memory);
 - or, for calls with too many pairs to gather, the whole experts call
   (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
 The dense part of every layer stays captured.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -75,23 +77,50 @@ class Break:
         self.out[:n].copy_(self.experts(self.x[:n], self.ids[:n], self.w[:n]))
 
 
+@dataclass(frozen=True)
+class HostCopies:
+    """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
+    one sync) and ``cpu_out``, a pinned float32 buffer for the CPU's share."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    w: torch.Tensor
+    cpu_out: torch.Tensor
+
+
 class HostStep:
-    """A plan between two captured pieces. ``plan(x, ids, w)`` returns what the captured
-    compute does not cover (or None); it lands in ``extra``, which the next piece adds."""
+    """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
+    and their :class:`HostCopies`; it returns None, ``host.cpu_out`` once it has filled it,
+    or a device tensor. What it returns lands in ``out``, which the next piece adds.
+
+    The pinned buffers are rewritten only in :meth:`run`, after the copies that read them at
+    the previous replay have finished (its sync comes later on the same stream)."""
 
     def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
-                 ids: torch.Tensor, w: torch.Tensor) -> None:
+                 ids: torch.Tensor, w: torch.Tensor, inputs: bool) -> None:
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
-        self.extra = torch.zeros_like(x)
-        self.dirty = False  # extra holds a value (zeroed again when a plan returns None)
+        self.inputs = inputs  # the plan reads x and w on the host, not only the ids
+
+        def pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.zeros(t.shape, dtype=dtype or t.dtype, pin_memory=True)
+
+        self.host = HostCopies(pinned(x), pinned(ids), pinned(w), pinned(x, torch.float32))
+        self.out = torch.zeros_like(x)
+        self.dirty = False  # out holds a value (zeroed again when a plan returns None)
 
     def run(self, n: int) -> None:
-        extra = self.plan(self.x[:n], self.ids[:n], self.w[:n])
+        h = self.host
+        pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
+        for src, dst in pairs if self.inputs else pairs[:1]:
+            dst[:n].copy_(src[:n], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
+        extra = self.plan(self.x[:n], self.ids[:n], self.w[:n], host)
         if extra is not None:
-            self.extra[:n].copy_(extra)
+            self.out[:n].copy_(extra, non_blocking=True)  # pinned or on the device: no wait
             self.dirty = True
         elif self.dirty:
-            self.extra.zero_()
+            self.out.zero_()
             self.dirty = False
 
 
@@ -118,10 +147,11 @@ class PiecewiseCapture:
         return self._between(lambda: Break(experts, x, ids, w)).out
 
     def host(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor, ids: torch.Tensor,
-             w: torch.Tensor) -> torch.Tensor:
-        """``plan`` between two pieces; returns the static buffer of its extra output, for the
-        captured compute that follows to add."""
-        return self._between(lambda: HostStep(plan, x, ids, w)).extra
+             w: torch.Tensor, inputs: bool = True) -> torch.Tensor:
+        """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
+        ids); returns the static buffer of its extra output, for the captured compute that
+        follows to add."""
+        return self._between(lambda: HostStep(plan, x, ids, w, inputs)).out
 
     def _between(self, make: Callable[[], T]) -> T:
         """End the current piece, make the break (outside any capture: its buffers must not

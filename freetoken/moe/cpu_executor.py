@@ -189,11 +189,13 @@ class CpuMoeExecutor:
         return info
 
     def submit(
-        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int,
+        out: torch.Tensor | None = None,
     ) -> CpuMoeFuture:
         """Start ``sum_a weights[t, a] * expert_{ids[t, a]}(hidden[t])`` on the pool.
 
-        hidden (T, H), expert_ids/weights (T, A); ids < 0 are skipped. Returns at once.
+        hidden (T, H), expert_ids/weights (T, A); ids < 0 are skipped. Returns at once. The
+        result goes to ``out`` if given (float32, contiguous, on the CPU, (T, H)).
         """
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no experts on the CPU executor")
@@ -208,7 +210,11 @@ class CpuMoeExecutor:
             )
         if not self._announced:
             self._announce(ids.shape[1])
-        out = torch.empty(T, H, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(T, H, dtype=torch.float32)
+        elif (out.shape != (T, H) or out.dtype != torch.float32 or out.device.type != "cpu"
+              or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of {(T, H)}")
         if T == 0:
             fut = CpuMoeFuture(self, -1, out, ())
             fut._done = True

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from freetoken.engine.graph import HostCopies
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS
@@ -111,6 +112,8 @@ class SplitPolicy:
 class HybridExperts(OffloadExperts):
     """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
 
+    PLAN_READS_INPUTS = True  # the CPU's share reads the hidden states and weights
+
     def __init__(self, shape: ExpertShape) -> None:
         from freetoken.moe import cpu_executor as cx
 
@@ -155,22 +158,24 @@ class HybridExperts(OffloadExperts):
                                "attach_hybrid() gave them the CPU executor")
         return super()._runtime()
 
-    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+              host: HostCopies | None = None) -> torch.Tensor | None:
         """The host's part of a gathered call: the CPU's share submitted, the most used misses
         fetched, the slot table published (the CPU's experts stay out of it, so
-        :meth:`_from_table` gives their pairs 0), then the CPU's result, which is returned."""
+        :meth:`_from_table` gives their pairs 0), then the CPU's result, which is returned
+        (between graph pieces: written into ``host.cpu_out``, which is returned)."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        flat, pool, hits, misses = self._route(ids)
+        flat, pool, hits, misses = self._route(ids if host is None else host.ids)
         t0 = time.perf_counter()
         if self._must_stream(len(hits) + len(misses), len(misses), pool):
             pool.publish(self.shape.layer, empty=True)
             return self._streamed(x, ids, w, pool, hits, misses)
         fetched, on_cpu = self._split(flat, misses)
-        future, overhead = self._submit(x, ids, w, flat, on_cpu)
+        future, overhead = self._submit(x, ids, w, flat, on_cpu, host)
         _, fetch = self._fetch(pool, hits, fetched)
         pool.publish(self.shape.layer)
-        cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
+        cpu_out, t_cpu, overhead = self._collect(future, x, overhead, host)
         self._record(x, hits, fetched, on_cpu, fetch, None, t_cpu, overhead,
                      time.perf_counter() - t0)
         return cpu_out
@@ -202,30 +207,39 @@ class HybridExperts(OffloadExperts):
         return sorted(by_use[:n]), set(by_use[n:])
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
-                on_cpu: set[int]) -> tuple[CpuMoeFuture | None, float]:
-        """The CPU's share on the pool (pairs of other experts as -1); returns at once."""
+                on_cpu: set[int], host: HostCopies | None = None,
+                ) -> tuple[CpuMoeFuture | None, float]:
+        """The CPU's share on the pool (pairs of other experts as -1); returns at once. With
+        ``host``, it reads the host copies and writes into ``host.cpu_out``."""
         if not on_cpu:
             return None, 0.0
         assert self.executor is not None
         t0 = time.perf_counter()
         cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(ids.shape)
-        if x.is_cuda:  # one transfer (one sync) for both
-            both = torch.cat([x.float(), w.float()], dim=1).cpu()
-            x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
-        future = self.executor.submit(x, cpu_ids, w, self.shape.layer)
+        if host is not None:
+            future = self.executor.submit(host.x, cpu_ids, host.w, self.shape.layer,
+                                          out=host.cpu_out)
+        else:
+            if x.is_cuda:  # one transfer (one sync) for both
+                both = torch.cat([x.float(), w.float()], dim=1).cpu()
+                x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
+            future = self.executor.submit(x, cpu_ids, w, self.shape.layer)
         return future, time.perf_counter() - t0
 
-    def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor,
-                 overhead: float) -> tuple[torch.Tensor | None, float, float]:
-        """The CPU's result on ``x``'s device, the pool's time on it, and the host overhead.
-        On CUDA the result goes through a pinned buffer without waiting for the stream (which
-        may still be waiting for the copies): the buffer is rewritten only at this layer's next
-        call, after the host has synced on that call's routed ids."""
+    def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor, overhead: float,
+                 host: HostCopies | None = None) -> tuple[torch.Tensor | None, float, float]:
+        """The CPU's result on ``x``'s device (left in ``host.cpu_out`` with ``host``), the
+        pool's time on it, and the host overhead. On CUDA the result goes through a pinned
+        buffer without waiting for the stream (which may still be waiting for the copies): the
+        buffer is rewritten only at this layer's next call, after the host has synced on that
+        call's routed ids."""
         if future is None:
             return None, 0.0, overhead
         out = future.wait()
         t0 = time.perf_counter()
-        if x.is_cuda:
+        if host is not None:
+            pass  # the pool wrote it in place; the graph step copies it to the device
+        elif x.is_cuda:
             T, H = out.shape
             if self._staged is None or self._staged.shape[0] < T:
                 self._staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
-from freetoken.engine.graph import PiecewiseCapture
+from freetoken.engine.graph import HostCopies, PiecewiseCapture
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
 from freetoken.moe.host_banks import BankBuilder, HostBank
@@ -96,6 +96,8 @@ class OffloadRuntime:
 class OffloadExperts(Experts):
     """One MoE layer's experts in a host bank, computed from cache slots on the model's device."""
 
+    PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
+
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
         self.shape = shape
@@ -124,7 +126,8 @@ class OffloadExperts(Experts):
         rt = self._runtime()
         if use_gather(x, topk_ids):  # decode on a GPU: the host plans, the device computes
             if rt.capture is not None:  # capture: the plan runs between graph pieces
-                static = rt.capture.host(self._plan, x, topk_ids, topk_weights)
+                static = rt.capture.host(self._plan, x, topk_ids, topk_weights,
+                                         self.PLAN_READS_INPUTS)
                 return self._from_table(x, topk_ids, topk_weights) + static
             extra = self._plan(x, topk_ids, topk_weights)
             out = self._from_table(x, topk_ids, topk_weights)
@@ -137,8 +140,8 @@ class OffloadExperts(Experts):
         return self._serve(x, topk_ids, topk_weights, flat, pool, hits, misses)
 
     def _route(self, ids: torch.Tensor) -> tuple[list[int], SlotPool, dict[int, int], list[int]]:
-        """The routed ids on the host (a sync), and the experts they need split into hits
-        (expert -> slot) and misses."""
+        """The routed ids on the host (a sync if they are on the device), and the experts they
+        need split into hits (expert -> slot) and misses."""
         assert self.runtime is not None
         pool = self.runtime.cache.pool(self.shape.layer)
         flat = ids.reshape(-1).tolist()
@@ -148,13 +151,15 @@ class OffloadExperts(Experts):
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
         return needed > pool.num_slots or misses > STREAM_ABOVE * self.shape.num_experts
 
-    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+              host: HostCopies | None = None) -> torch.Tensor | None:
         """The host's part of a gathered call: fetch the misses, publish the layer's slot table
         for :meth:`_from_table`. Returns what :meth:`_from_table` does not compute (streamed
-        experts here, the CPU's share in hybrid), or None."""
+        experts here, the CPU's share in hybrid), or None. Between graph pieces, ``host`` holds
+        the inputs already copied to the host."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        flat, pool, hits, misses = self._route(ids)
+        flat, pool, hits, misses = self._route(ids if host is None else host.ids)
         t0 = time.perf_counter()
         if self._must_stream(len(hits) + len(misses), len(misses), pool):
             pool.publish(self.shape.layer, empty=True)

@@ -147,6 +147,37 @@ def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monk
     assert isinstance(layers[0], HybridExperts)
 
 
+def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monkeypatch,
+                                                        gather_on_cpu):
+    """Between graph pieces a plan reads host copies of its inputs and the CPU pool writes its
+    share into the pinned buffer the next piece copies in: the same numbers as the eager plan,
+    with the same fetches."""
+    from freetoken.engine.graph import HostCopies
+    from freetoken.moe.hybrid import SplitPolicy
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
+    for m in layers:
+        m.policy = SplitPolicy(0.5, None, online=False)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):  # evictions and CPU shares all along
+        x = torch.randn(1, layers[0].shape.hidden, generator=g)  # 2 experts: within 3 slots
+        ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
+        w = torch.rand(1, 2, generator=g)
+        eager = layers[0]._plan(x, ids, w)
+        host = HostCopies(x.clone(), ids.clone(), w.clone(), torch.full(x.shape, float("nan")))
+        planned = layers[1]._plan(x, ids, w, host)
+        if eager is None:
+            assert planned is None
+            continue
+        assert planned is host.cpu_out
+        torch.testing.assert_close(planned, eager, rtol=0, atol=0)
+        assert torch.equal(layers[1]._from_table(x, ids, w), layers[0]._from_table(x, ids, w))
+    for m in layers:
+        stats = m.runtime.stats.snapshot()
+        assert stats["cpu_experts"] > 0 and stats["misses"] > 0
+
+
 def test_auto_plan_per_layer(caplog):
     from freetoken.moe.profile import LayerKind
     from freetoken.resolve import plan_auto

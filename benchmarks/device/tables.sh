@@ -2,7 +2,8 @@
 # GPU machine: offload and hybrid with the expert compute captured in the decode graphs (host
 # plan + published slot tables), on the gemma4-26b-a4b geometry with a 4 GB expert cache, next
 # to resident in the same run (serial ceilings). STRATEGIES, SPIN (--moe-cpu-spin-us) and
-# TESTS=0 (skip the CUDA tests) vary it; LABEL names the result.
+# TESTS=0 (skip the CUDA tests), PRESET (gemma4-26b-a4b or qwen3-30b-a3b) and REPEATS vary
+# it; LABEL names the result.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/tables.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,12 +14,14 @@ export FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -m cuda -q -p no:cacheprovider tests/moe tests/engine/test_scheduler.py \
   2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -20 | tee "$OUT/cuda_tests.log"
 KEYS='"(strategy|decode_tokens_per_s|hit_rate|pcie_roofline_tokens_per_s|hybrid_roofline_tokens_per_s|fraction_of_roofline|fraction_of_hybrid_roofline|share_fetch|share_plan|share_cpu_wait)"|error|ceiling'
-M=/tmp/gemma4-26b-a4b-geometry.gguf
-[ -f $M ] || python3 -m freetoken.cli synth --preset gemma4-26b-a4b --device cuda \
+PRESET=${PRESET:-gemma4-26b-a4b}  # qwen3-30b-a3b: written in q8_0
+M=/tmp/$PRESET.gguf
+FORMAT=(); [ "$PRESET" = qwen3-30b-a3b ] && FORMAT=(--expert-format q8_0)
+[ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET "${FORMAT[@]}" --device cuda \
   --router-skew 1 --router-locality 0.5 --out $M 2>&1 | tail -1
 python3 benchmarks/decode_moe.py --model $M --device cuda \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,hybrid-profile,cpu} \
-  --moe-cache-mem 4GB --moe-cpu-spin-us ${SPIN:-1000} --tokens 64 --repeats 2 \
-  --label gemma4-26b-a4b-geometry-${LABEL:-tables}-h200 \
+  --moe-cache-mem 4GB --moe-cpu-spin-us ${SPIN:-1000} --tokens 64 --repeats ${REPEATS:-2} \
+  --label $PRESET-${LABEL:-tables}-h200 \
   --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
   | tee "$OUT/decode_${LABEL:-tables}.log" | grep -E "$KEYS"

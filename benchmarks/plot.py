@@ -60,29 +60,36 @@ def serve_plot() -> None:
 
 
 def decode_moe_plot() -> None:
-    """Decode tok/s per strategy on the gemma4-26b-a4b geometry, one group per run, next to
-    the run's roofline (PCIe for offload, overlapped CPU + PCIe for hybrid)."""
+    """Decode tok/s per strategy on the gemma4-26b-a4b geometry, one group per milestone run,
+    next to the run's link roofline (PCIe for offload, overlapped CPU + PCIe for hybrid) and,
+    where resident ran too, the serial ceiling (resident step + link time)."""
+    milestones = {"838f973": "eager", "5e660ec": "graph pieces", "2838117": "+ fused q8_0",
+                  "1d33697": "+ slot tables", "2366cc2": "+ pinned plan"}
     paths = sorted((ROOT / "benchmarks/results").glob("decode_moe-gemma4-*.json"),
                    key=lambda p: int(p.stem.rsplit("-", 1)[1]))  # in the order they ran
-    runs = [json.loads(p.read_text()) for p in paths]
+    runs = [r for r in (json.loads(p.read_text()) for p in paths) if r["sha"] in milestones]
     if not runs:
         return
-    fig, ax = plt.subplots(figsize=(8, 3.4))
-    labels, measured, ceilings = [], [], []
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    labels, measured, ceilings, serial = [], [], [], []
     for r in runs:
-        tag = {"838f973": "eager", "5e660ec": "graph pieces", "2838117": "+ fused q8_0"}.get(
-            r["sha"], r["sha"][:7])
         for s in r["strategies"]:
             if "decode_tokens_per_s" not in s or s["strategy"] == "resident":
                 continue
-            labels.append(f"{s['strategy']}\n{tag}")
+            labels.append(f"{s['strategy']}\n{milestones[r['sha']]}")
             measured.append(s["decode_tokens_per_s"])
             ceilings.append(s.get("hybrid_roofline_tokens_per_s")
                             or s.get("pcie_roofline_tokens_per_s") or 0)
-    x = range(len(labels))
-    ax.bar(x, ceilings, color="#dddddd", label="roofline of the same run")
+            serial.append(s.get("hybrid_serial_ceiling_tokens_per_s")
+                          or s.get("pcie_serial_ceiling_tokens_per_s"))
+    x = list(range(len(labels)))
+    ax.bar(x, ceilings, color="#dddddd", label="link roofline of the same run")
     ax.bar(x, measured, color="#3a6ea5", label="measured")
-    ax.set_xticks(list(x), labels, fontsize=6, rotation=60, ha="right")
+    pts = [(i, v) for i, v in zip(x, serial, strict=True) if v]
+    if pts:
+        ax.scatter([i for i, _ in pts], [v for _, v in pts], marker="_", s=200, color="black",
+                   label="serial ceiling (resident step + link time)")
+    ax.set_xticks(x, labels, fontsize=6, rotation=60, ha="right")
     ax.set_yscale("log")
     ax.set_ylim(5, 400)
     ax.set_ylabel("decode tokens/s (batch 1)")

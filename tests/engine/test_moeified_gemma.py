@@ -50,12 +50,14 @@ CLEAR = 1.5
 pytestmark = pytest.mark.slow
 
 
-def engine_config(model: Path, strategy: str) -> EngineConfig:
+def engine_config(model: Path, strategy: str, device: str) -> EngineConfig:
     """How ``strategy`` runs in this file; a strategy's own options are set here. Hybrid layers
-    fetch one miss per call and compute the others on the CPU, the same split on every run."""
-    return EngineConfig(model=str(model), device="cpu", dtype="float32", moe_strategy=strategy,
+    fetch one miss per call and compute the others on the CPU, the same split on every run.
+    On CUDA, decode steps run as graphs (pieces around host-planned experts)."""
+    return EngineConfig(model=str(model), device=device, dtype="float32", moe_strategy=strategy,
                         max_seq_len=MAX_SEQ_LEN, moe_cache=CacheSizing("size", CACHE_SLOTS),
-                        moe_hybrid_max_fetch=1, moe_hybrid_online=False)
+                        moe_hybrid_max_fetch=1, moe_hybrid_online=False,
+                        cuda_graph_max_bs=len(PROMPTS) if device == "cuda" else 0)
 
 
 class Model:
@@ -68,10 +70,11 @@ class Model:
                       for _ in range(batch)]
 
     def forward(self, chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Logits (batch, vocab) of the last token of each chunk, run at positions start.."""
+        """Logits (batch, vocab) of the last token of each chunk, run at positions start..,
+        copied to the host (with CUDA graphs the runner's are a buffer the next step reuses)."""
         segments = [Segment(p, s, len(c)) for p, s, c in zip(self.pages, starts, chunks,
                                                               strict=True)]
-        return self.runner.forward(chunks, segments)
+        return self.runner.forward(chunks, segments).float().cpu()
 
     def follow(self, prompts: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
         """Logits (batch, n, vocab) before each of ``tokens`` (n per prompt), fed one by one
@@ -119,6 +122,11 @@ def no_host_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("moeified") / f"gemma3-270m-moe{NUM_EXPERTS}.gguf"
@@ -126,21 +134,22 @@ def moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dense() -> Runs:
-    return greedy_runs(Model(engine_config(default_model_path(), "resident")))
+def dense(device: str) -> Runs:
+    return greedy_runs(Model(engine_config(default_model_path(), "resident", device)))
 
 
 @pytest.fixture(scope="module")
-def resident_moe(moe_path: Path) -> Model:
-    return Model(engine_config(moe_path, "resident"))
+def resident_moe(moe_path: Path, device: str) -> Model:
+    return Model(engine_config(moe_path, "resident", device))
 
 
 @pytest.fixture(scope="module", params=strategy_names())
-def moe(request: pytest.FixtureRequest, moe_path: Path, dense: Runs) -> tuple[str, Runs]:
+def moe(request: pytest.FixtureRequest, moe_path: Path, dense: Runs,
+        device: str) -> tuple[str, Runs]:
     """Each strategy's runs on the MoE file; its model is dropped once they are made."""
     strategy = request.param
     model = (request.getfixturevalue("resident_moe") if strategy == "resident"
-             else Model(engine_config(moe_path, strategy)))
+             else Model(engine_config(moe_path, strategy, device)))
     return strategy, greedy_runs(model, dense)
 
 

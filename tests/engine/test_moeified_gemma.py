@@ -65,7 +65,8 @@ class Model:
     server's, without a tokenizer."""
 
     def __init__(self, cfg: EngineConfig, batch: int = len(PROMPTS)) -> None:
-        self.runner = ModelRunner(cfg, kv_tokens=batch * cfg.max_seq_len, progress=False)
+        # one page more: decode graphs keep a scratch page for padded rows
+        self.runner = ModelRunner(cfg, kv_tokens=(batch + 1) * cfg.max_seq_len, progress=False)
         self.pages = [self.runner.kv.allocate(self.runner.pages_for(cfg.max_seq_len))
                       for _ in range(batch)]
 

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REMEASURE_EVERY = 256  # calls after which a side left idle gets one expert, to time it again
+PROBE_FIRST = 8  # calls after which a side left idle first gets one expert, to time it again
+REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps losing)
 
 
 @dataclass
@@ -54,8 +55,10 @@ class SplitPolicy:
     minimises ``max(n * c_pcie, (m - n) * c_cpu) + (o if n < m else 0)``; ``fraction`` moves
     toward n / m by at most ``step`` per observation, so a wrong profile row, or a CPU half
     that costs more than it saves, is corrected toward the better split (all fetched, as
-    offload, when the CPU does not pay). A side without an estimate, or idle for
-    REMEASURE_EVERY calls, gets one expert so that it is measured.
+    offload, when the CPU does not pay). A side's first observation is a warm-up (first-use
+    allocations, cold caches) and is not kept. A side without an estimate gets one expert so
+    that it is measured; so does a side left idle, after PROBE_FIRST calls, then after twice
+    as many each time the probe confirms it loses, up to REMEASURE_EVERY.
     """
 
     fraction: float | None = None
@@ -68,15 +71,19 @@ class SplitPolicy:
     o: float = 0.0  # host seconds the CPU half adds to a call
     _idle_cpu: int = 0  # observations since the CPU last had an expert
     _idle_pcie: int = 0
+    _probe_cpu: int = PROBE_FIRST  # idle observations before the CPU is probed again
+    _probe_pcie: int = PROBE_FIRST
+    _seen_cpu: int = 0  # observations with CPU work (the first is the warm-up)
+    _seen_pcie: int = 0
 
     def n_fetch(self, misses: int) -> int:
         n = misses if self.fraction is None else round(self.fraction * misses)
         if self.max_fetch is not None:
             n = min(n, self.max_fetch)
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
-            if self.c_pcie is None or self._idle_pcie >= REMEASURE_EVERY:
+            if self.c_pcie is None or self._idle_pcie >= self._probe_pcie:
                 n = max(n, 1)
-            if self.c_cpu is None or self._idle_cpu >= REMEASURE_EVERY:
+            if self.c_cpu is None or self._idle_cpu >= self._probe_cpu:
                 n = min(n, misses - 1)
         return n
 
@@ -87,16 +94,27 @@ class SplitPolicy:
         self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
         self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
         if n_cpu > 0 and t_cpu > 0:
-            self.c_cpu = self._smooth(self.c_cpu, t_cpu / n_cpu)
-            self.o = self._smooth(self.o, overhead)
+            self._seen_cpu += 1
+            if self._seen_cpu > 1:
+                self.c_cpu = self._smooth(self.c_cpu, t_cpu / n_cpu)
+                self.o = self._smooth(self.o, overhead)
         if n_fetch > 0 and t_pcie > 0:
-            self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
+            self._seen_pcie += 1
+            if self._seen_pcie > 1:
+                self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
         m = n_cpu + n_fetch
         if self.c_cpu is None or self.c_pcie is None or m == 0:
             return
         c_cpu, c_pcie, o = self.c_cpu, self.c_pcie, self.o
         best = min(range(m + 1), key=lambda n: max(n * c_pcie, (m - n) * c_cpu)
                    + (o if n < m else 0.0))
+        # a side that worked this call and still loses is probed again later, else soon
+        if n_cpu:
+            self._probe_cpu = (min(2 * self._probe_cpu, REMEASURE_EVERY) if best == m
+                               else PROBE_FIRST)
+        if n_fetch:
+            self._probe_pcie = (min(2 * self._probe_pcie, REMEASURE_EVERY) if best == 0
+                                else PROBE_FIRST)
         target = best / m
         if self.fraction is None:
             self.fraction, self.max_fetch = target, None

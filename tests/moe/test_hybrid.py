@@ -22,16 +22,20 @@ IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101
 
 def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
              steps: int = 200, noise: float = 0.1, seed: int = 0,
-             overhead: float = 0.0) -> list[float]:
+             overhead: float = 0.0, first_cpu: float = 1.0) -> list[float]:
     """A layer step with 8 misses: the CPU and the link take a known time per expert, and
-    handing experts to the CPU costs the host ``overhead`` per step."""
+    handing experts to the CPU costs the host ``overhead`` per step. The first step that uses
+    the CPU costs ``first_cpu`` times as much (first use: allocations, cold caches)."""
     rng = random.Random(seed)
     times = []
+    cold = True
     for _ in range(steps):
         n = policy.n_fetch(8)
         t_pcie = n * pcie_per_expert * (1 + noise * rng.uniform(-1, 1))
         t_cpu = (8 - n) * cpu_per_expert * (1 + noise * rng.uniform(-1, 1))
         o = overhead if n < 8 else 0.0
+        if n < 8 and cold:
+            t_cpu, o, cold = t_cpu * first_cpu, (o + cpu_per_expert) * first_cpu, False
         policy.observe(8 - n, t_cpu, n, t_pcie, o)
         times.append(max(t_cpu, t_pcie) + o)
     return times
@@ -65,7 +69,25 @@ def test_online_split_drops_a_cpu_half_that_costs_more_than_it_saves(start):
     assert sum(times[-50:]) / 50 <= 8 * 0.5 * 1.15  # offload: 8 fetches
 
 
-def test_split_without_online_correction_stays_put():
+def test_a_slow_first_cpu_call_does_not_keep_the_cpu_idle():
+    """The first call that uses the CPU costs 20 times its due (a warm-up): that measurement
+    is not kept, so the split still finds the balance; and a side left idle is probed again
+    soon, then less and less often while it keeps losing."""
+    policy = SplitPolicy(fraction=0.5, max_fetch=None)
+    times = simulate(policy, cpu_per_expert=1.0, pcie_per_expert=1.0, first_cpu=20.0)
+    assert policy.fraction == pytest.approx(0.5, abs=1 / 8 + 0.01)
+    assert sum(times[-50:]) / 50 <= best_step(1.0, 1.0) * 1.2
+    losing = SplitPolicy(fraction=1.0, max_fetch=None)  # a CPU 5x slower, with overhead
+    probes = []
+    for i in range(600):
+        n = losing.n_fetch(8)
+        if n < 8:
+            probes.append(i)
+        losing.observe(8 - n, 5.0 * (8 - n), n, 1.0 * n, 3.0 if n < 8 else 0.0)
+    assert probes[:2] == [0, 1]  # the warm-up, then the first kept measurement
+    gaps = [b - a for a, b in zip(probes[1:], probes[2:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[0] <= 16 and max(gaps) <= 257
+
     policy = SplitPolicy(fraction=0.9, max_fetch=None, online=False)
     simulate(policy, cpu_per_expert=1.0, pcie_per_expert=1.0, steps=20)
     assert policy.fraction == 0.9 and policy.n_fetch(10) == 9

@@ -17,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import git_state, host  # noqa: E402
 from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -50,6 +51,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--moe-cache-mem", default="4GB")
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     from freetoken.engine.graph import HostStep
     from freetoken.moe import cpu_executor as cx
@@ -82,8 +85,13 @@ def main() -> None:
     wall = time.perf_counter() - t0
     rows = {k: {"us_per_call": 1e6 * s / n, "calls": n, "share_of_wall": s / wall}
             for k, (s, n) in sorted(TOTALS.items(), key=lambda kv: -kv[1][0])}
-    print(json.dumps({"strategy": args.strategy, "tokens": args.tokens, "wall_s": wall,
-                      "tokens_per_s": args.tokens / wall, "steps": rows}, indent=1))
+    result = {"bench": "plan_profile", **git_state(args.git_sha), **host(),
+              "params": vars(args) | {"out": str(args.out)}, "wall_s": wall,
+              "tokens_per_s": args.tokens / wall, "steps": rows}
+    print(json.dumps(result, indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"plan_profile-{Path(args.model).stem}-{args.strategy}-{int(time.time())}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -176,19 +176,13 @@ class HybridExperts(OffloadExperts):
                                "attach_hybrid() gave them the CPU executor")
         return super()._runtime()
 
-    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-              host: HostCopies | None = None) -> torch.Tensor | None:
-        """The host's part of a gathered call: the CPU's share submitted, the most used misses
-        fetched, the slot table published (the CPU's experts stay out of it, so
-        :meth:`_from_table` gives their pairs 0), then the CPU's result, which is returned
-        (between graph pieces: written into ``host.cpu_out``, which is returned)."""
-        rt, bank = self.runtime, self.bank
-        assert rt is not None and bank is not None
-        flat, pool, hits, misses = self._route(ids if host is None else host.ids)
-        t0 = time.perf_counter()
-        if self._must_stream(len(hits) + len(misses), len(misses), pool):
-            pool.publish(self.shape.layer, empty=True)
-            return self._streamed(x, ids, w, pool, hits, misses)
+    def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     flat: list[int], pool: SlotPool, hits: dict[int, int], misses: list[int],
+                     host: HostCopies | None, t0: float) -> torch.Tensor | None:
+        """The CPU's share submitted, the most used misses fetched, the slot table published
+        (the CPU's experts stay out of it, so :meth:`_from_table` gives their pairs 0), then
+        the CPU's result, which is returned (between graph pieces: written into
+        ``host.cpu_out``, which is returned)."""
         fetched, on_cpu = self._split(flat, misses)
         future, overhead = self._submit(x, ids, w, flat, on_cpu, host)
         _, fetch = self._fetch(pool, hits, fetched)

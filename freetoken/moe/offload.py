@@ -157,13 +157,19 @@ class OffloadExperts(Experts):
         for :meth:`_from_table`. Returns what :meth:`_from_table` does not compute (streamed
         experts here, the CPU's share in hybrid), or None. Between graph pieces, ``host`` holds
         the inputs already copied to the host."""
-        rt, bank = self.runtime, self.bank
-        assert rt is not None and bank is not None
         flat, pool, hits, misses = self._route(ids if host is None else host.ids)
         t0 = time.perf_counter()
         if self._must_stream(len(hits) + len(misses), len(misses), pool):
             pool.publish(self.shape.layer, empty=True)
             return self._streamed(x, ids, w, pool, hits, misses)
+        return self._plan_misses(x, ids, w, flat, pool, hits, misses, host, t0)
+
+    def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     flat: list[int], pool: SlotPool, hits: dict[int, int], misses: list[int],
+                     host: HostCopies | None, t0: float) -> torch.Tensor | None:
+        """What :meth:`_plan` does with a call's misses (``t0``: when the plan began)."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
         _, fetch = self._fetch(pool, hits, misses)
         pool.publish(self.shape.layer)
         rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),

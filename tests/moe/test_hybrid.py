@@ -232,3 +232,15 @@ def test_hybrid_on_cuda_close_to_resident(q8_gguf, tmp_path, monkeypatch):
     torch.testing.assert_close(hybrid, resident, atol=5e-2, rtol=5e-2)
     stats = offload_stats(model)
     assert stats is not None and stats["cpu_experts"] > 0 and stats["misses"] > 0
+
+
+def test_spin_flag_out_of_range_is_a_one_line_error():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "freetoken.cli", "generate", "--device", "cpu",
+                        "--moe-cpu-spin-us", "-5", "--prompt", "x"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "--moe-cpu-spin-us must be within 0..100000, got -5" in last, r.stderr

@@ -201,9 +201,10 @@ def add_serial_ceilings(results: list[dict[str, Any]]) -> None:
     if not resident:
         return
     for r in results:
-        links = [("pcie", r.get("miss_bytes_per_token"), r.get("gather_bytes_per_s")),
-                 ("hybrid", r.get("all_miss_bytes_per_token"),
-                  (r.get("hybrid_overlapped_gbps") or 0) * 1e9)]
+        hybrid = "hybrid_overlapped_gbps" in r  # its fetched bytes alone are not its link time
+        links = [("hybrid", r.get("all_miss_bytes_per_token"),
+                  (r.get("hybrid_overlapped_gbps") or 0) * 1e9) if hybrid else
+                 ("pcie", r.get("miss_bytes_per_token"), r.get("gather_bytes_per_s"))]
         for name, nbytes, rate in links:
             if nbytes is None or not rate:
                 continue

@@ -101,10 +101,13 @@ class HostStep:
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
         self.inputs = inputs  # the plan reads x and w on the host, not only the ids
 
-        def pinned(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-            return torch.zeros(t.shape, dtype=dtype or t.dtype, pin_memory=True)
+        def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
+                   needed: bool = True) -> torch.Tensor:
+            shape = t.shape if needed else (0, *t.shape[1:])
+            return torch.zeros(shape, dtype=dtype or t.dtype, pin_memory=True)
 
-        self.host = HostCopies(pinned(x), pinned(ids), pinned(w), pinned(x, torch.float32))
+        self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
+                               pinned(x, torch.float32, needed=inputs))
         self.out = torch.zeros_like(x)
         self.dirty = False  # out holds a value (zeroed again when a plan returns None)
 

@@ -75,16 +75,18 @@ class SplitPolicy:
     _probe_pcie: int = PROBE_FIRST
     _seen_cpu: int = 0  # observations with CPU work (the first is the warm-up)
     _seen_pcie: int = 0
+    _probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side one expert to time it
 
     def n_fetch(self, misses: int) -> int:
         n = misses if self.fraction is None else round(self.fraction * misses)
         if self.max_fetch is not None:
             n = min(n, self.max_fetch)
+        self._probing = ""
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
-            if self.c_pcie is None or self._idle_pcie >= self._probe_pcie:
-                n = max(n, 1)
-            if self.c_cpu is None or self._idle_cpu >= self._probe_cpu:
-                n = min(n, misses - 1)
+            if n == 0 and (self.c_pcie is None or self._idle_pcie >= self._probe_pcie):
+                n, self._probing = 1, "pcie"
+            if n == misses and (self.c_cpu is None or self._idle_cpu >= self._probe_cpu):
+                n, self._probing = misses - 1, "cpu"
         return n
 
     def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
@@ -108,12 +110,14 @@ class SplitPolicy:
         c_cpu, c_pcie, o = self.c_cpu, self.c_pcie, self.o
         best = min(range(m + 1), key=lambda n: max(n * c_pcie, (m - n) * c_cpu)
                    + (o if n < m else 0.0))
-        # a side that worked this call and still loses is probed again later, else soon
+        # a probed side that still loses waits twice as long for its next probe; a side
+        # the split itself uses is probed soon once it goes idle
         if n_cpu:
-            self._probe_cpu = (min(2 * self._probe_cpu, REMEASURE_EVERY) if best == m
-                               else PROBE_FIRST)
+            lost = self._probing == "cpu" and best == m
+            self._probe_cpu = min(2 * self._probe_cpu, REMEASURE_EVERY) if lost else PROBE_FIRST
         if n_fetch:
-            self._probe_pcie = (min(2 * self._probe_pcie, REMEASURE_EVERY) if best == 0
+            lost = self._probing == "pcie" and best == 0
+            self._probe_pcie = (min(2 * self._probe_pcie, REMEASURE_EVERY) if lost
                                 else PROBE_FIRST)
         target = best / m
         if self.fraction is None:

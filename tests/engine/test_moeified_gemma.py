@@ -53,11 +53,12 @@ pytestmark = pytest.mark.slow
 def engine_config(model: Path, strategy: str, device: str) -> EngineConfig:
     """How ``strategy`` runs in this file; a strategy's own options are set here. Hybrid layers
     fetch one miss per call and compute the others on the CPU, the same split on every run.
-    On CUDA, decode steps run as graphs (pieces around host-planned experts)."""
+    On CUDA, decode steps run as graphs (pieces around host-planned experts), captured for one
+    row more than the prompts so that a padded row rides along."""
     return EngineConfig(model=str(model), device=device, dtype="float32", moe_strategy=strategy,
                         max_seq_len=MAX_SEQ_LEN, moe_cache=CacheSizing("size", CACHE_SLOTS),
                         moe_hybrid_max_fetch=1, moe_hybrid_online=False,
-                        cuda_graph_max_bs=len(PROMPTS) if device == "cuda" else 0)
+                        cuda_graph_max_bs=len(PROMPTS) + 1 if device == "cuda" else 0)
 
 
 class Model:

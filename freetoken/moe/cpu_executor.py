@@ -100,6 +100,12 @@ class CpuMoeFuture:
             self._keep = ()
         return self._out
 
+    def __del__(self) -> None:
+        # a future dropped unwaited: the workers may still read its inputs and write its
+        # output, so those must outlive the job (and its slot must be handed back)
+        if not getattr(self, "_done", True) and getattr(self._executor, "_handle", None):
+            self.wait()
+
 
 class CpuMoeExecutor:
     """The pool and the expert banks of every MoE layer it serves.

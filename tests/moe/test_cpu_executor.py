@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -114,6 +116,32 @@ def test_too_many_unwaited_jobs_is_an_error() -> None:
     for f in futs:
         f.wait()
     ex.run(*inputs("q8_0", 1), layer=0)
+
+
+def test_a_dropped_future_is_waited_for() -> None:
+    """Futures dropped without wait() (more of them than jobs may be in flight): each is
+    waited for when it goes, so the workers never write into freed memory and its slot comes
+    back. Run in a child process: the failure this guards against is a crash."""
+    script = """
+import torch
+from freetoken.moe import cpu_executor as cx
+from freetoken.quant import get_format
+ex = cx.CpuMoeExecutor(threads=1)
+def stack(r, c):
+    return cx.ExpertStack.from_quant(
+        [get_format("bf16").quantize(torch.randn(r, c) * 0.02) for _ in range(4)])
+ex.add_layer(0, stack(256, 512), stack(256, 512), stack(512, 256), activation="silu")
+x, ids, w = torch.randn(2, 512), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+for _ in range(5 * cx.MAX_IN_FLIGHT):
+    ex.submit(torch.randn(2, 512), ids, w, 0)  # dropped at once
+want = ex.submit(x, ids, w, 0).wait().clone()
+for _ in range(3):
+    assert torch.equal(ex.submit(x, ids, w, 0).wait(), want)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("spin_us", [0, cx.DEFAULT_SPIN_US])

@@ -1,5 +1,5 @@
-"""A live server with offloaded experts: the same completions as resident, and the expert
-cache's counters in /v1/stats, /metrics and the engine's periodic log line."""
+"""A live server with offloaded or hybrid experts: the same completions as resident, and the
+expert cache's counters in /v1/stats, /metrics and the engine's periodic log line."""
 
 from __future__ import annotations
 
@@ -31,13 +31,22 @@ def _complete(url: str, prompt: str) -> list[str]:
     return [r.choices[0].text]
 
 
-def test_offload_server_reports_cache_stats(tiny_gguf, tmp_path):
-    prompts = ["hello world", "the quick brown fox", "one two three four"]
-    resident = start_server(["--model", tiny_gguf], tmp_path / "resident.log")
+PROMPTS = ["hello world", "the quick brown fox", "one two three four"]
+
+
+@pytest.fixture(scope="module")
+def want(tiny_gguf, tmp_path_factory) -> list[list[str]]:
+    """Resident's greedy completions of PROMPTS."""
+    log = tmp_path_factory.mktemp("resident") / "resident.log"
+    resident = start_server(["--model", tiny_gguf], log)
     try:
-        want = [_complete(resident.url, p) for p in prompts]
+        return [_complete(resident.url, p) for p in PROMPTS]
     finally:
         resident.stop()
+
+
+def test_offload_server_reports_cache_stats(tiny_gguf, tmp_path, want):
+    prompts = PROMPTS
     server = start_server(["--model", tiny_gguf, "--moe-strategy", "offload",
                            "--moe-cache-size", "3"], tmp_path / "offload.log")
     try:
@@ -54,6 +63,27 @@ def test_offload_server_reports_cache_stats(tiny_gguf, tmp_path):
         assert server.stop() == 0
     log = (tmp_path / "offload.log").read_text()
     assert "resolved moe_cache_size=3 " in log and "MoE plan: offload on 2 q8_0 layers" in log
+
+
+def test_hybrid_server_serves_concurrent_requests(tiny_gguf, tmp_path, monkeypatch, want):
+    """Hybrid with a 3-slot cache, the prompts at once (batched layer calls that split between
+    fetching and the CPU pool): resident's completions, and the CPU's share in /v1/stats."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    server = start_server(["--model", tiny_gguf, "--moe-strategy", "hybrid", "--moe-cache-size",
+                           "3", "--moe-cpu-threads", "1"], tmp_path / "hybrid.log")
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _complete(server.url, p), PROMPTS))
+        assert got == want
+        time.sleep(0.7)  # one stats interval
+        moe = httpx.get(f"{server.url}/v1/stats").json()["engine"]["moe"]
+        assert moe["cpu_experts"] > 0 and moe["misses"] > 0
+        assert all("fetch_fraction" in s for s in moe["layers"].values())
+    finally:
+        assert server.stop() == 0
+    assert "MoE plan: hybrid on 2 q8_0 layers" in (tmp_path / "hybrid.log").read_text()
 
 
 @pytest.mark.parametrize("flags", [["--moe-cache-size", "0"], ["--moe-cache-rate", "1.5"],

@@ -1,12 +1,15 @@
-"""What every benchmark records about the run: the commit and the host."""
+"""What every benchmark records about the run (the commit and the host), and where it goes."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
 import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 
 def git_state(sha: str | None = None) -> dict[str, object]:
@@ -31,3 +34,11 @@ def cpu_model() -> str:
 def host() -> dict[str, object]:
     return {"host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
             "cores": len(os.sched_getaffinity(0))}
+
+
+def save_result(out: Path, stem: str, result: dict[str, Any]) -> Path:
+    """Write ``result`` to ``out/<stem>-<unix time>.json`` and return the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{int(time.time())}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

@@ -12,7 +12,6 @@ large buffer with the widest loads the tier has, measured before and after each 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import socket
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import cpu_model, git_state  # noqa: E402
+from benchmarks.common import cpu_model, git_state, save_result  # noqa: E402
 from freetoken.moe import cpu_executor as cx  # noqa: E402
 from freetoken.quant import QuantTensor, get_format  # noqa: E402
 
@@ -167,11 +166,7 @@ def main() -> None:
         "ceiling_buffer_bytes": buf.numel(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "params": vars(args), "results": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu_moe-{host}-{int(time.time())}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {save_result(Path(args.out), f'cpu_moe-{host}', result)}")
 
 
 if __name__ == "__main__":

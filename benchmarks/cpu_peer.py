@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_state, host  # noqa: E402
+from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -80,9 +80,7 @@ def main() -> None:
         "ratio_cpu_to_llama_cpp": cpu["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
     }
     print(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=1)[:2000])
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"cpu_peer-{args.label or 'run'}-{int(time.time())}.json"
-    (args.out / name).write_text(json.dumps(result, indent=2))
+    save_result(args.out, f"cpu_peer-{args.label or 'run'}", result)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_state, host  # noqa: E402
+from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -248,9 +248,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "params": vars(args) | {"out": str(args.out)}, "strategies": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"decode_moe-{args.label or Path(args.model).stem}-{args.device}-{int(time.time())}"
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    save_result(args.out, f"decode_moe-{args.label or Path(args.model).stem}-{args.device}", result)
 
 
 if __name__ == "__main__":

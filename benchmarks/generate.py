@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_state, host  # noqa: E402
+from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import EngineConfig, ModelConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -103,9 +103,7 @@ def main() -> None:
         "fraction_of_roofline": best / roofline,
     }
     print(json.dumps(result, indent=2))
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"generate-{args.label or Path(args.model).stem}-{args.device}-{int(time.time())}.json"
-    (args.out / name).write_text(json.dumps(result, indent=2))
+    save_result(args.out, f"generate-{args.label or Path(args.model).stem}-{args.device}", result)
 
 
 if __name__ == "__main__":

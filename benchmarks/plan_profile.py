@@ -17,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_state, host  # noqa: E402
+from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
@@ -90,9 +90,7 @@ def main() -> None:
               "params": vars(args) | {"out": str(args.out)}, "wall_s": wall,
               "tokens_per_s": args.tokens / wall, "steps": rows}
     print(json.dumps(result, indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"plan_profile-{Path(args.model).stem}-{args.strategy}-{int(time.time())}.json"
-    (args.out / name).write_text(json.dumps(result, indent=2))
+    save_result(args.out, f"plan_profile-{Path(args.model).stem}-{args.strategy}", result)
 
 
 if __name__ == "__main__":

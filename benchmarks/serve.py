@@ -11,7 +11,6 @@ concurrency 1 measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import git_state, host  # noqa: E402
+from benchmarks.common import git_state, host, save_result  # noqa: E402
 
 PROMPTS = ["The history of computing", "Once upon a time", "def quicksort(xs):",
            "The best way to learn a language is", "In 1969, the first", "Dear team,",
@@ -83,9 +82,7 @@ def main() -> None:
               f"ITL {lv['itl_median_s'] * 1e3:.1f} ms")
     result = {"bench": "serve", "label": args.label, **git_state(args.git_sha), **host(),
               "server": info, "params": vars(args) | {"out": str(args.out)}, "levels": levels}
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"serve-{args.label or 'run'}-{int(time.time())}.json"
-    (args.out / name).write_text(json.dumps(result, indent=2))
+    save_result(args.out, f"serve-{args.label or 'run'}", result)
 
 
 if __name__ == "__main__":

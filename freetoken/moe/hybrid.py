@@ -253,18 +253,20 @@ class HybridExperts(OffloadExperts):
             return None, 0.0, overhead
         out = future.wait()
         t0 = time.perf_counter()
-        if host is not None:
-            pass  # the pool wrote it in place; the graph step copies it to the device
-        elif x.is_cuda:
-            T, H = out.shape
-            if self._staged is None or self._staged.shape[0] < T:
-                self._staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
-            staged = self._staged[:T]
-            staged.copy_(out)
-            out = staged.to(x.device, non_blocking=True)
-        else:
-            out = out.to(dtype=x.dtype)
+        if host is None:  # else the pool wrote host.cpu_out, which the graph step copies in
+            out = self._to_device(out, x)
         return out, future.seconds, overhead + time.perf_counter() - t0
+
+    def _to_device(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The CPU's result in ``x``'s dtype on its device (through the pinned buffer)."""
+        if not x.is_cuda:
+            return out.to(dtype=x.dtype)
+        T, H = out.shape
+        if self._staged is None or self._staged.shape[0] < T:
+            self._staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
+        staged = self._staged[:T]
+        staged.copy_(out)
+        return staged.to(x.device, non_blocking=True)
 
     def _record(self, x: torch.Tensor, hits: dict[int, int], fetched: list[int],
                 on_cpu: set[int], fetch: Span | None, compute: Span | None, t_cpu: float,

@@ -12,7 +12,11 @@ runs its part between replays:
 - a plan (:meth:`PiecewiseCapture.host`): its inputs come to pinned host buffers with one
   sync; it makes the copies and the layer's slot table; the next piece begins with the
   experts' device compute, which reads the slots through that table, plus a static buffer the
-  plan may fill (the CPU's share, which the CPU pool writes straight into pinned memory);
+  plan may fill;
+- then, where the plan left work running on the host (hybrid's CPU share), a second step
+  (:meth:`PiecewiseCapture.after`) with no sync: it runs while the device computes its share,
+  and its result (which the CPU pool wrote straight into pinned memory) lands in a static
+  buffer the piece after it adds;
 - or, for calls with too many pairs to gather, the whole experts call
   (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
 The dense part of every layer stays captured.
@@ -31,7 +35,7 @@ from freetoken.engine.context import ForwardContext, Segment
 from freetoken.kvcache.paged import PagedKV
 
 log = logging.getLogger(__name__)
-T = TypeVar("T", "Break", "HostStep")
+T = TypeVar("T", "Break", "HostStep", "LateStep")
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -61,7 +65,7 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.breaks: list[Break | HostStep] = []
+        self.breaks: list[Break | HostStep | LateStep] = []
 
 
 class Break:
@@ -88,16 +92,35 @@ class HostCopies:
     cpu_out: torch.Tensor
 
 
-class HostStep:
+class _Landing:
+    """A static buffer ``out`` (shaped like ``like``) that the next piece adds, and what a host
+    step puts there: a result (copied in without a wait: it is pinned or on the device) or
+    zeros (cleared again only after a result)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.out = torch.zeros_like(like)
+        self.dirty = False
+
+    def land(self, extra: torch.Tensor | None, n: int) -> None:
+        if extra is not None:
+            self.out[:n].copy_(extra, non_blocking=True)
+            self.dirty = True
+        elif self.dirty:
+            self.out.zero_()
+            self.dirty = False
+
+
+class HostStep(_Landing):
     """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
     and their :class:`HostCopies`; it returns None, ``host.cpu_out`` once it has filled it,
-    or a device tensor. What it returns lands in ``out``, which the next piece adds.
+    or a device tensor. What it returns lands in ``out``.
 
     The pinned buffers are rewritten only in :meth:`run`, after the copies that read them at
     the previous replay have finished (its sync comes later on the same stream)."""
 
     def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
                  ids: torch.Tensor, w: torch.Tensor, inputs: bool) -> None:
+        super().__init__(x)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
         self.inputs = inputs  # the plan reads x and w on the host, not only the ids
 
@@ -108,8 +131,6 @@ class HostStep:
 
         self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
                                pinned(x, torch.float32, needed=inputs))
-        self.out = torch.zeros_like(x)
-        self.dirty = False  # out holds a value (zeroed again when a plan returns None)
 
     def run(self, n: int) -> None:
         h = self.host
@@ -118,13 +139,20 @@ class HostStep:
             dst[:n].copy_(src[:n], non_blocking=True)
         torch.cuda.current_stream().synchronize()
         host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
-        extra = self.plan(self.x[:n], self.ids[:n], self.w[:n], host)
-        if extra is not None:
-            self.out[:n].copy_(extra, non_blocking=True)  # pinned or on the device: no wait
-            self.dirty = True
-        elif self.dirty:
-            self.out.zero_()
-            self.dirty = False
+        self.land(self.plan(self.x[:n], self.ids[:n], self.w[:n], host), n)
+
+
+class LateStep(_Landing):
+    """Host work a plan left running, finished between the next two pieces without a sync
+    (the device goes on with what was queued): ``finish()`` returns None or a pinned or
+    device tensor with the step's rows, which lands in ``out``."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor) -> None:
+        super().__init__(like)
+        self.finish = finish
+
+    def run(self, n: int) -> None:
+        self.land(self.finish(), n)
 
 
 class PiecewiseCapture:
@@ -138,7 +166,7 @@ class PiecewiseCapture:
     def __init__(self, pool: tuple[int, int]) -> None:
         self.pool = pool
         self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.breaks: list[Break | HostStep] = []
+        self.breaks: list[Break | HostStep | LateStep] = []
         self.current = torch.cuda.CUDAGraph()
 
     def begin(self) -> None:
@@ -155,6 +183,12 @@ class PiecewiseCapture:
         ids); returns the static buffer of its extra output, for the captured compute that
         follows to add."""
         return self._between(lambda: HostStep(plan, x, ids, w, inputs)).out
+
+    def after(self, finish: Callable[[], torch.Tensor | None],
+              like: torch.Tensor) -> torch.Tensor:
+        """``finish`` between two pieces, after the device work queued so far (no sync);
+        returns the static buffer (shaped like ``like``) of its result."""
+        return self._between(lambda: LateStep(finish, like)).out
 
     def _between(self, make: Callable[[], T]) -> T:
         """End the current piece, make the break (outside any capture: its buffers must not

@@ -4,9 +4,11 @@ first) and compute the rest on the CPU from the same host bank, overlapped.
 Per layer call (decode):
   route -> hits | misses; misses by use, descending -> the first n = round(f * misses) (capped
   by ``--moe-hybrid-max-fetch``) are fetched into cache slots, the rest go to the CPU pool:
-  CPU submit (returns at once) -> copies on the copy stream -> CPU wait -> the GPU computes
-  hits and fetched experts from the published slot table and adds the CPU result. With decode
-  CUDA graphs the host part runs between two pieces and the GPU part is captured.
+  CPU submit (returns at once) -> copies on the copy stream -> slot table published -> the
+  GPU's share queued (hits and fetched experts, through the table) -> CPU wait -> the CPU's
+  result added. So the CPU computes while the link copies and the GPU computes. With decode
+  CUDA graphs the plan runs between two pieces, the CPU wait between the next two (no sync),
+  and the GPU's share is captured in between.
 f starts from the layer's bandwidth-profile row (``pcie_ov / (pcie_ov + cpu_ov)``) and
 :class:`SplitPolicy` moves it toward the split with the shortest step (CPU and PCIe finishing
 together, counting the host time the CPU half costs), from the times it measures each
@@ -130,11 +132,28 @@ class SplitPolicy:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A planned call whose CPU share is still running: what :meth:`HybridExperts._finish`
+    needs to collect it and record the call."""
+
+    x: torch.Tensor
+    hits: dict[int, int]
+    fetched: list[int]
+    on_cpu: set[int]
+    fetch: Span | None
+    future: CpuMoeFuture | None
+    overhead: float
+    host: HostCopies | None
+    plan_s: float
+
+
 @register("hybrid")
 class HybridExperts(OffloadExperts):
     """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
 
     PLAN_READS_INPUTS = True  # the CPU's share reads the hidden states and weights
+    FINISHES_LATE = True  # the CPU's share is collected after the device's is queued
 
     def __init__(self, shape: ExpertShape) -> None:
         from freetoken.moe import cpu_executor as cx
@@ -147,6 +166,7 @@ class HybridExperts(OffloadExperts):
         self.executor: cx.CpuMoeExecutor | None = None
         self._last: tuple[int, float, int, Span | None, float] | None = None
         self._staged: torch.Tensor | None = None  # pinned, the CPU's result on its way (CUDA)
+        self._pending: _Pending | None = None  # the last plan's call, until :meth:`_finish`
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -183,17 +203,27 @@ class HybridExperts(OffloadExperts):
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                      flat: list[int], pool: SlotPool, hits: dict[int, int], misses: list[int],
                      host: HostCopies | None, t0: float) -> torch.Tensor | None:
-        """The CPU's share submitted, the most used misses fetched, the slot table published
-        (the CPU's experts stay out of it, so :meth:`_from_table` gives their pairs 0), then
-        the CPU's result, which is returned (between graph pieces: written into
-        ``host.cpu_out``, which is returned)."""
+        """The CPU's share submitted, the most used misses fetched and the slot table
+        published (the CPU's experts stay out of it, so :meth:`_from_table` gives their pairs
+        0). The CPU's result is left for :meth:`_finish`, so the device computes its share
+        meanwhile."""
         fetched, on_cpu = self._split(flat, misses)
         future, overhead = self._submit(x, ids, w, flat, on_cpu, host)
         _, fetch = self._fetch(pool, hits, fetched)
         pool.publish(self.shape.layer)
-        cpu_out, t_cpu, overhead = self._collect(future, x, overhead, host)
-        self._record(x, hits, fetched, on_cpu, fetch, None, t_cpu, overhead,
-                     time.perf_counter() - t0)
+        plan_s = time.perf_counter() - t0
+        self._pending = _Pending(x, hits, fetched, on_cpu, fetch, future, overhead, host, plan_s)
+        return None
+
+    def _finish(self) -> torch.Tensor | None:
+        """The CPU's result of the last plan on the device (between graph pieces: in
+        ``host.cpu_out``, which the graph step copies in), and the call's stats."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
+        cpu_out, t_cpu, overhead = self._collect(p.future, p.x, p.overhead, p.host)
+        self._record(p.x, p.hits, p.fetched, p.on_cpu, p.fetch, None, t_cpu, overhead,
+                     p.plan_s)
         return cpu_out
 
     def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -216,7 +246,6 @@ class HybridExperts(OffloadExperts):
 
     def _split(self, flat: list[int], misses: list[int]) -> tuple[list[int], set[int]]:
         """Misses to fetch (the policy's count, most used first) and misses for the CPU."""
-        self._observe_last()
         uses = Counter(flat)
         by_use = sorted(misses, key=lambda e: (-uses[e], e))
         n = self.policy.n_fetch(len(misses))
@@ -273,6 +302,7 @@ class HybridExperts(OffloadExperts):
                 overhead: float, plan_s: float = 0.0) -> None:
         rt, bank, layer = self.runtime, self.bank, self.shape.layer
         assert rt is not None and bank is not None
+        self._observe_last()  # here, after the call's work is queued, not before it
         self._last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
         rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
                         len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
@@ -280,7 +310,8 @@ class HybridExperts(OffloadExperts):
         rt.stats.set_fraction(layer, self.policy.fraction)
 
     def _observe_last(self) -> None:
-        """Feed the previous call's times to the policy (its copy has finished by now)."""
+        """Feed the previous call's times to the policy (its copy has finished by now: the
+        host has synced on this call's routed ids since)."""
         if self._last is None:
             return
         n_cpu, t_cpu, n_fetch, span, overhead = self._last

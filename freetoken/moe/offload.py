@@ -83,9 +83,7 @@ class OffloadRuntime:
             for r, e in zip(dst_rows, experts, strict=True):
                 dst[r].copy_(bank.rows[e], non_blocking=True)
             span.stop()
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        return span, done
+        return span, span.end  # the span's end event marks the copies' end
 
     def wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
@@ -97,6 +95,7 @@ class OffloadExperts(Experts):
     """One MoE layer's experts in a host bank, computed from cache slots on the model's device."""
 
     PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
+    FINISHES_LATE = False  # the plan leaves host work for :meth:`_finish` (graph step after it)
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
@@ -125,19 +124,37 @@ class OffloadExperts(Experts):
     ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
         rt = self._runtime()
         if use_gather(x, topk_ids):  # decode on a GPU: the host plans, the device computes
-            if rt.capture is not None:  # capture: the plan runs between graph pieces
-                static = rt.capture.host(self._plan, x, topk_ids, topk_weights,
-                                         self.PLAN_READS_INPUTS)
-                return self._from_table(x, topk_ids, topk_weights) + static
-            extra = self._plan(x, topk_ids, topk_weights)
-            out = self._from_table(x, topk_ids, topk_weights)
-            return out if extra is None else out + extra
+            return self._gathered_call(rt, x, topk_ids, topk_weights)
         if rt.capture is not None:  # too many pairs to gather: all of it between the pieces
             return rt.capture.split(self, x, topk_ids, topk_weights)
         flat, pool, hits, misses = self._route(topk_ids)
         if self._must_stream(len(hits) + len(misses), len(misses), pool):
             return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
         return self._serve(x, topk_ids, topk_weights, flat, pool, hits, misses)
+
+    def _gathered_call(self, rt: OffloadRuntime, x: torch.Tensor, ids: torch.Tensor,
+                       w: torch.Tensor) -> torch.Tensor:
+        """Plan, device compute from the slot table, then what the plan left running on the
+        host (:meth:`_finish`). While decode graphs are captured, the plan and the finish run
+        between pieces and their results come from static buffers."""
+        if rt.capture is not None:
+            early = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS)
+            out = self._from_table(x, ids, w) + early
+            if self.FINISHES_LATE:
+                out = out + rt.capture.after(self._finish, x)
+            return out
+        early = self._plan(x, ids, w)
+        out = self._from_table(x, ids, w)
+        late = self._finish()
+        for extra in (early, late):
+            if extra is not None:
+                out = out + extra
+        return out
+
+    def _finish(self) -> torch.Tensor | None:
+        """The result of what the last :meth:`_plan` left running (nothing here; hybrid's CPU
+        share), called once the device's compute is queued."""
+        return None
 
     def _route(self, ids: torch.Tensor) -> tuple[list[int], SlotPool, dict[int, int], list[int]]:
         """The routed ids on the host (a sync if they are on the device), and the experts they

@@ -197,10 +197,14 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
         x = torch.randn(1, layers[0].shape.hidden, generator=g)  # 2 experts: within 3 slots
         ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
         w = torch.rand(1, 2, generator=g)
-        eager = layers[0]._plan(x, ids, w)
+        assert layers[0]._plan(x, ids, w) is None  # the CPU's share is left running
+        eager = layers[0]._finish()
         host = HostCopies(x.clone(), ids.clone(), w.clone(), torch.full(x.shape, float("nan")))
         nan = float("nan")  # what the plan reads must be the host copies
-        planned = layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan), host)
+        assert layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan),
+                               host) is None
+        planned = layers[1]._finish()
+        assert layers[1]._finish() is None  # collected once
         if eager is None:
             assert planned is None
             continue

@@ -1,13 +1,17 @@
 """Where the host's time goes in offload and hybrid decode: each step of a layer's plan timed
-on the host (perf_counter around the methods), averaged per layer call.
+on the host (perf_counter around the methods), averaged per layer call. With ``--trace``, a
+second run under torch.profiler: how long the GPU is busy (kernels and copies, per stream and
+all together) against the wall, and the host's time in CUDA runtime calls (graph launches,
+syncs, copies); the Chrome trace is saved next to the JSON (gzip).
 
-    python benchmarks/plan_profile.py --model M.gguf --strategy hybrid --tokens 48
+    python benchmarks/plan_profile.py --model M.gguf --strategy hybrid --tokens 48 --trace
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import sys
 import time
@@ -51,10 +55,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--moe-cache-mem", default="4GB")
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--trace", action="store_true", help="also a torch.profiler run: GPU busy "
+                   "time against the wall, CUDA runtime calls; the trace saved (gzip)")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
-    from freetoken.engine.graph import HostStep
+    from freetoken.engine.graph import HostStep, LateStep
     from freetoken.moe import cpu_executor as cx
     from freetoken.moe.expert_cache import SlotPool
     from freetoken.moe.hybrid import HybridExperts
@@ -69,12 +75,14 @@ def main() -> None:
     ids = engine.encode("The history of computing")
     engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
     cls = HybridExperts if args.strategy == "hybrid" else OffloadExperts
-    # (_plan itself is held by the captured graphs as a bound method: time what it calls)
+    # (_plan and _finish are held by the captured graphs as bound methods: time what they
+    # call)
     for name in ("_plan_misses", "_route", "_fetch", "_split", "_submit", "_collect", "_record",
                  "_observe_last"):
         if hasattr(cls, name):
             timed(cls, name, f"{cls.__name__}.{name}")
-    timed(HostStep, "run", "HostStep.run (whole break)")
+    timed(HostStep, "run", "HostStep.run (sync and plan)")
+    timed(LateStep, "run", "LateStep.run (CPU wait, no sync)")
     timed(SlotPool, "publish", "SlotPool.publish")
     timed(SlotPool, "admit", "SlotPool.admit")
     timed(OffloadRuntime, "copy", "OffloadRuntime.copy")
@@ -89,8 +97,65 @@ def main() -> None:
     result = {"bench": "plan_profile", **git_state(args.git_sha), **host(),
               "params": vars(args) | {"out": str(args.out)}, "wall_s": wall,
               "tokens_per_s": args.tokens / wall, "steps": rows}
+    if args.trace:
+        result["trace"] = traced(engine, ids, args)
     print(json.dumps(result, indent=1))
     save_result(args.out, f"plan_profile-{Path(args.model).stem}-{args.strategy}", result)
+
+
+def traced(engine: Any, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """A decode run under torch.profiler, summarised from its Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from freetoken.engine.sample import SamplingParams
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+    path = args.out / f"trace-{Path(args.model).stem}-{args.strategy}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    with gzip.open(f"{path}.gz", "wt") as f:
+        json.dump(events, f)
+    path.unlink()
+    return summarise_trace(events)
+
+
+def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """GPU busy time (union of kernel, copy and memset intervals) per stream and overall,
+    against the span from the first to the last GPU event; host time per CUDA runtime call."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in
+           ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {"error": "no GPU events in the trace"}
+
+    def busy(items: list[dict[str, Any]]) -> float:
+        total, end = 0.0, float("-inf")
+        for e in sorted(items, key=lambda e: e["ts"]):
+            start, stop = e["ts"], e["ts"] + e["dur"]
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+    span = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+    streams: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in gpu:
+        streams[f"{e.get('tid')}:{e['cat']}"].append(e)
+    runtime: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
+            slot = runtime[e["name"]]
+            slot[0] += e["dur"]
+            slot[1] += 1
+    return {
+        "gpu_span_us": span,
+        "gpu_busy_share": busy(gpu) / span,
+        "busy_share_by_stream": {k: busy(v) / span for k, v in sorted(streams.items())},
+        "runtime_calls": {k: {"us_total": t, "calls": n, "share_of_span": t / span}
+                          for k, (t, n) in sorted(runtime.items(), key=lambda kv: -kv[1][0])
+                          [:12]},
+    }
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ gather GB/s for offload and the overlapped CPU + PCIe GB/s for hybrid.
 Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no correction),
 hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online); all
 but cpu decode through CUDA graphs (pieces around host-planned experts), offload-eager without.
+A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantise + matmul
+instead of the fused Q8_0 kernel.
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -130,7 +133,11 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
 
 
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    strategy, max_fetch, online, capture = VARIANTS.get(name, (name, 0, True, True))
+    """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
+    by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernel."""
+    base, _, kernel = name.partition("+")
+    os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = kernel or "auto"
+    strategy, max_fetch, online, capture = VARIANTS.get(base, (base, 0, True, True))
     capture = capture and strategy != "cpu" and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -158,8 +165,10 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                      "prefill_s": stats.prefill_s, "wall_s": wall,
                      "moe": moe_delta(before, after)})
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
+    kernels = [m.gpu_kernel for m in engine.model.modules() if isinstance(m, OffloadExperts)]
     out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
-                           "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"]}
+                           "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"],
+                           "gpu_expert_kernels": {k: kernels.count(k) for k in set(kernels)}}
     if rt is not None:
         moe = best["moe"]
         seconds = best["wall_s"]

@@ -33,3 +33,20 @@ def git_sha() -> str | None:
     """FREETOKEN_GIT_SHA: the commit to record in bench results when the tree was copied
     without its git history; unset means ask git."""
     return os.environ.get("FREETOKEN_GIT_SHA", "").strip() or None
+
+
+GPU_EXPERT_KERNELS = ("auto", "fused", "dequant")
+
+
+def gpu_expert_kernel() -> str:
+    """FREETOKEN_GPU_EXPERT_KERNEL: how cached experts are computed on the GPU in decode:
+    ``fused`` (Q8_0 slots read in place by a Triton kernel), ``dequant`` (slots copied out,
+    dequantised, batched matmuls: resident's bits) or ``auto`` (default: fused where the format
+    has a fused kernel and triton imports)."""
+    value = os.environ.get("FREETOKEN_GPU_EXPERT_KERNEL", "auto").strip().lower() or "auto"
+    if value not in GPU_EXPERT_KERNELS:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL={value!r} is not one of "
+                          f"{', '.join(GPU_EXPERT_KERNELS)}; unset it for auto")
+    return value

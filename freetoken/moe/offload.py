@@ -30,9 +30,10 @@ from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.engine.graph import HostCopies, PiecewiseCapture
+from freetoken.kernels.q8_0_gather import gathered_q8_0
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
-from freetoken.moe.host_banks import BankBuilder, HostBank
+from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.resident import gathered, grouped, use_gather
 from freetoken.moe.stats import MoEStats, Span
 from freetoken.moe.strategy import Experts, ExpertShape, register
@@ -108,6 +109,7 @@ class OffloadExperts(Experts):
         self.bank: HostBank | None = None
         self.runtime: OffloadRuntime | None = None
         self._pool_views: dict[str, QuantTensor] = {}
+        self.gpu_kernel = "dequant"  # or "fused": set by attach_offload (gpu_kernel_for)
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -202,8 +204,10 @@ class OffloadExperts(Experts):
         slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
         w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
         index = slot.clamp(min=0)
-        gate, up, down = (self._pool_weight(pool, p, index)
-                          for p in ("gate_proj", "up_proj", "down_proj"))
+        if self.gpu_kernel == "fused":  # Q8_0 slots read in place
+            views = (self._pool_view(pool, p) for p in PROJECTIONS)
+            return gathered_q8_0(x, w, index, *views, self.act)
+        gate, up, down = (self._pool_weight(pool, p, index) for p in PROJECTIONS)
         return gathered(x, w, gate, up, down, self.act)
 
     def _runtime(self) -> OffloadRuntime:
@@ -246,13 +250,18 @@ class OffloadExperts(Experts):
     def _pool_weight(self, pool: SlotPool, proj: str, index: torch.Tensor) -> torch.Tensor:
         """Projection ``proj`` of the slots ``index`` (one per pair), gathered like the resident
         strategy gathers its stacked parameters."""
-        assert self.bank is not None
-        qt = self._pool_views.get(proj)
-        if qt is None:  # views of the whole pool, made once: the pool never moves
-            qt = self._pool_views[proj] = self.bank.layout.quant(pool.data, proj)
+        qt = self._pool_view(pool, proj)
         picked = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],
                              {k: s[index] for k, s in qt.scales.items()})
         return dequantize_as(picked, self.dtype)
+
+    def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
+        """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""
+        assert self.bank is not None
+        qt = self._pool_views.get(proj)
+        if qt is None:
+            qt = self._pool_views[proj] = self.bank.layout.quant(pool.data, proj)
+        return qt
 
     def _row_weights(self, row: torch.Tensor) -> Weights:
         assert self.bank is not None
@@ -353,6 +362,7 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
     runtime = OffloadRuntime(cache, stats, device)
     for m in layers:
         m.runtime, m._pool_views = runtime, {}
+    choose_gpu_kernels(layers, device)
     for size, ms in by_size.items():
         pool = cache.pool(ms[0].shape.layer)
         kind = ms[0].bank.layout.kind if ms[0].bank else "?"
@@ -364,6 +374,32 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
         log.info("expert cache: %d slots of %s shared by %d %s layer%s", pool.num_slots,
                  human_bytes(size), len(ms), kind, "" if len(ms) == 1 else "s")
     return runtime
+
+
+def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:
+    """Each layer's GPU compute of cached experts (FREETOKEN_GPU_EXPERT_KERNEL): the fused
+    kernel where its slots are Q8_0 and triton imports, else dequantise + matmul; logged, with
+    a warning when a layer that could be fused is not for want of triton."""
+    from freetoken import env
+    from freetoken.errors import ConfigError
+    from freetoken.kernels.q8_0_gather import unavailable
+
+    want = env.gpu_expert_kernel()
+    if device.type != "cuda":
+        return
+    q8 = [m for m in layers if m.bank is not None and set(m.bank.layout.formats) == {"q8_0"}]
+    reason = unavailable()
+    if want == "fused" and (reason or not q8):
+        why = reason or "no layer has Q8_0 experts (the only fused format)"
+        raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL=fused, but {why}; unset it for auto")
+    if want == "auto" and q8 and reason:
+        log.warning("GPU expert kernel: %d Q8_0 layers take the slow path (dequantise + "
+                    "matmul) because %s; install triton for the fused kernel", len(q8), reason)
+    fused = q8 if want != "dequant" and reason is None else []
+    for m in fused:
+        m.gpu_kernel = "fused"
+    log.info("GPU expert kernel: fused Q8_0 gather-GEMV on %d layer%s, dequantise + matmul on "
+             "%d", len(fused), "" if len(fused) == 1 else "s", len(layers) - len(fused))
 
 
 def offload_stats(model: nn.Module, per_layer: bool = True) -> dict[str, Any] | None:

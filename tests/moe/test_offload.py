@@ -225,6 +225,38 @@ def test_slot_table_path_equals_resident_bitwise(checkpoint, slots, gather_on_cp
     assert stats is not None and stats["misses"] > slots and stats["hits"] > 0
 
 
+def test_fused_q8_0_slots_close_to_resident(tiny_qwen3_moe, tmp_path, gather_on_cpu):
+    """Decode with the fused kernel reading Q8_0 slots in place (Triton's interpreter here)
+    follows resident, which dequantised the same blocks at load, with evictions all along."""
+    pytest.importorskip("triton")
+    from freetoken.moe.offload import OffloadExperts
+
+    q8 = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                         lambda n, s: "q8_0" if ".experts." in n else "f32")
+    resident = our_logits(load_ours(q8), IDS, prefill=1)
+    model = load_ours(q8, strategy="offload", cache=CacheSizing("size", 4))
+    layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
+    for m in layers:
+        m.gpu_kernel = "fused"
+    fused = our_logits(model, IDS, prefill=1)
+    torch.testing.assert_close(fused, resident, rtol=1e-4, atol=1e-4)
+    stats = offload_stats(model)
+    assert stats is not None and stats["misses"] > 4 and stats["hits"] > 0
+
+
+def test_gpu_expert_kernel_choice(tiny_qwen3_moe, monkeypatch):
+    from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
+
+    monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", "fast")
+    with pytest.raises(ConfigError, match="FREETOKEN_GPU_EXPERT_KERNEL='fast' is not one of"):
+        load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4))
+    monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", "fused")
+    model = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4))
+    layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
+    with pytest.raises(ConfigError, match="no layer has Q8_0 experts"):  # these are f32
+        choose_gpu_kernels(layers, torch.device("cuda"))
+
+
 def test_published_table_masks_what_it_does_not_hold(tiny_qwen3_moe, gather_on_cpu):
     """A pair whose expert is not in the published table counts 0; the held ones compute as
     resident does for them alone."""
@@ -253,28 +285,40 @@ def test_published_table_masks_what_it_does_not_hold(tiny_qwen3_moe, gather_on_c
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["dequant", "auto"])
 @pytest.mark.parametrize("prefill", [1, 70])
-def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill):
-    """Decode calls (2 pairs: both gather) and a 70-token prefill (140 pairs: both group)."""
+def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, monkeypatch):
+    """Decode calls (2 pairs: both gather) and a 70-token prefill (140 pairs: both group).
+    Bit for bit with the dequantise + matmul kernel; the fused one (auto, on Q8_0 slots) sums
+    in another order, so it is close."""
+    monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)
     ids = (IDS * 4)[: prefill + 20]
     resident = our_logits(load_ours(checkpoint, torch.bfloat16, "cuda"), ids, prefill, "cuda")
     model = load_ours(checkpoint, torch.bfloat16, "cuda", "offload", CacheSizing("size", 3))
     offload = our_logits(model, ids, prefill, "cuda")
-    assert torch.equal(offload, resident)
+    fused = any(getattr(m, "gpu_kernel", "") == "fused" for m in model.modules())
+    assert fused == (kernel == "auto" and checkpoint.name in ("q8_0.gguf", "mixed.gguf"))
+    if fused:
+        torch.testing.assert_close(offload.float(), resident.float(), atol=5e-2, rtol=5e-2)
+    else:
+        assert torch.equal(offload, resident)
     stats = offload_stats(model)
     assert stats is not None and stats["misses"] > 3 and stats["fetch_s"] > 0
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
-def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy):
-    """Captured pieces with the experts run eagerly between them: offload gives eager
-    resident's logits bit for bit, hybrid within its CPU kernels' tolerance."""
+@pytest.mark.parametrize("strategy,kernel", [("offload", "dequant"), ("offload", "fused"),
+                                             ("hybrid", "auto")])
+def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy, kernel):
+    """Captured pieces with the experts planned between them: offload with the dequantise +
+    matmul kernel gives eager resident's logits bit for bit; with the fused kernel, and hybrid,
+    within tolerance."""
     from freetoken.config import EngineConfig
     from freetoken.engine.context import Segment
     from freetoken.engine.runner import ModelRunner
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)
     model = tmp_path / "tiny.gguf"
     subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
                     "--expert-format", "q8_0", "--out", str(model)], check=True,
@@ -294,7 +338,7 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
         # each step's logits are copied out: with graphs they live in a static buffer
         logits[name] = torch.cat([runner.forward([[t]], [Segment(pages, i, 1)]).float().cpu()
                                   for i, t in enumerate(IDS)])
-    if strategy == "offload":
+    if kernel == "dequant":
         assert torch.equal(logits["graphs"], logits["eager"])
     else:
         torch.testing.assert_close(logits["graphs"], logits["eager"], atol=5e-2, rtol=5e-2)

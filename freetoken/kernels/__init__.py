@@ -1,0 +1,1 @@
+"""GPU kernels (Triton) for the hot paths of decode; each has a slow twin in torch."""

@@ -148,6 +148,16 @@ class _Pending:
     plan_s: float
 
 
+class _Calls:
+    """A layer's state between its calls: the last call's times for the policy, the planned
+    call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, float, int, Span | None, float] | None = None
+        self.pending: _Pending | None = None
+        self.staged: torch.Tensor | None = None
+
+
 @register("hybrid")
 class HybridExperts(OffloadExperts):
     """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
@@ -164,9 +174,7 @@ class HybridExperts(OffloadExperts):
         super().__init__(shape)
         self.policy = SplitPolicy()
         self.executor: cx.CpuMoeExecutor | None = None
-        self._last: tuple[int, float, int, Span | None, float] | None = None
-        self._staged: torch.Tensor | None = None  # pinned, the CPU's result on its way (CUDA)
-        self._pending: _Pending | None = None  # the last plan's call, until :meth:`_finish`
+        self.calls = _Calls()  # per-call state, kept off nn.Module's slow attribute setter
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -212,13 +220,14 @@ class HybridExperts(OffloadExperts):
         _, fetch = self._fetch(pool, hits, fetched)
         pool.publish(self.shape.layer)
         plan_s = time.perf_counter() - t0
-        self._pending = _Pending(x, hits, fetched, on_cpu, fetch, future, overhead, host, plan_s)
+        self.calls.pending = _Pending(x, hits, fetched, on_cpu, fetch, future, overhead, host,
+                                      plan_s)
         return None
 
     def _finish(self) -> torch.Tensor | None:
         """The CPU's result of the last plan on the device (between graph pieces: in
         ``host.cpu_out``, which the graph step copies in), and the call's stats."""
-        p, self._pending = self._pending, None
+        p, self.calls.pending = self.calls.pending, None
         if p is None:
             return None
         cpu_out, t_cpu, overhead = self._collect(p.future, p.x, p.overhead, p.host)
@@ -291,9 +300,10 @@ class HybridExperts(OffloadExperts):
         if not x.is_cuda:
             return out.to(dtype=x.dtype)
         T, H = out.shape
-        if self._staged is None or self._staged.shape[0] < T:
-            self._staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
-        staged = self._staged[:T]
+        c = self.calls
+        if c.staged is None or c.staged.shape[0] < T:
+            c.staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
+        staged = c.staged[:T]
         staged.copy_(out)
         return staged.to(x.device, non_blocking=True)
 
@@ -303,7 +313,7 @@ class HybridExperts(OffloadExperts):
         rt, bank, layer = self.runtime, self.bank, self.shape.layer
         assert rt is not None and bank is not None
         self._observe_last()  # here, after the call's work is queued, not before it
-        self._last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
+        self.calls.last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
         rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
                         len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
                         cpu_experts=len(on_cpu), cpu_s=t_cpu, plan_s=plan_s)
@@ -312,13 +322,13 @@ class HybridExperts(OffloadExperts):
     def _observe_last(self) -> None:
         """Feed the previous call's times to the policy (its copy has finished by now: the
         host has synced on this call's routed ids since)."""
-        if self._last is None:
+        if self.calls.last is None:
             return
-        n_cpu, t_cpu, n_fetch, span, overhead = self._last
+        n_cpu, t_cpu, n_fetch, span, overhead = self.calls.last
         t_pcie = span.done() if span is not None else 0.0
         if t_pcie is not None:
             self.policy.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead)
-        self._last = None
+        self.calls.last = None
 
 
 def attach_hybrid(model: nn.Module, threads: int, max_fetch: int | None = None,

@@ -70,7 +70,8 @@ Pool::Pool(const std::vector<int>& cores, int spin_us)
       barrier_spin_ns_(spin_ns_ > kBarrierSpinNs ? spin_ns_ : kBarrierSpinNs),
       wait_spin_ns_(spin_ns_ > kWaitSpinNs || spin_ns_ == 0 ? spin_ns_ : kWaitSpinNs) {
   for (Slot& s : slots_) s.exited.v.store((uint32_t)cores.size());
-  for (int i = kSlots - 1; i >= 0; --i) free_.push_back(i);
+  for (int i = 0; i < kSlots; ++i) free_[i] = i;
+  free_size_ = kSlots;
   free_count_.v.store(kSlots);
   workers_.reserve(cores.size());
   for (size_t i = 0; i < cores.size(); ++i)
@@ -89,10 +90,12 @@ int Pool::acquire() {
   for (;;) {
     await(free_count_, [](uint32_t v) { return v > 0; }, spin_ns_);
     std::lock_guard<std::mutex> lock(mu_);
-    if (free_.empty()) continue;
-    slot = free_.back();
-    free_.pop_back();
-    free_count_.v.store((uint32_t)free_.size());
+    if (free_size_ == 0) continue;
+    // The slot free the longest: workers that woke late may still be leaving the last job's
+    // slot, and taking that one would wait for them.
+    slot = free_[free_head_];
+    free_head_ = (free_head_ + 1) % kSlots;
+    free_count_.v.store((uint32_t)--free_size_);
     break;
   }
   // Workers may still be leaving the slot's previous job (they finish it without us).
@@ -137,8 +140,8 @@ int64_t Pool::elapsed_ns(int slot) const {
 void Pool::release(int slot) {
   slots_[slot].state.v.store(kFree);
   std::lock_guard<std::mutex> lock(mu_);
-  free_.push_back(slot);
-  free_count_.v.store((uint32_t)free_.size());
+  free_[(free_head_ + free_size_) % kSlots] = slot;
+  free_count_.v.store((uint32_t)++free_size_);
   wake(free_count_);
 }
 

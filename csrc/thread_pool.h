@@ -78,9 +78,11 @@ class Pool {
 
   std::vector<Slot> slots_;
   std::vector<std::thread> workers_;
-  std::mutex mu_;             // guards free_, queue_ writes and next_ticket_
-  std::vector<int> free_;     // free slots
-  Word free_count_;           // free_.size(), to wait on
+  std::mutex mu_;             // guards the free ring, queue_ writes and next_ticket_
+  int free_[kSlots] = {};     // free slots, a ring: free_head_ is the one free the longest
+  int free_head_ = 0;
+  int free_size_ = 0;
+  Word free_count_;           // free_size_, to wait on
   int queue_[kQueue] = {};
   uint32_t next_ticket_ = 0;
   Word submitted_;            // tickets published so far (mod 2^32)

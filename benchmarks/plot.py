@@ -64,13 +64,14 @@ def decode_moe_plot() -> None:
     next to the run's link roofline (PCIe for offload, overlapped CPU + PCIe for hybrid) and,
     where resident ran too, the serial ceiling (resident step + link time)."""
     milestones = {"838f973": "eager", "5e660ec": "graph pieces", "2838117": "+ fused q8_0",
-                  "1d33697": "+ slot tables", "2366cc2": "+ pinned plan"}
+                  "1d33697": "+ slot tables", "2366cc2": "+ pinned plan",
+                  "59974b4": "+ Triton q8_0 slots", "ccac19d": "+ slot ring"}
     paths = sorted((ROOT / "benchmarks/results").glob("decode_moe-gemma4-*.json"),
                    key=lambda p: int(p.stem.rsplit("-", 1)[1]))  # in the order they ran
     runs = [r for r in (json.loads(p.read_text()) for p in paths) if r["sha"] in milestones]
     if not runs:
         return
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = plt.subplots(figsize=(11, 3.8))
     labels, measured, ceilings, serial = [], [], [], []
     for r in runs:
         for s in r["strategies"]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.engine.graph import HostCopies, PiecewiseCapture
-from freetoken.kernels.q8_0_gather import gathered_q8_0
+from freetoken.kernels.gather_gemv import gathered_fused
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
@@ -204,9 +204,9 @@ class OffloadExperts(Experts):
         slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
         w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
         index = slot.clamp(min=0)
-        if self.gpu_kernel == "fused":  # Q8_0 slots read in place
+        if self.gpu_kernel == "fused":  # the slots' blocks read in place
             views = (self._pool_view(pool, p) for p in PROJECTIONS)
-            return gathered_q8_0(x, w, index, *views, self.act)
+            return gathered_fused(x, w, index, *views, self.act)
         gate, up, down = (self._pool_weight(pool, p, index) for p in PROJECTIONS)
         return gathered(x, w, gate, up, down, self.act)
 
@@ -378,28 +378,31 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
 
 def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:
     """Each layer's GPU compute of cached experts (FREETOKEN_GPU_EXPERT_KERNEL): the fused
-    kernel where its slots are Q8_0 and triton imports, else dequantise + matmul; logged, with
-    a warning when a layer that could be fused is not for want of triton."""
+    kernels where every projection's format has one and triton imports, else dequantise +
+    matmul; logged, with a warning when a layer that could be fused is not for want of
+    triton."""
     from freetoken import env
     from freetoken.errors import ConfigError
-    from freetoken.kernels.q8_0_gather import unavailable
+    from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
 
     want = env.gpu_expert_kernel()
     if device.type != "cuda":
         return
-    q8 = [m for m in layers if m.bank is not None and set(m.bank.layout.formats) == {"q8_0"}]
+    able = [m for m in layers if m.bank is not None and fused(m.bank.layout.formats)]
     reason = unavailable()
-    if want == "fused" and (reason or not q8):
-        why = reason or "no layer has Q8_0 experts (the only fused format)"
+    if want == "fused" and (reason or not able):
+        why = reason or f"no layer's experts are all in {', '.join(KERNELS)}"
         raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL=fused, but {why}; unset it for auto")
-    if want == "auto" and q8 and reason:
-        log.warning("GPU expert kernel: %d Q8_0 layers take the slow path (dequantise + "
-                    "matmul) because %s; install triton for the fused kernel", len(q8), reason)
-    fused = q8 if want != "dequant" and reason is None else []
-    for m in fused:
+    if want == "auto" and able and reason:
+        log.warning("GPU expert kernel: %d layers take the slow path (dequantise + matmul) "
+                    "because %s; install triton for the fused kernels", len(able), reason)
+    chosen = able if want != "dequant" and reason is None else []
+    for m in chosen:
         m.gpu_kernel = "fused"
-    log.info("GPU expert kernel: fused Q8_0 gather-GEMV on %d layer%s, dequantise + matmul on "
-             "%d", len(fused), "" if len(fused) == 1 else "s", len(layers) - len(fused))
+    kinds = sorted({m.bank.layout.kind for m in chosen if m.bank is not None})
+    log.info("GPU expert kernel: fused gather-GEMV on %d layer%s%s, dequantise + matmul on %d",
+             len(chosen), "" if len(chosen) == 1 else "s",
+             f" ({'; '.join(kinds)})" if kinds else "", len(layers) - len(chosen))
 
 
 def offload_stats(model: nn.Module, per_layer: bool = True) -> dict[str, Any] | None:

@@ -225,17 +225,23 @@ def test_slot_table_path_equals_resident_bitwise(checkpoint, slots, gather_on_cp
     assert stats is not None and stats["misses"] > slots and stats["hits"] > 0
 
 
-def test_fused_q8_0_slots_close_to_resident(tiny_qwen3_moe, tmp_path, gather_on_cpu):
-    """Decode with the fused kernel reading Q8_0 slots in place (Triton's interpreter here)
+@pytest.mark.parametrize("gate_up", ["q8_0", "q5_0"])
+def test_fused_slots_close_to_resident(tiny_qwen3_moe, tmp_path, gather_on_cpu, gate_up):
+    """Decode with the fused kernels reading the slots in place (Triton's interpreter here)
     follows resident, which dequantised the same blocks at load, with evictions all along."""
     pytest.importorskip("triton")
     from freetoken.moe.offload import OffloadExperts
 
-    q8 = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
-                         lambda n, s: "q8_0" if ".experts." in n else "f32")
-    resident = our_logits(load_ours(q8), IDS, prefill=1)
-    model = load_ours(q8, strategy="offload", cache=CacheSizing("size", 4))
+    def fmt(name: str, shape: tuple[int, ...]) -> str:
+        if ".experts." not in name:
+            return "f32"
+        return "q8_0" if "down" in name else gate_up
+
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q.gguf", fmt)
+    resident = our_logits(load_ours(path), IDS, prefill=1)
+    model = load_ours(path, strategy="offload", cache=CacheSizing("size", 4))
     layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
+    assert {m.bank.layout.formats for m in layers} == {(gate_up, gate_up, "q8_0")}
     for m in layers:
         m.gpu_kernel = "fused"
     fused = our_logits(model, IDS, prefill=1)
@@ -253,7 +259,7 @@ def test_gpu_expert_kernel_choice(tiny_qwen3_moe, monkeypatch):
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", "fused")
     model = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4))
     layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
-    with pytest.raises(ConfigError, match="no layer has Q8_0 experts"):  # these are f32
+    with pytest.raises(ConfigError, match="no layer's experts are all in q8_0"):  # f32 here
         choose_gpu_kernels(layers, torch.device("cuda"))
 
 

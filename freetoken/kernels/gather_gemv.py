@@ -1,0 +1,112 @@
+"""Cached experts gathered and multiplied in one pass on the GPU (Triton), for decode.
+
+A decode call's (token, expert) pairs each read one expert's weights: in the expert cache those
+are GGUF blocks in the slots. The slow twin (:func:`gathered_reference`) copies the pairs' slots
+out, dequantises them to the compute dtype and runs batched matmuls: each weight byte is read,
+widened, written and read again. The fused kernels read each weight byte once, straight from its
+slot, and accumulate in float32: one program per pair and block of output rows, looping over the
+row's blocks, the pair's activation row broadcast over them.
+
+One kernel per format, registered in :data:`KERNELS` (Q8_0, Q5_0, Q4_K, Q6_K: the formats of
+Q8_0 and Q4_K_M checkpoints' experts); a layer is fused when all three of its projections have
+one. Block layouts are those of ``freetoken/quant`` (GGUF's); scales are read byte by byte, so
+any slot or row stride works.
+
+Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a projection:
+``data`` uint8 (S, R, K // block * block_bytes), S slots (or experts), R output rows, K inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.quant import QuantTensor, dequantize_as
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+BLOCK_ROWS = 16  # output rows per program: enough programs to fill the GPU at one token
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """A format's gather-GEMV: the kernel of that name in :mod:`.triton_gemv`, its block (weights
+    and bytes), and blocks per loop step."""
+
+    block: int
+    block_bytes: int
+    step: int = 1
+
+
+def unavailable() -> str | None:
+    """Why the fused kernels cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+KERNELS: dict[str, FusedKernel] = {
+    "q8_0": FusedKernel(32, 34, step=4),
+    "q5_0": FusedKernel(32, 22, step=4),
+    "q4_k": FusedKernel(256, 144),
+    "q6_k": FusedKernel(256, 210),
+}
+
+
+def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
+                per: int) -> torch.Tensor:
+    """``out[p] = W[index[p]] @ x[p // per]`` for ``fmt`` blocks ``data`` (S, R, K // block *
+    block_bytes) uint8 (any slot and row strides), ``index`` (P,) int64, ``x`` (N, K) with
+    unit stride along K. Returns (P, R) in ``x``'s dtype."""
+    import triton
+
+    from freetoken.kernels import triton_gemv
+
+    spec = KERNELS[fmt]
+    S, R, row_bytes = data.shape
+    nb = row_bytes // spec.block_bytes
+    if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:
+        raise ValueError(f"{fmt} data must be uint8 rows of {spec.block_bytes}-byte blocks, got "
+                         f"{data.dtype} {tuple(data.shape)} strides {data.stride()}")
+    if x.dim() != 2 or x.shape[1] != nb * spec.block or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} does not fit {nb * spec.block} inputs")
+    out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
+    grid = (index.numel(), triton.cdiv(R, BLOCK_ROWS))
+    kernel = getattr(triton_gemv, fmt)
+    kernel[grid](data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0),
+                 out.stride(0), NB=nb, BLOCK_R=BLOCK_ROWS, STEP=spec.step)
+    return out
+
+
+def fused(formats: tuple[str, ...]) -> bool:
+    """Whether every projection format has a fused kernel."""
+    return all(f in KERNELS for f in formats)
+
+
+def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,
+                   up: QuantTensor, down: QuantTensor, act: Act) -> torch.Tensor:
+    """Pairs at once, as ``resident.gathered``, with pair p's expert ``index[p]`` read from the
+    stacks gate/up (S, I, H) and down (S, H, I). x (T, H), w (T, A) -> (T, H)."""
+    T, A = w.shape
+    g = gather_gemv(gate.fmt, gate.data, index, x, A)
+    u = gather_gemv(up.fmt, up.data, index, x, A)
+    y = gather_gemv(down.fmt, down.data, index, act(g) * u, 1)  # (T*A, H)
+    return (y.view(T, A, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
+                       gate: QuantTensor, up: QuantTensor, down: QuantTensor,
+                       act: Act) -> torch.Tensor:
+    """Slow twin: the pairs' experts copied out, dequantised to ``x``'s dtype, batched
+    matmuls (``resident.gathered``)."""
+    from freetoken.moe.resident import gathered
+
+    def picked(qt: QuantTensor) -> torch.Tensor:
+        sub = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],
+                          {k: s[index] for k, s in qt.scales.items()})
+        return dequantize_as(sub, x.dtype)
+
+    return gathered(x, w, picked(gate), picked(up), picked(down), act)

@@ -1,0 +1,214 @@
+"""The Triton kernels of :mod:`freetoken.kernels.gather_gemv`, one per weight format (imported
+only when a kernel is first used: triton is needed on GPU machines, not on CPU installs).
+
+Every kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (program axis
+0) and BLOCK_R output rows (axis 1), W's blocks read from uint8 ``w_ptr`` at ``slot * slot_stride
++ row * row_stride`` bytes, NB blocks per row, float32 accumulation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _f16(ptr: Any, mask: Any) -> Any:
+    """Little-endian f16s at byte pointers ``ptr``, as float32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def q8_0(
+    w_ptr,
+    index_ptr,
+    x_ptr,
+    out_ptr,
+    R,
+    per,
+    slot_stride,
+    row_stride,
+    x_stride,
+    out_stride,
+    NB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
+    x_row = x_ptr + (p // per) * x_stride
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB)[None, :]
+        at = base[:, None] + blocks[None, :] * 34  # (BLOCK_R, STEP)
+        d = _f16(w_ptr + at, ok)
+        q = (
+            tl.load(w_ptr + at[:, :, None] + 2 + lane[None, None, :], mask=ok[:, :, None], other=0)
+            .to(tl.int8, bitcast=True)
+            .to(tl.float32)
+        )
+        x = tl.load(
+            x_row + blocks[:, None] * 32 + lane[None, :], mask=(blocks < NB)[:, None], other=0.0
+        ).to(tl.float32)
+        acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * d, axis=1)
+    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def q5_0(
+    w_ptr,
+    index_ptr,
+    x_ptr,
+    out_ptr,
+    R,
+    per,
+    slot_stride,
+    row_stride,
+    x_stride,
+    out_stride,
+    NB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
+    x_row = x_ptr + (p // per) * x_stride
+    half = tl.arange(0, 2)[:, None]  # weight i = 16 * half + j: qs[j]'s low or high nibble
+    j = tl.arange(0, 16)[None, :]
+    i = 16 * half + j  # (2, 16)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b0 in range(0, NB, STEP):  # d: f16 | qh: u8[4] | qs: u8[16]
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB)[None, :]
+        at = base[:, None] + blocks[None, :] * 22  # (BLOCK_R, STEP)
+        d = _f16(w_ptr + at, ok)
+        at4 = at[:, :, None, None]
+        ok4 = ok[:, :, None, None]
+        qs = tl.load(w_ptr + at4 + 6 + j[None, None], mask=ok4, other=0).to(tl.int32)
+        qh = tl.load(w_ptr + at4 + 2 + (i // 8)[None, None], mask=ok4, other=0).to(tl.int32)
+        q = ((qs >> (4 * half[None, None])) & 15) | (((qh >> (i % 8)[None, None]) & 1) << 4)
+        x = tl.load(
+            x_row + blocks[:, None, None] * 32 + i[None],
+            mask=(blocks < NB)[:, None, None],
+            other=0.0,
+        ).to(tl.float32)  # (STEP, 2, 16)
+        dot = tl.sum(tl.sum((q.to(tl.float32) - 16.0) * x[None], axis=3), axis=2)
+        acc += tl.sum(dot * d, axis=1)
+    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _k4_scale_min(at: Any, s: Any, ok: Any) -> Any:
+    """Six-bit scale and min of sub-blocks ``s`` (scales: a = [0:4], b = [4:8], c = [8:12]
+    after the two f16s) for the rows whose blocks start at ``at``."""
+    lo = (s % 4)[None, :]
+    a = tl.load(at[:, None] + 4 + lo, mask=ok[:, None], other=0)
+    b = tl.load(at[:, None] + 8 + lo, mask=ok[:, None], other=0)
+    c = tl.load(at[:, None] + 12 + lo, mask=ok[:, None], other=0)
+    first = (s < 4)[None, :]
+    sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def q4_k(
+    w_ptr,
+    index_ptr,
+    x_ptr,
+    out_ptr,
+    R,
+    per,
+    slot_stride,
+    row_stride,
+    x_stride,
+    out_stride,
+    NB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
+    x_row = x_ptr + (p // per) * x_stride
+    k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b in range(NB):  # d, dmin: f16 | scales: u8[12] | qs: u8[128]
+        at = w_ptr + base + b * 144  # (BLOCK_R,) pointers
+        d = _f16(at, row_ok)
+        dmin = _f16(at + 2, row_ok)
+        sc_lo, mn_lo = _k4_scale_min(at, 2 * k, row_ok)
+        sc_hi, mn_hi = _k4_scale_min(at, 2 * k + 1, row_ok)
+        qs = tl.load(
+            at[:, None, None] + 16 + k[None, :, None] * 32 + lane[None, None, :],
+            mask=row_ok[:, None, None],
+            other=0,
+        )
+        x_lo = tl.load(x_row + b * 256 + k[:, None] * 64 + lane[None, :]).to(tl.float32)
+        x_hi = tl.load(x_row + b * 256 + k[:, None] * 64 + 32 + lane[None, :]).to(tl.float32)
+        dot_lo = tl.sum((qs & 15).to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
+        dot_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi[None], axis=2)
+        sum_lo = tl.sum(x_lo, axis=1)[None, :]
+        sum_hi = tl.sum(x_hi, axis=1)[None, :]
+        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
+        acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def q6_k(
+    w_ptr,
+    index_ptr,
+    x_ptr,
+    out_ptr,
+    R,
+    per,
+    slot_stride,
+    row_stride,
+    x_stride,
+    out_stride,
+    NB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
+    x_row = x_ptr + (p // per) * x_stride
+    # weight 128 h + 32 s + 16 u + v (half h, quarter s, sub-block 8 h + 2 s + u)
+    h = tl.arange(0, 2)[:, None, None]
+    u = tl.arange(0, 2)[None, :, None]
+    v = tl.arange(0, 16)[None, None, :]
+    ok = row_ok[:, None, None, None]
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b in range(NB):  # ql: u8[128] | qh: u8[64] | scales: i8[16] | d: f16
+        at = base + b * 210
+        d = _f16(w_ptr + at + 208, row_ok)
+        at4 = at[:, None, None, None]
+        qh = tl.load(w_ptr + at4 + 128 + (32 * h + 16 * u + v)[None], mask=ok, other=0)
+        part = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for s in tl.static_range(4):
+            ql = tl.load(w_ptr + at4 + (64 * h + 32 * (s % 2) + 16 * u + v)[None], mask=ok, other=0)
+            q = ((ql >> (4 * (s // 2))) & 15) | (((qh >> (2 * s)) & 3) << 4)
+            x = tl.load(x_row + b * 256 + 128 * h + 32 * s + 16 * u + v).to(tl.float32)
+            dot = tl.sum((q.to(tl.float32) - 32.0) * x[None], axis=3)  # (BLOCK_R, 2, 2)
+            sub = 8 * tl.arange(0, 2)[:, None] + 2 * s + tl.arange(0, 2)[None, :]  # (h, u)
+            sc = tl.load(
+                w_ptr + at[:, None, None] + 192 + sub[None], mask=row_ok[:, None, None], other=0
+            ).to(tl.int8, bitcast=True)
+            part += tl.sum(tl.sum(sc.to(tl.float32) * dot, axis=2), axis=1)
+        acc += d * part
+    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)

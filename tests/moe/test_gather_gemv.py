@@ -1,0 +1,108 @@
+"""The fused gather-GEMV kernels against the gguf package's dequantisation (float64 math) and
+against their slow twin; on the CPU through Triton's interpreter, on the GPU compiled."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from freetoken.quant import QuantTensor, get_format
+
+triton = pytest.importorskip("triton")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+GGUF_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q5_0": GGMLQuantizationType.Q5_0,
+             "q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    """The kernel module, on the CPU only through Triton's interpreter."""
+    from freetoken.kernels import gather_gemv
+
+    if request.node.callspec.params["device"] == "cpu" and os.environ.get(
+            "TRITON_INTERPRET") != "1":
+        pytest.skip("compiled Triton kernels need a GPU; without one tests/conftest.py "
+                    "selects the interpreter")
+    return gather_gemv
+
+
+def _pool(slots: int, projections: list[tuple[str, int, int]], seed: int,
+          device: str = "cpu") -> list[torch.Tensor]:
+    """Byte rows holding ``slots`` experts' projections (format, rows, cols) back to back, one
+    slot per row as in the expert cache, and each projection's (S, R, row bytes) view."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [[get_format(f).quantize(torch.randn(r, k, generator=g)).data.reshape(-1)
+              for (f, r, k) in projections] for _ in range(slots)]
+    rows = torch.stack([torch.cat(p) for p in parts]).to(device)
+    views, offset = [], 0
+    for f, r, k in projections:
+        fmt = get_format(f)
+        n = r * k // fmt.block_size * fmt.block_bytes
+        views.append(rows[:, offset:offset + n].view(slots, r, n // r))
+        offset += n
+    return views
+
+
+def _gguf_weights(fmt: str, view: torch.Tensor, slot: int) -> np.ndarray:
+    raw = view[slot].contiguous().cpu().numpy()
+    return dequantize(raw, GGUF_TYPE[fmt]).reshape(view.shape[1], -1).astype(np.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,R,K", [("q8_0", 40, 96), ("q8_0", 17, 288), ("q5_0", 19, 160),
+                                     ("q4_k", 21, 512), ("q6_k", 18, 256)])
+@pytest.mark.parametrize("T,A", [(1, 3), (2, 2)])
+def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
+    """Row counts off the row block (a partial one), block counts off the loop step, several
+    tokens and pairs per token, slots read in place from strided rows after another
+    projection."""
+    _, view = _pool(4, [("q5_0", 3, 32), (fmt, R, K)], seed=R + K, device=device)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(T, K, generator=g)
+    index = torch.randint(0, 4, (T * A,), generator=g)
+    out = kernels.gather_gemv(fmt, view, index.to(device), x.to(device), A).cpu()
+    want = np.stack([_gguf_weights(fmt, view, int(s)) @ x[p // A].double().numpy()
+                     for p, s in enumerate(index)])
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("formats", [("q8_0", "q8_0", "q8_0"), ("q4_k", "q4_k", "q6_k"),
+                                     ("q5_0", "q5_0", "q8_0")])
+def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
+    """gate/up -> silu -> down, weighted and summed per token, as the dequantise + matmul path
+    computes it (mixed formats as in Q4_K_M files); pairs whose weight is 0 (masked by the slot
+    table) add nothing."""
+    H, I_ = 256, 256
+    views = _pool(5, [(formats[0], I_, H), (formats[1], I_, H), (formats[2], H, I_)], seed=3,
+                  device=device)
+    qts = [QuantTensor(f, (5, v.shape[1], H if i < 2 else I_), v, {})
+           for i, (f, v) in enumerate(zip(formats, views, strict=True))]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, H, generator=g).to(device, dtype)
+    w = torch.rand(2, 3, generator=g)
+    w[1, 2] = 0.0
+    index = torch.tensor([0, 4, 2, 2, 1, 3]).to(device)
+    act = torch.nn.functional.silu
+    fused = kernels.gathered_fused(x, w.to(device), index, *qts, act)
+    slow = kernels.gathered_reference(x, w.to(device), index, *qts, act)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused.float(), slow.float(), rtol=tol, atol=tol * slow.abs().max())
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    from freetoken.kernels.gather_gemv import fused, gather_gemv
+
+    rows = torch.zeros(2, 3 * 34, dtype=torch.uint8).view(2, 1, 102)
+    with pytest.raises(ValueError, match="does not fit 96 inputs"):
+        gather_gemv("q8_0", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
+    with pytest.raises(ValueError, match="rows of 144-byte blocks"):
+        gather_gemv("q4_k", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
+    assert fused(("q4_k", "q4_k", "q6_k")) and not fused(("q4_k", "q4_k", "bf16"))

@@ -198,15 +198,26 @@ class OffloadExperts(Experts):
 
     def _from_table(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every pair whose expert the published slot table holds, gathered from its slot with
-        resident's kernel; the other pairs count 0. Device work only (capturable)."""
+        the fused kernels or resident's; the other pairs count 0. Device work only
+        (capturable). A fused kernel that fails to build (its first call is in the eager
+        warm-up before any capture) leaves the layer on resident's kernels, with a warning."""
         assert self.runtime is not None
         pool = self.runtime.cache.pool(self.shape.layer)
         slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
         w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
         index = slot.clamp(min=0)
         if self.gpu_kernel == "fused":  # the slots' blocks read in place
-            views = (self._pool_view(pool, p) for p in PROJECTIONS)
-            return gathered_fused(x, w, index, *views, self.act)
+            views = [self._pool_view(pool, p) for p in PROJECTIONS]
+            try:
+                return gathered_fused(x, w, index, *views, self.act)
+            except Exception as e:
+                if not type(e).__module__.startswith("triton"):
+                    raise
+                log.warning("layer %d: the fused %s kernel failed to build (%s: %s); its "
+                            "experts use dequantise + matmul", self.shape.layer,
+                            "/".join(v.fmt for v in views), type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "")
+                self.gpu_kernel = "dequant"
         gate, up, down = (self._pool_weight(pool, p, index) for p in PROJECTIONS)
         return gathered(x, w, gate, up, down, self.act)
 

@@ -250,6 +250,37 @@ def test_fused_slots_close_to_resident(tiny_qwen3_moe, tmp_path, gather_on_cpu, 
     assert stats is not None and stats["misses"] > 4 and stats["hits"] > 0
 
 
+def test_a_fused_kernel_that_fails_to_build_falls_back(tiny_qwen3_moe, tmp_path, gather_on_cpu,
+                                                       monkeypatch, caplog):
+    """A Triton error (e.g. an unsupported GPU) is a warning and the slow twin's numbers; any
+    other error still propagates."""
+    from freetoken.moe import offload
+
+    class CompilationError(Exception):
+        pass
+
+    CompilationError.__module__ = "triton.compiler.errors"
+
+    def broken(*args, **kwargs):
+        raise CompilationError("at 12:4: unsupported layout")
+
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    monkeypatch.setattr(offload, "gathered_fused", broken)
+    resident = our_logits(load_ours(path), IDS, prefill=1)
+    model = load_ours(path, strategy="offload", cache=CacheSizing("size", 4))
+    layers = [m for m in model.modules() if isinstance(m, offload.OffloadExperts)]
+    for m in layers:
+        m.gpu_kernel = "fused"
+    assert torch.equal(our_logits(model, IDS, prefill=1), resident)
+    assert all(m.gpu_kernel == "dequant" for m in layers)
+    assert "the fused q8_0/q8_0/q8_0 kernel failed to build (CompilationError" in caplog.text
+    monkeypatch.setattr(offload, "gathered_fused", lambda *a, **k: 1 / 0)
+    layers[0].gpu_kernel = "fused"
+    with pytest.raises(ZeroDivisionError):
+        our_logits(model, IDS, prefill=1)
+
+
 def test_gpu_expert_kernel_choice(tiny_qwen3_moe, monkeypatch):
     from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
 

@@ -20,7 +20,7 @@ Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no
 hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online); all
 but cpu decode through CUDA graphs (pieces around host-planned experts), offload-eager without.
 A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantise + matmul
-instead of the fused Q8_0 kernel.
+instead of the fused gather-GEMV kernels.
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -134,7 +134,7 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
 
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
-    by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernel."""
+    by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels."""
     base, _, kernel = name.partition("+")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = kernel or "auto"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, 0, True, True))

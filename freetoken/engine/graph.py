@@ -112,11 +112,13 @@ class _Landing:
 
 class HostStep(_Landing):
     """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
-    and their :class:`HostCopies`; it returns None, ``host.cpu_out`` once it has filled it,
-    or a device tensor. What it returns lands in ``out``.
+    and their :class:`HostCopies`; it returns None or a device tensor, which lands in ``out``.
+    Work it leaves running (hybrid's CPU share, written into ``host.cpu_out``) is collected by
+    a :class:`LateStep` after the next piece.
 
-    The pinned buffers are rewritten only in :meth:`run`, after the copies that read them at
-    the previous replay have finished (its sync comes later on the same stream)."""
+    The pinned buffers are rewritten only after :meth:`run`'s sync, which comes after every
+    copy that read them at the previous replay (this step's and its LateStep's, both queued
+    earlier on the same stream)."""
 
     def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
                  ids: torch.Tensor, w: torch.Tensor, inputs: bool) -> None:
@@ -160,7 +162,7 @@ class PiecewiseCapture:
 
     Host-planned experts call :meth:`host` (or :meth:`split`) instead of running: it ends the
     current piece, records a :class:`HostStep` (or :class:`Break`) and begins the next piece,
-    all in one memory pool.
+    all in one memory pool. :meth:`after` does the same for a :class:`LateStep`.
     """
 
     def __init__(self, pool: tuple[int, int]) -> None:

@@ -254,7 +254,9 @@ class HybridExperts(OffloadExperts):
         return out if cpu_out is None else out + cpu_out
 
     def _split(self, flat: list[int], misses: list[int]) -> tuple[list[int], set[int]]:
-        """Misses to fetch (the policy's count, most used first) and misses for the CPU."""
+        """Misses to fetch (the policy's count, most used first) and misses for the CPU. The
+        last call's times reach the policy first (n_fetch's probe flag is this call's)."""
+        self._observe_last()
         uses = Counter(flat)
         by_use = sorted(misses, key=lambda e: (-uses[e], e))
         n = self.policy.n_fetch(len(misses))
@@ -312,7 +314,6 @@ class HybridExperts(OffloadExperts):
                 overhead: float, plan_s: float = 0.0) -> None:
         rt, bank, layer = self.runtime, self.bank, self.shape.layer
         assert rt is not None and bank is not None
-        self._observe_last()  # here, after the call's work is queued, not before it
         self.calls.last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
         rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
                         len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,

@@ -10,11 +10,12 @@ When a call needs more experts than the pool has slots, or misses more than half
 experts (a prefill chunk), the misses are streamed instead: copied in chunks through two staging
 buffers (the copy of chunk k+1 overlaps the compute of chunk k) without touching the cache.
 
-Decode-sized calls on a GPU (pairs few enough to gather) are split in two: the host's plan
-(routed ids, hits and misses, copies, the layer's slot table published to the device) and the
-device's compute (:meth:`OffloadExperts._from_table`, which reads slots through that table and
-so needs nothing from the host). Decode CUDA graphs (:mod:`freetoken.engine.graph`) run the
-plan between two pieces and capture the compute; larger calls run between pieces whole. On
+Decode-sized calls on a GPU (pairs few enough to gather) are split: the host's plan (routed
+ids, hits and misses, copies, the layer's slot table published to the device), the device's
+compute (:meth:`OffloadExperts._from_table`, which reads slots through that table and so needs
+nothing from the host), then what the plan left running on the host (:meth:`_finish`: hybrid's
+CPU share). Decode CUDA graphs (:mod:`freetoken.engine.graph`) run the plan and the finish
+between pieces and capture the compute; larger calls run between pieces whole. On
 ``--device cpu`` the same code runs with host memory as the "device" and memcpy as the link.
 """
 
@@ -109,7 +110,7 @@ class OffloadExperts(Experts):
         self.bank: HostBank | None = None
         self.runtime: OffloadRuntime | None = None
         self._pool_views: dict[str, QuantTensor] = {}
-        self.gpu_kernel = "dequant"  # or "fused": set by attach_offload (gpu_kernel_for)
+        self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -140,8 +141,8 @@ class OffloadExperts(Experts):
         host (:meth:`_finish`). While decode graphs are captured, the plan and the finish run
         between pieces and their results come from static buffers."""
         if rt.capture is not None:
-            early = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS)
-            out = self._from_table(x, ids, w) + early
+            static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS)
+            out = self._from_table(x, ids, w) + static
             if self.FINISHES_LATE:
                 out = out + rt.capture.after(self._finish, x)
             return out
@@ -211,7 +212,7 @@ class OffloadExperts(Experts):
             try:
                 return gathered_fused(x, w, index, *views, self.act)
             except Exception as e:
-                if not type(e).__module__.startswith("triton"):
+                if not _from_triton(e):
                     raise
                 log.warning("layer %d: the fused %s kernel failed to build (%s: %s); its "
                             "experts use dequantise + matmul", self.shape.layer,
@@ -385,6 +386,19 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
         log.info("expert cache: %d slots of %s shared by %d %s layer%s", pool.num_slots,
                  human_bytes(size), len(ms), kind, "" if len(ms) == 1 else "s")
     return runtime
+
+
+def _from_triton(e: BaseException) -> bool:
+    """Whether ``e`` is Triton's (its own error types, or raised from inside triton: a launcher
+    stub that will not compile, an assembler that rejects the GPU)."""
+    if type(e).__module__.startswith("triton"):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if "/triton/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:

@@ -25,6 +25,7 @@ class LayerStats:
     fetch_s: float = 0.0
     compute_s: float = 0.0  # expert-by-expert calls (gathered ones run inside the step's graph)
     plan_s: float = 0.0  # host seconds from a gathered call's routed ids to its plan's end
+    # (the copies and slot table queued; hybrid's wait for the CPU comes after)
     cpu_experts: int = 0  # misses computed on the CPU (hybrid)
     cpu_s: float = 0.0  # the CPU pool's time on its jobs, submit to last item (hybrid)
 

@@ -35,8 +35,8 @@ class Metrics:
             ("bytes_per_token", "expert bytes copied host -> device per token"),
             ("fetch_s", "seconds spent copying experts host -> device"),
             ("compute_s", "seconds spent computing offloaded experts expert by expert"),
-            ("plan_s", "host seconds planning gathered expert calls (copies, slot tables, "
-                       "waiting for the CPU's share)"),
+            ("plan_s", "host seconds planning gathered expert calls (split, CPU submit, "
+                       "copies, slot tables; not the wait for the CPU's share)"),
         )}
 
     def engine_stats(self, stats: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ def _gguf_weights(fmt: str, view: torch.Tensor, slot: int) -> np.ndarray:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,R,K", [("q8_0", 40, 96), ("q8_0", 17, 288), ("q5_0", 19, 160),
-                                     ("q4_k", 21, 512), ("q6_k", 18, 256)])
+                                     ("q4_k", 21, 512), ("q6_k", 18, 768)])
 @pytest.mark.parametrize("T,A", [(1, 3), (2, 2)])
 def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
     """Row counts off the row block (a partial one), block counts off the loop step, several
@@ -80,7 +80,7 @@ def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     """gate/up -> silu -> down, weighted and summed per token, as the dequantise + matmul path
     computes it (mixed formats as in Q4_K_M files); pairs whose weight is 0 (masked by the slot
     table) add nothing."""
-    H, I_ = 256, 256
+    H, I_ = 512, 256  # two super-blocks per gate/up row
     views = _pool(5, [(formats[0], I_, H), (formats[1], I_, H), (formats[2], H, I_)], seed=3,
                   device=device)
     qts = [QuantTensor(f, (5, v.shape[1], H if i < 2 else I_), v, {})

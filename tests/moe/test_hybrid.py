@@ -216,6 +216,39 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
         assert stats["cpu_experts"] > 0 and stats["misses"] > 0
 
 
+def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatch,
+                                                   gather_on_cpu):
+    """The policy learns whether the call it observes was a probe (to back off while probes
+    lose): a layer's calls must hand it the probe flag of that call, not of the next one."""
+    from freetoken.moe.hybrid import SplitPolicy
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    layer = _hybrid(q8_gguf)[1][0]
+    policy = layer.policy = SplitPolicy(1.0, None, online=True)
+    made, seen = [], []
+    n_fetch, observe = policy.n_fetch, policy.observe
+
+    def counting(misses: int) -> int:
+        n = n_fetch(misses)
+        made.append(policy._probing)
+        return n
+
+    def watching(*args, **kwargs) -> None:
+        seen.append(policy._probing)
+        observe(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "n_fetch", counting)
+    monkeypatch.setattr(policy, "observe", watching)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(40):
+        x = torch.randn(1, layer.shape.hidden, generator=g)
+        ids = torch.randperm(layer.shape.num_experts, generator=g)[:2].view(1, 2)
+        layer._plan(x, ids, torch.rand(1, 2, generator=g))
+        layer._finish()
+    assert "cpu" in made and len(seen) >= len(made) - 1
+    assert seen == made[:len(seen)]
+
+
 def test_auto_plan_per_layer(caplog):
     from freetoken.moe.profile import LayerKind
     from freetoken.resolve import plan_auto

@@ -275,6 +275,14 @@ def test_a_fused_kernel_that_fails_to_build_falls_back(tiny_qwen3_moe, tmp_path,
     assert torch.equal(our_logits(model, IDS, prefill=1), resident)
     assert all(m.gpu_kernel == "dequant" for m in layers)
     assert "the fused q8_0/q8_0/q8_0 kernel failed to build (CompilationError" in caplog.text
+    # a plain error raised inside triton (its launcher's C compiler, the GPU's assembler)
+    namespace: dict = {}
+    exec(compile("def build(*a, **k):\n    raise RuntimeError('cc failed')\n",
+                 "/site-packages/triton/runtime/build.py", "exec"), namespace)
+    monkeypatch.setattr(offload, "gathered_fused", namespace["build"])
+    layers[0].gpu_kernel = "fused"
+    assert torch.equal(our_logits(model, IDS, prefill=1), resident)
+    assert layers[0].gpu_kernel == "dequant" and "(RuntimeError: cc failed)" in caplog.text
     monkeypatch.setattr(offload, "gathered_fused", lambda *a, **k: 1 / 0)
     layers[0].gpu_kernel = "fused"
     with pytest.raises(ZeroDivisionError):

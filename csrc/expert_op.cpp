@@ -1,7 +1,5 @@
 #include "expert_op.h"
 
-#include <sched.h>
-
 #include <chrono>
 #include <cmath>
 
@@ -53,6 +51,7 @@ namespace {
 
 constexpr int kGroup = 16;     // pairs per kernel call
 constexpr int64_t kMaxChunk = 64;  // rows per work item
+constexpr int kExpertSpins = 100000;  // pauses (a few ms) before a down item sleeps on gate/up
 
 inline float activate(int kind, float g) {
   switch (kind) {
@@ -231,6 +230,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   }
   if (j.n_active) j.start[j.n_active] = pos;
   for (int i = 0; i < j.n_active; ++i) j.ready[i] = 0;
+  j.sleepers = 0;
   for (int64_t i = 0; i < (int64_t)T * A; ++i) {
     if (ids[i] < 0) continue;
     int32_t p = j.count[ids[i]]++;
@@ -330,16 +330,25 @@ void gate_up(Job& j, int64_t item) {
                     j.hgb + p * (I / 4) + i0 / 4);
     }
   }
-  __atomic_fetch_add(&j.ready[ea], 1, __ATOMIC_RELEASE);
+  if (__atomic_add_fetch(&j.ready[ea], 1, __ATOMIC_SEQ_CST) == j.chunks1 &&
+      __atomic_load_n(&j.sleepers, __ATOMIC_SEQ_CST) > 0)
+    futex_wake_all_at(reinterpret_cast<uint32_t*>(&j.ready[ea]));
 }
 
-// Wait until every gate/up chunk of active expert ea is done (they are all being worked on).
-void await_expert(const Job& j, int ea) {
-  for (int spins = 0; __atomic_load_n(&j.ready[ea], __ATOMIC_ACQUIRE) < j.chunks1; ++spins) {
-    if (spins < 100000)
-      cpu_relax();
-    else
-      sched_yield();
+// Wait until every gate/up chunk of active expert ea is done (they are all being worked on):
+// a bounded spin, then sleep on the counter (the chunk that completes it wakes sleepers).
+void await_expert(Job& j, int ea) {
+  int32_t* ready = &j.ready[ea];
+  for (int spins = 0; spins < kExpertSpins; ++spins) {
+    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return;
+    cpu_relax();
+  }
+  for (;;) {
+    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return;
+    __atomic_add_fetch(&j.sleepers, 1, __ATOMIC_SEQ_CST);
+    int32_t v = __atomic_load_n(ready, __ATOMIC_SEQ_CST);
+    if (v < j.chunks1) futex_wait_at(reinterpret_cast<uint32_t*>(ready), (uint32_t)v);
+    __atomic_sub_fetch(&j.sleepers, 1, __ATOMIC_SEQ_CST);
   }
 }
 

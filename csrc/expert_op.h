@@ -62,6 +62,7 @@ struct Job {
   float* pw = nullptr;        // (P) routing weight of each pair
   int32_t* count = nullptr;   // (E) counting-sort buffer
   int32_t* ready = nullptr;   // (n_active) gate/up chunks finished per active expert (atomic)
+  uint32_t sleepers = 0;      // down items asleep on a ready counter (atomic)
   Act xa{}, ha{};             // x (T, H) and h (P, I) representations
   float* hf = nullptr;
   uint16_t* hbf = nullptr;

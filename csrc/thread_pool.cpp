@@ -30,6 +30,18 @@ void futex_wake_all(std::atomic<uint32_t>* w) {
           nullptr, 0);
 }
 
+}  // namespace
+
+void futex_wait_at(uint32_t* addr, uint32_t expected) {
+  syscall(SYS_futex, addr, FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+void futex_wake_all_at(uint32_t* addr) {
+  syscall(SYS_futex, addr, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+namespace {
+
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())

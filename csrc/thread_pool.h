@@ -24,6 +24,10 @@ struct Word {
 
 using ItemFn = void (*)(void* ctx, int phase, int64_t item, int worker);
 
+// Sleep while *addr == expected (returns at once if it differs); wake every sleeper on addr.
+void futex_wait_at(uint32_t* addr, uint32_t expected);
+void futex_wake_all_at(uint32_t* addr);
+
 constexpr int kMaxPhases = 3;
 
 class Pool {

@@ -3,6 +3,12 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
 export FREETOKEN_GIT_SHA=${GIT_SHA:-}
+# The H200's bandwidth profile (gemma4 and qwen3 rows) in use, and the CPU library built once.
+moe_bench_setup() {
+  cp benchmarks/results/benchbw-gemma4-qwen3-h200.json /tmp/benchbw.json
+  export FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
+  [ -f freetoken/libfreetoken_cpu.so ] || build_cpu_library
+}
 build_cpu_library() {
   cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
     && cmake --build /tmp/build >> "$OUT/build.log" 2>&1 \

@@ -8,9 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
-cp benchmarks/results/benchbw-gemma4-qwen3-h200.json /tmp/benchbw.json
-export FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
-[ -f freetoken/libfreetoken_cpu.so ] || build_cpu_library
+moe_bench_setup
 [ "${TESTS:-1}" = 0 ] || python3 -m pytest -m cuda -q -p no:cacheprovider tests/moe tests/engine/test_scheduler.py \
   2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -20 | tee "$OUT/cuda_tests.log"
 KEYS='"(strategy|decode_tokens_per_s|hit_rate|pcie_roofline_tokens_per_s|hybrid_roofline_tokens_per_s|fraction_of_roofline|fraction_of_hybrid_roofline|share_fetch|share_plan|share_cpu_wait)"|error|ceiling'

@@ -6,9 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
-cp benchmarks/results/benchbw-gemma4-qwen3-h200.json /tmp/benchbw.json
-export FREETOKEN_BENCHBW_PATH=/tmp/benchbw.json
-[ -f freetoken/libfreetoken_cpu.so ] || build_cpu_library
+moe_bench_setup
 M=/tmp/gemma4-26b-a4b.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset gemma4-26b-a4b --device cuda \
   --router-skew 1 --router-locality 0.5 --out $M 2>&1 | tail -1

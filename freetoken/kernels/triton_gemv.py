@@ -23,26 +23,21 @@ def _f16(ptr: Any, mask: Any) -> Any:
 
 
 @triton.jit
-def q8_0(
-    w_ptr,
-    index_ptr,
-    x_ptr,
-    out_ptr,
-    R,
-    per,
-    slot_stride,
-    row_stride,
-    x_stride,
-    out_stride,
-    NB: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    STEP: tl.constexpr,
-):
+def _pair_rows(index_ptr: Any, x_ptr: Any, R: Any, per: Any, slot_stride: Any, row_stride: Any,
+               x_stride: Any, BLOCK_R: tl.constexpr) -> Any:
+    """This program's pair p, its block of output rows (and which of them exist), the rows'
+    byte offsets in the pair's slot, and the pair's activation row."""
     p = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
     base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
-    x_row = x_ptr + (p // per) * x_stride
+    return p, rows, rows < R, base, x_ptr + (p // per) * x_stride
+
+
+@triton.jit
+def q8_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
@@ -63,26 +58,10 @@ def q8_0(
 
 
 @triton.jit
-def q5_0(
-    w_ptr,
-    index_ptr,
-    x_ptr,
-    out_ptr,
-    R,
-    per,
-    slot_stride,
-    row_stride,
-    x_stride,
-    out_stride,
-    NB: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    STEP: tl.constexpr,
-):
-    p = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
-    x_row = x_ptr + (p // per) * x_stride
+def q5_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
     half = tl.arange(0, 2)[:, None]  # weight i = 16 * half + j: qs[j]'s low or high nibble
     j = tl.arange(0, 16)[None, :]
     i = 16 * half + j  # (2, 16)
@@ -122,26 +101,10 @@ def _k4_scale_min(at: Any, s: Any, ok: Any) -> Any:
 
 
 @triton.jit
-def q4_k(
-    w_ptr,
-    index_ptr,
-    x_ptr,
-    out_ptr,
-    R,
-    per,
-    slot_stride,
-    row_stride,
-    x_stride,
-    out_stride,
-    NB: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    STEP: tl.constexpr,
-):
-    p = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
-    x_row = x_ptr + (p // per) * x_stride
+def q4_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
     k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -168,26 +131,10 @@ def q4_k(
 
 
 @triton.jit
-def q6_k(
-    w_ptr,
-    index_ptr,
-    x_ptr,
-    out_ptr,
-    R,
-    per,
-    slot_stride,
-    row_stride,
-    x_stride,
-    out_stride,
-    NB: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    STEP: tl.constexpr,
-):
-    p = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
-    x_row = x_ptr + (p // per) * x_stride
+def q6_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
     # weight 128 h + 32 s + 16 u + v (half h, quarter s, sub-block 8 h + 2 s + u)
     h = tl.arange(0, 2)[:, None, None]
     u = tl.arange(0, 2)[None, :, None]

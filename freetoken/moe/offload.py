@@ -7,8 +7,9 @@ Per layer call (T tokens, A active, E experts):
   for the copies and runs the same kernels as the resident strategy (:mod:`resident`) on weights
   read from the slots, so offload gives resident's bits.
 When a call needs more experts than the pool has slots, or misses more than half the layer's
-experts (a prefill chunk), the misses are streamed instead: copied in chunks through two staging
-buffers (the copy of chunk k+1 overlaps the compute of chunk k) without touching the cache.
+experts (a prefill chunk), the misses are streamed instead (:mod:`.prefill_stream`): copied in
+chunks through two staging buffers (the copy of chunk k+1 overlaps the compute of chunk k)
+without touching the cache.
 
 Decode-sized calls on a GPU (pairs few enough to gather) are split: the host's plan (routed
 ids, hits and misses, copies, the layer's slot table published to the device), the device's
@@ -31,10 +32,11 @@ from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.engine.graph import HostCopies, PiecewiseCapture
-from freetoken.kernels.gather_gemv import gathered_fused
+from freetoken.kernels.gather_gemv import gathered_fused, raised_by_triton
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
+from freetoken.moe.prefill_stream import STREAM_CHUNK, PrefillStream
 from freetoken.moe.resident import gathered, grouped, use_gather
 from freetoken.moe.stats import MoEStats, Span
 from freetoken.moe.strategy import Experts, ExpertShape, register
@@ -42,7 +44,6 @@ from freetoken.quant import QuantTensor, dequantize_as
 
 log = logging.getLogger(__name__)
 
-STREAM_CHUNK = 8  # experts per staging buffer of the prefill stream
 STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a layer's experts
 
 Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -212,7 +213,7 @@ class OffloadExperts(Experts):
             try:
                 return gathered_fused(x, w, index, *views, self.act)
             except Exception as e:
-                if not _from_triton(e):
+                if not raised_by_triton(e):
                     raise
                 log.warning("layer %d: the fused %s kernel failed to build (%s: %s); its "
                             "experts use dequantise + matmul", self.shape.layer,
@@ -286,7 +287,7 @@ class OffloadExperts(Experts):
         """Misses through the staging buffers, hits from their slots; the cache is unchanged."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        stream = _Stream(rt, bank, misses)
+        stream = PrefillStream(rt, bank, misses)
         compute = rt.stats.span()
 
         def weights_of(e: int) -> Weights:
@@ -299,55 +300,6 @@ class OffloadExperts(Experts):
                         len(misses) * bank.expert_bytes, streamed=len(misses),
                         fetch=stream.finish(), compute=compute.stop())
         return out
-
-
-class _Stream:
-    """Misses of one call, in ascending order, through two staging buffers of STREAM_CHUNK rows:
-    chunk k+1 is copied while chunk k is computed; chunk k+2 reuses chunk k's buffer once its
-    compute is done."""
-
-    def __init__(self, rt: OffloadRuntime, bank: HostBank, misses: list[int]) -> None:
-        self.rt, self.bank = rt, bank
-        self.buffers = rt.staging(bank.expert_bytes)
-        self.chunks = [misses[i:i + STREAM_CHUNK] for i in range(0, len(misses), STREAM_CHUNK)]
-        self.where = {e: (k, i) for k, c in enumerate(self.chunks) for i, e in enumerate(c)}
-        self.loaded: dict[int, torch.cuda.Event | None] = {}
-        self.used: dict[int, torch.cuda.Event] = {}  # chunk -> end of its compute
-        self.spans: list[Span] = []
-        self.current = -1
-        if self.chunks:
-            self._load(0)
-
-    def _load(self, k: int) -> None:
-        after = self.used.get(k - 2)
-        span, done = self.rt.copy(self.buffers[k % 2], list(range(len(self.chunks[k]))),
-                                  self.bank, self.chunks[k], after)
-        self.spans.append(span)
-        self.loaded[k] = done
-
-    def row(self, e: int) -> torch.Tensor:
-        k, i = self.where[e]
-        if k != self.current:
-            if self.current >= 0 and self.rt.cuda:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream())
-                self.used[self.current] = ev
-            self.current = k
-            if k + 1 < len(self.chunks) and k + 1 not in self.loaded:
-                self._load(k + 1)
-            self.rt.wait(self.loaded[k])
-        return self.buffers[k % 2][i]
-
-    def finish(self) -> Span | None:
-        """The span of the copies (first start to last end) for the stats."""
-        if not self.spans:
-            return None
-        first, last = self.spans[0], self.spans[-1]
-        if first.stream is None:
-            first.seconds = sum(s.seconds or 0.0 for s in self.spans)
-            return first
-        first.end = last.end
-        return first
 
 
 def attach_offload(model: nn.Module, sizing: CacheSizing,
@@ -386,19 +338,6 @@ def attach_offload(model: nn.Module, sizing: CacheSizing,
         log.info("expert cache: %d slots of %s shared by %d %s layer%s", pool.num_slots,
                  human_bytes(size), len(ms), kind, "" if len(ms) == 1 else "s")
     return runtime
-
-
-def _from_triton(e: BaseException) -> bool:
-    """Whether ``e`` is Triton's (its own error types, or raised from inside triton: a launcher
-    stub that will not compile, an assembler that rejects the GPU)."""
-    if type(e).__module__.startswith("triton"):
-        return True
-    tb = e.__traceback__
-    while tb is not None:
-        if "/triton/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.moe.resident import gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -103,19 +104,19 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
                    up: QuantTensor, down: QuantTensor, act: Act) -> torch.Tensor:
     """Pairs at once, as ``resident.gathered``, with pair p's expert ``index[p]`` read from the
     stacks gate/up (S, I, H) and down (S, H, I). x (T, H), w (T, A) -> (T, H)."""
-    T, A = w.shape
+    A = w.shape[1]
     g = gather_gemv(gate.fmt, gate.data, index, x, A)
     u = gather_gemv(up.fmt, up.data, index, x, A)
     y = gather_gemv(down.fmt, down.data, index, act(g) * u, 1)  # (T*A, H)
-    return (y.view(T, A, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
+    return weigh_pairs(y, w)
 
 
 def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
                        gate: QuantTensor, up: QuantTensor, down: QuantTensor,
                        act: Act) -> torch.Tensor:
-    """Slow twin: the pairs' experts copied out, dequantised to ``x``'s dtype, batched
-    matmuls (``resident.gathered``)."""
-    from freetoken.moe.resident import gathered
+    """Slow twin, and the path of layers without a fused kernel: the pairs' experts copied
+    out, dequantised to ``x``'s dtype, batched matmuls (``resident.gathered``, so resident's
+    bits)."""
 
     def picked(qt: QuantTensor) -> torch.Tensor:
         sub = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],

@@ -32,15 +32,15 @@ from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.engine.graph import HostCopies, PiecewiseCapture
-from freetoken.kernels.gather_gemv import gathered_fused, raised_by_triton
+from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference, raised_by_triton
 from freetoken.layers.activation import ACTIVATIONS
 from freetoken.moe.expert_cache import ExpertCache, SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.prefill_stream import STREAM_CHUNK, PrefillStream
-from freetoken.moe.resident import gathered, grouped, use_gather
+from freetoken.moe.resident import grouped, use_gather
 from freetoken.moe.stats import MoEStats, Span
 from freetoken.moe.strategy import Experts, ExpertShape, register
-from freetoken.quant import QuantTensor, dequantize_as
+from freetoken.quant import QuantTensor
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,8 @@ class OffloadExperts(Experts):
         slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
         w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
         index = slot.clamp(min=0)
+        views = [self._pool_view(pool, p) for p in PROJECTIONS]
         if self.gpu_kernel == "fused":  # the slots' blocks read in place
-            views = [self._pool_view(pool, p) for p in PROJECTIONS]
             try:
                 return gathered_fused(x, w, index, *views, self.act)
             except Exception as e:
@@ -220,8 +220,7 @@ class OffloadExperts(Experts):
                             "/".join(v.fmt for v in views), type(e).__name__,
                             str(e).splitlines()[0] if str(e) else "")
                 self.gpu_kernel = "dequant"
-        gate, up, down = (self._pool_weight(pool, p, index) for p in PROJECTIONS)
-        return gathered(x, w, gate, up, down, self.act)
+        return gathered_reference(x, w, index, *views, self.act)
 
     def _runtime(self) -> OffloadRuntime:
         if self.runtime is None or self.bank is None:
@@ -259,14 +258,6 @@ class OffloadExperts(Experts):
         return grouped(x, ids, w, self.shape.num_experts,
                        lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
                        only=slot_of)
-
-    def _pool_weight(self, pool: SlotPool, proj: str, index: torch.Tensor) -> torch.Tensor:
-        """Projection ``proj`` of the slots ``index`` (one per pair), gathered like the resident
-        strategy gathers its stacked parameters."""
-        qt = self._pool_view(pool, proj)
-        picked = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],
-                             {k: s[index] for k, s in qt.scales.items()})
-        return dequantize_as(picked, self.dtype)
 
     def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
         """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""

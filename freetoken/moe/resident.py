@@ -33,11 +33,17 @@ def gathered(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Ten
              down: torch.Tensor, act: Act) -> torch.Tensor:
     """Pairs at once: gate/up (T*A, I, H) and down (T*A, H, I) hold pair p's expert weights,
     pairs token-major; w (T, A). Returns (T, H)."""
-    T, A = w.shape
+    A = w.shape[1]
     h = x.repeat_interleave(A, dim=0).unsqueeze(-1)  # (T*A, H, 1)
     g = torch.bmm(gate, h)
     u = torch.bmm(up, h)
     y = torch.bmm(down, act(g) * u).squeeze(-1)  # (T*A, H)
+    return weigh_pairs(y, w)
+
+
+def weigh_pairs(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Pair outputs y (T*A, H), pairs token-major, weighted by w (T, A) and summed per token."""
+    T, A = w.shape
     return (y.view(T, A, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
 
 

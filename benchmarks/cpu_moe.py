@@ -72,8 +72,9 @@ def ceiling_gbps(ex: cx.CpuMoeExecutor, buf: torch.Tensor, seconds: float) -> fl
 
 
 def kernel_gbps(ex: cx.CpuMoeExecutor, layers: list[int], experts: int, top_k: int, hidden: int,
-                T: int, seconds: float) -> tuple[float, float, int]:
-    """Weight GB/s and µs per call of decode-like calls cycling over ``layers``."""
+                T: int, seconds: float) -> tuple[float, float, int, dict[str, float]]:
+    """Weight GB/s and µs per call of decode-like calls cycling over ``layers``, and where the
+    pool's time went (means over calls, µs; busy and idle are summed over workers)."""
     g = torch.Generator().manual_seed(T)
     n = 64  # pre-drawn routings, so the loop times the kernel, not torch.randperm
     x = [torch.randn(T, hidden, generator=g) for _ in range(n)]
@@ -83,14 +84,36 @@ def kernel_gbps(ex: cx.CpuMoeExecutor, layers: list[int], experts: int, top_k: i
     for i in range(len(layers)):  # warm-up: first-touch and the pool's scratch
         ex.run(x[i % n], ids[i % n], w[i % n], layers[i])
     calls = nbytes = 0
+    timings = []
+    pool_s = 0.0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds or calls < len(layers):
         fut = ex.submit(x[calls % n], ids[calls % n], w[calls % n], layers[calls % len(layers)])
         fut.wait()
         nbytes += fut.weight_bytes
+        pool_s += fut.seconds
+        if fut.timing:
+            timings.append(fut.timing)
         calls += 1
     dt = time.perf_counter() - start
-    return nbytes / dt / 1e9, dt / calls * 1e6, calls
+    return nbytes / dt / 1e9, dt / calls * 1e6, calls, breakdown(timings, pool_s / calls,
+                                                                 ex.threads + 1)
+
+
+def breakdown(timings: list[cx.JobTiming], pool_s: float, workers: int) -> dict[str, float]:
+    """Mean µs per call: the pool's time, its first item's start, each phase's end and busy
+    time, down's waits for gate/up, and the workers' idle time (joining thread included)."""
+    out = {"pool_us": pool_s * 1e6}
+    if not timings:
+        return out
+    mean = lambda f: sum(f(t) for t in timings) / len(timings) * 1e6  # noqa: E731
+    out["start_us"] = mean(lambda t: t.start)
+    for p in range(4):
+        out[f"end{p}_us"] = mean(lambda t: t.ends[p])
+        out[f"busy{p}_us"] = mean(lambda t: t.busy[p])
+    out["await_us"] = mean(lambda t: t.await_s)
+    out["idle_us"] = workers * out["pool_us"] - sum(out[f"busy{p}_us"] for p in range(4))
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def main() -> None:
@@ -112,6 +135,10 @@ def main() -> None:
     p.add_argument("--prefetch", default="", help="comma-separated prefetch distances in bytes "
                    "to compare, each optionally :LEVEL (0 = L1, 1 = L2), e.g. 2048,4096:1 "
                    "(default: the kernels' own)")
+    p.add_argument("--down-split", default="auto", help="comma-separated down_proj splits to "
+                   "compare: auto, rows, experts (see CpuMoeExecutor.set_down_split)")
+    p.add_argument("--timing", action="store_true", help="time every work item and report "
+                   "where each call's time went (phase ends, busy, idle, waits)")
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="expert banks and the ceiling buffer in huge-page-advised memory, as the "
                    "cpu strategy keeps them")
@@ -124,6 +151,7 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [None]
     batches = [int(b) for b in args.batch.split(",")]
     prefetches = args.prefetch.split(",") if args.prefetch else [None]
+    splits = args.down_split.split(",")
     nbuf = max(GIB, 4 * l3)
     buf = cx.host_buffer(nbuf) if args.huge_pages else torch.empty(nbuf, dtype=torch.uint8)
     buf.fill_(1)
@@ -138,24 +166,30 @@ def main() -> None:
             for i, s in enumerate(stacks):
                 ex.add_layer(i, *s)
             kernels = ex.layers[0].kernels
-            for T, ahead in [(T, a) for a in prefetches for T in batches]:
+            ex.set_timing(args.timing)
+            for T, ahead, split in [(T, a, s) for a in prefetches for s in splits
+                                    for T in batches]:
                 if ahead is not None:
                     nbytes, _, level = ahead.partition(":")
                     cx.set_prefetch(int(nbytes), int(level or 0))
+                ex.set_down_split(split)
                 before = ceiling_gbps(ex, buf, args.seconds / 2)
-                gbps, us, calls = kernel_gbps(ex, list(range(n_layers)), args.experts,
-                                              args.top_k, args.hidden, T, args.seconds)
+                gbps, us, calls, where = kernel_gbps(ex, list(range(n_layers)), args.experts,
+                                                     args.top_k, args.hidden, T, args.seconds)
                 ceiling = max(before, ceiling_gbps(ex, buf, args.seconds / 2))
                 row = {"fmt": fmt, "threads": ex.threads, "cores": ex.cores, "isa": ex.isa,
                        "kernels": kernels, "batch": T, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceiling, 2), "ratio": round(gbps / ceiling, 3),
                        "us_per_call": round(us, 1), "calls": calls, "prefetch": ahead,
-                       "huge_pages": args.huge_pages, "spin_us": args.spin_us}
+                       "down_split": split, "huge_pages": args.huge_pages,
+                       "spin_us": args.spin_us, "time_us": where}
                 rows.append(row)
                 print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T} "
-                      f"prefetch={ahead} huge={int(args.huge_pages)}: "
+                      f"prefetch={ahead} down={split} huge={int(args.huge_pages)}: "
                       f"{gbps:6.2f} GB/s of {ceiling:6.2f} ceiling ({gbps / ceiling:5.1%}), "
                       f"{us:8.1f} us/call", flush=True)
+                if args.timing:
+                    print("    " + " ".join(f"{k}={v}" for k, v in where.items()), flush=True)
             ex.close()
         del stacks
     host = socket.gethostname()

@@ -57,28 +57,47 @@ def ours_decode(model: str, ids: list[int], tokens: int, threads: int,
     return {"tokens_per_s": stats.decode_tokens_per_s, "output_ids": out[:tokens]}
 
 
+# name: (--moe-strategy, --cpu-dense, what it is)
+ENGINES = {
+    "cpu_dense_pool": ("cpu", "pool", "experts and dense matrices in their format on the pool"),
+    "cpu": ("cpu", "torch", "experts on the pool, dense layers f32 in torch"),
+    "resident_f32": ("resident", "torch", "everything dequantised to f32 in torch"),
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--label", default="")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help="comma-separated engines of ours to run next to llama.cpp: "
+                   + ", ".join(f"{k} ({v[2]})" for k, v in ENGINES.items()))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    engines = args.engines.split(",")
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        p.error(f"unknown engines {unknown} (choose from {', '.join(ENGINES)})")
     ids = list(range(1000, 1016))
     peer = llamacpp_decode(args.model, ids, args.tokens, args.threads)
-    pool = ours_decode(args.model, ids, args.tokens, args.threads, "cpu", "pool")
-    cpu = ours_decode(args.model, ids, args.tokens, args.threads, "cpu")
-    resident = ours_decode(args.model, ids, args.tokens, args.threads, "resident")
-    result = {
+    result: dict[str, object] = {
         "bench": "cpu_peer", "label": args.label,
         **git_state(), **host(), "params": vars(args) | {"out": str(args.out)},
-        "llama_cpp": peer, "ours_cpu_dense_pool": pool, "ours_cpu": cpu,
-        "ours_resident_f32": resident,
-        "ratio_cpu_dense_pool_to_llama_cpp":
-            pool["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
-        "ratio_cpu_to_llama_cpp": cpu["tokens_per_s"] / peer["tokens_per_s"],  # type: ignore[operator]
+        "llama_cpp": peer,
     }
+    for name in engines:
+        strategy, dense, _ = ENGINES[name]
+        ours = ours_decode(args.model, ids, args.tokens, args.threads, strategy, dense)
+        result[f"ours_{name}"] = ours
+        result[f"ratio_{name}_to_llama_cpp"] = ours["tokens_per_s"] / peer["tokens_per_s"]  # type: ignore[operator]
+        same = 0
+        for a, b in zip(ours["output_ids"], peer["output_ids"]):  # type: ignore[call-overload]
+            if a != b:
+                break
+            same += 1
+        result[f"first_tokens_equal_{name}"] = same
     print(json.dumps({k: v for k, v in result.items() if k != "params"}, indent=1)[:2000])
     save_result(args.out, f"cpu_peer-{args.label or 'run'}", result)
 

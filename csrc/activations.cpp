@@ -44,13 +44,13 @@ Act act_view(int64_t K, const float* f, uint8_t* const* p) {
              (int32_t*)p[5]};
 }
 
-void encode_act(const float* x, int act, const Act& a, int64_t t) {
+void encode_act(const float* x, int act, const Act& a, int64_t t, QuantFn quant) {
   const int64_t K = a.K;
   if (act == ACT_BF16) {
     uint16_t* o = const_cast<uint16_t*>(a.bf) + t * K;
     for (int64_t i = 0; i < K; ++i) o[i] = f32_to_bf16(x[i]);
   } else if (act == ACT_Q8) {
-    quantize_q8(x, K, const_cast<int8_t*>(a.q) + t * K, const_cast<float*>(a.d) + t * (K / 32),
+    quant(x, K, const_cast<int8_t*>(a.q) + t * K, const_cast<float*>(a.d) + t * (K / 32),
                 const_cast<float*>(a.dl) + t * (K / 4), const_cast<int32_t*>(a.gs) + t * (K / 4),
                 const_cast<int32_t*>(a.gb) + t * (K / 4));
   }

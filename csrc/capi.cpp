@@ -60,6 +60,16 @@ FT_API int ft_kernel_isa(int fmt, int act, int cap) { return ft::pick_kernel(fmt
 // (0 = L1, 1 = L2, 2 = L3); process-wide.
 FT_API void ft_set_prefetch(int bytes, int level) { ft::set_prefetch(bytes, level); }
 
+// x (K floats, K % 32 == 0) as int8 activations with the quantiser at or below `cap`: q (K),
+// d (K / 32 block scales), gs (K / 4 sums of each group of four). Returns the tier used.
+FT_API int ft_quantize_q8(int cap, const float* x, int64_t K, int8_t* q, float* d, int32_t* gs) {
+  std::vector<float> dl(K / 4);
+  std::vector<int32_t> gb(K / 4);
+  int isa = ft::ISA_SCALAR;
+  ft::pick_quantizer(cap, &isa)(x, K, q, d, dl.data(), gs, gb.data());
+  return isa;
+}
+
 FT_API void* ft_executor_new(const int* cores, int n, int isa_cap, int spin_us) {
   std::vector<int> c(cores, cores + n);
   return new ft::Executor(c, isa_cap, spin_us);
@@ -116,9 +126,18 @@ FT_API int64_t ft_submit_linear(void* ex, int id, const float* x, float* out, in
   return ((ft::Executor*)ex)->submit_linear(id, x, out, T);
 }
 
-FT_API int64_t ft_wait(void* ex, int64_t handle, int64_t* ns) {
-  return ((ft::Executor*)ex)->wait(handle, ns);
+// timing: null, or ft::TM_FIELDS int64s to fill (see ft::TimingField).
+FT_API int64_t ft_wait(void* ex, int64_t handle, int64_t* ns, int64_t* timing) {
+  return ((ft::Executor*)ex)->wait(handle, ns, timing);
 }
+
+FT_API int ft_timing_fields() { return ft::TM_FIELDS; }
+
+// Profiling: time every item of later jobs (1) or not (0).
+FT_API void ft_set_timing(void* ex, int on) { ((ft::Executor*)ex)->set_timing(on != 0); }
+
+// Tuning: how later jobs split down_proj (ft::DownSplit: -1 auto, 0 rows, 1 experts).
+FT_API void ft_set_down_split(void* ex, int mode) { ((ft::Executor*)ex)->set_down_split(mode); }
 
 FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);

@@ -69,9 +69,18 @@ using GemvFn = void (*)(const Mat& m, int64_t cols, int64_t r0, int64_t r1, cons
 // Reads `bytes` (a multiple of 64) of memory and returns something that depends on all of it.
 using ReadFn = uint64_t (*)(const uint8_t* p, int64_t bytes);
 
+// Quantise one vector of K floats (K % 32 == 0) to Q8 blocks (see Act); every tier gives the
+// scalar twin's bits.
+using QuantFn = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
+                         int32_t* gb);
+// The scalar twin (activations.cpp).
+void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
+                 int32_t* gb);
+
 struct KernelTable {
   GemvFn fn[F_COUNT][ACT_COUNT][ISA_COUNT];
   ReadFn read[ISA_COUNT];
+  QuantFn quant[ISA_COUNT];
 };
 
 // How far ahead of the row being read the SIMD kernels prefetch weights (bytes); a tuning knob

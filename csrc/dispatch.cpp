@@ -78,4 +78,12 @@ ReadFn pick_reader(int cap) {
   return table().read[ISA_SCALAR];
 }
 
+QuantFn pick_quantizer(int cap, int* picked) {
+  if (cap > best_isa()) cap = best_isa();
+  int isa = cap;
+  while (isa > ISA_SCALAR && !table().quant[isa]) --isa;
+  if (picked) *picked = isa;
+  return table().quant[isa];
+}
+
 }  // namespace ft

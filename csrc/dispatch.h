@@ -21,4 +21,7 @@ Pick pick_kernel(int fmt, int act, int cap);
 // The widest memory reader at or below `cap`.
 ReadFn pick_reader(int cap);
 
+// The fastest Q8 activation quantiser at or below `cap` (its tier in *isa if given).
+QuantFn pick_quantizer(int cap, int* isa = nullptr);
+
 }  // namespace ft

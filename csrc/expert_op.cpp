@@ -88,6 +88,7 @@ void run_item(void* ctx, int phase, int64_t item, int worker);
 Executor::Executor(const std::vector<int>& cores, int isa_cap, int spin_us)
     : pool_(cores, spin_us), isa_(isa_cap < best_isa() ? isa_cap : best_isa()) {
   if (isa_ < 0) isa_ = ISA_SCALAR;
+  quant_ = pick_quantizer(isa_);
 }
 
 std::string Executor::set_kernel(Proj& p, int act_mode) {
@@ -174,6 +175,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   Job& j = jobs_[slot];
   const int64_t H = L->H, I = L->I, E = L->E;
   j.L = L;
+  j.quant = quant_;
   j.x = x;
   j.out = out;
   j.T = T;
@@ -192,7 +194,11 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
       0, 0, 0, 0, 0, 0,                               // x representations (6..11)
       (size_t)P * I * 4,                              // h f32
       0, 0, 0, 0, 0, 0,                               // h representations (13..18)
+      0,                                              // y (DOWN_EXPERTS)
   };
+  const int split = down_split_.load(std::memory_order_relaxed);
+  j.down = split == DOWN_AUTO ? (P <= kExpertSplitPairs ? DOWN_EXPERTS : DOWN_ROWS) : split;
+  if (j.down == DOWN_EXPERTS) sizes[19] = (size_t)P * H * 4;
   act_sizes(T, H, xbf, xq, sizes + 6);
   act_sizes(P, I, hbf, hq, sizes + 13);
   constexpr int kParts = sizeof sizes / sizeof sizes[0];
@@ -213,6 +219,9 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.hgs = (int32_t*)part[17];
   j.hgb = (int32_t*)part[18];
   j.ha = act_view(I, j.hf, part + 13);
+  j.y = (float*)part[19];
+  j.P = P;
+  j.await_ns = 0;
 
   // Group the (token, expert) pairs by expert: a counting sort, stable in token order.
   for (int64_t e = 0; e < E; ++e) j.count[e] = 0;
@@ -246,18 +255,37 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   const int64_t target = 8 * (int64_t)j.nthreads;
   j.c1 = (int64_t)j.n_active * cdiv(I, 64) >= target ? 64 : 32;
   j.chunks1 = cdiv(I, j.c1);
-  j.c2 = cdiv(H, 64) >= target ? 64 : cdiv(H, 32) >= target ? 32 : 16;
-  int64_t counts[3] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, cdiv(H, j.c2)};
-  // Down for a chunk of H starts as soon as the first experts' h is ready (no barrier).
-  pool_.publish(slot, counts, 3, run_item, &j, /*overlap=*/1u << 1);
+  int64_t counts[4] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, 0, 0};
+  if (j.down == DOWN_ROWS) {
+    j.c2 = cdiv(H, 64) >= target ? 64 : cdiv(H, 32) >= target ? 32 : 16;
+    counts[2] = cdiv(H, j.c2);
+  } else {
+    j.c2 = 256;
+    while (j.c2 > 16 && j.n_active * cdiv(H, j.c2) < target) j.c2 /= 2;
+    j.chunks2 = cdiv(H, j.c2);
+    counts[2] = j.n_active * j.chunks2;
+    j.c3 = 256;
+    counts[3] = cdiv(H, j.c3);
+  }
+  // Down items start as soon as the first experts' h is ready (no barrier).
+  pool_.publish(slot, counts, j.down == DOWN_ROWS ? 3 : 4, run_item, &j, /*overlap=*/1u << 1);
   return slot;
 }
 
-int64_t Executor::wait(int64_t handle, int64_t* ns) {
+int64_t Executor::wait(int64_t handle, int64_t* ns, int64_t* timing) {
   int slot = (int)handle;
   pool_.wait(slot);
   int64_t bytes = bytes_[slot];
   if (ns) *ns = pool_.elapsed_ns(slot);
+  if (timing) {
+    Pool::Timing t = pool_.timing(slot);
+    timing[TM_START] = t.start;
+    for (int p = 0; p < kMaxPhases; ++p) {
+      timing[TM_END + p] = t.end[p];
+      timing[TM_BUSY + p] = t.busy[p];
+    }
+    timing[TM_AWAIT] = __atomic_load_n(&jobs_[slot].await_ns, __ATOMIC_RELAXED);
+  }
   pool_.release(slot);
   return bytes;
 }
@@ -303,7 +331,7 @@ void prepare_x(Job& j, int64_t t) {
   const Layer& L = *j.L;
   const float* x = j.x + t * L.H;
   for (int act : {ACT_BF16, ACT_Q8})
-    if (L.x_needs[act]) encode_act(x, act, j.xa, t);
+    if (L.x_needs[act]) encode_act(x, act, j.xa, t, j.quant);
 }
 
 // Gate and up for rows [i0, i1) of one expert, for all of its pairs; h = act(g) * u.
@@ -325,7 +353,7 @@ void gate_up(Job& j, int64_t item) {
       if (L.down.act == ACT_BF16)
         for (int64_t i = 0; i < rows; ++i) j.hbf[p * I + i0 + i] = f32_to_bf16(h[i]);
       else if (L.down.act == ACT_Q8)
-        quantize_q8(h, rows, j.hq + p * I + i0, j.hd + p * (I / 32) + i0 / 32,
+        j.quant(h, rows, j.hq + p * I + i0, j.hd + p * (I / 32) + i0 / 32,
                     j.hdl + p * (I / 4) + i0 / 4, j.hgs + p * (I / 4) + i0 / 4,
                     j.hgb + p * (I / 4) + i0 / 4);
     }
@@ -339,12 +367,20 @@ void gate_up(Job& j, int64_t item) {
 // a bounded spin, then sleep on the counter (the chunk that completes it wakes sleepers).
 void await_expert(Job& j, int ea) {
   int32_t* ready = &j.ready[ea];
+  if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto count = [&j, t0] {
+    int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now() - t0)
+                     .count();
+    __atomic_add_fetch(&j.await_ns, ns, __ATOMIC_RELAXED);
+  };
   for (int spins = 0; spins < kExpertSpins; ++spins) {
-    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return;
+    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return count();
     cpu_relax();
   }
   for (;;) {
-    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return;
+    if (__atomic_load_n(ready, __ATOMIC_ACQUIRE) >= j.chunks1) return count();
     __atomic_add_fetch(&j.sleepers, 1, __ATOMIC_SEQ_CST);
     int32_t v = __atomic_load_n(ready, __ATOMIC_SEQ_CST);
     if (v < j.chunks1) futex_wait_at(reinterpret_cast<uint32_t*>(ready), (uint32_t)v);
@@ -374,14 +410,47 @@ void down_sum(Job& j, int64_t item) {
   }
 }
 
+// DOWN_EXPERTS: down for rows [r0, r1) of one active expert, per pair into y.
+void down_expert(Job& j, int64_t item) {
+  const Layer& L = *j.L;
+  const int64_t H = L.H, I = L.I;
+  int ea = (int)(item / j.chunks2);
+  int64_t r0 = (item % j.chunks2) * j.c2, r1 = min64(H, r0 + j.c2);
+  int e = j.active[ea];
+  await_expert(j, ea);
+  for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
+    int n = (int)min64(kGroup, j.start[ea + 1] - p0);
+    L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n,
+              j.y + p0 * H + r0, H);
+  }
+}
+
+// DOWN_EXPERTS: the weighted sum of the pairs' down outputs for rows [r0, r1) of H, in pair
+// order (experts ascending), as down_sum adds them.
+void sum_pairs(Job& j, int64_t item) {
+  const int64_t H = j.L->H;
+  int64_t r0 = item * j.c3, r1 = min64(H, r0 + j.c3), rows = r1 - r0;
+  for (int64_t t = 0; t < j.T; ++t) std::memset(j.out + t * H + r0, 0, rows * sizeof(float));
+  for (int64_t p = 0; p < j.P; ++p) {
+    float wgt = j.pw[p];
+    const float* y = j.y + p * H + r0;
+    float* o = j.out + (int64_t)j.ptok[p] * H + r0;
+    for (int64_t r = 0; r < rows; ++r) o[r] += wgt * y[r];
+  }
+}
+
 void run_item(void* ctx, int phase, int64_t item, int) {
   Job& j = *(Job*)ctx;
   if (phase == 0)
     prepare_x(j, item);
   else if (phase == 1)
     gate_up(j, item);
-  else
+  else if (phase == 3)
+    sum_pairs(j, item);
+  else if (j.down == DOWN_ROWS)
     down_sum(j, item);
+  else
+    down_expert(j, item);
 }
 
 }  // namespace

@@ -5,10 +5,11 @@
 // reading each routed expert's weights once however many tokens use it. ids < 0 are skipped
 // (their pairs are computed elsewhere). Phases: 0 prepares x in the kernels' activation
 // formats (per token), 1 runs gate and up and the activation (per expert and chunk of I rows),
-// 2 runs down and the weighted sum (per chunk of H rows, all experts in a fixed order, so the
-// result does not depend on the number of threads).
+// 2 runs down, split one of two ways (DownSplit); either way the pairs are summed in one fixed
+// order, so the result does not depend on the number of threads or the split.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -22,6 +23,21 @@
 namespace ft {
 
 enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
+
+// How phase 2 splits down_proj over the workers.
+//   DOWN_ROWS: an item is a chunk of H rows of every active expert, weighted and summed into
+//     out in place. Each item reads a short run of every expert's rows.
+//   DOWN_EXPERTS: an item is a chunk of rows of one expert, written per pair to a (P, H)
+//     buffer; phase 3 sums the pairs (per chunk of H). Longer runs of contiguous weights, one
+//     more barrier, P x H floats of scratch: the decode split.
+//   DOWN_AUTO: DOWN_EXPERTS up to kExpertSplitPairs pairs, else DOWN_ROWS.
+enum DownSplit : int { DOWN_AUTO = -1, DOWN_ROWS = 0, DOWN_EXPERTS = 1 };
+constexpr int64_t kExpertSplitPairs = 64;
+
+// Executor::wait's timing record (nanoseconds from the job's publish): its first item's start,
+// each phase's end, each phase's time inside items summed over workers (with timing on, else
+// 0), and the time down items waited for an expert's gate/up.
+enum TimingField : int { TM_START = 0, TM_END = 1, TM_BUSY = 5, TM_AWAIT = 9, TM_FIELDS = 10 };
 
 // One projection of all experts of a layer.
 struct Proj {
@@ -50,6 +66,7 @@ struct Scratch {
 
 struct Job {
   const Layer* L = nullptr;
+  QuantFn quant = nullptr;
   const float* x = nullptr;
   float* out = nullptr;
   int T = 0, nthreads = 1;
@@ -63,6 +80,11 @@ struct Job {
   int32_t* count = nullptr;   // (E) counting-sort buffer
   int32_t* ready = nullptr;   // (n_active) gate/up chunks finished per active expert (atomic)
   uint32_t sleepers = 0;      // down items asleep on a ready counter (atomic)
+  int64_t await_ns = 0;       // time down items waited on ready counters (atomic)
+  int64_t P = 0;              // routed pairs
+  int down = DOWN_ROWS;       // the phase-2 split (DownSplit)
+  int64_t chunks2 = 0, c3 = 0;  // DOWN_EXPERTS: down items per expert, H rows per sum item
+  float* y = nullptr;         // DOWN_EXPERTS: (P, H) each pair's down output
   Act xa{}, ha{};             // x (T, H) and h (P, I) representations
   float* hf = nullptr;
   uint16_t* hbf = nullptr;
@@ -76,6 +98,7 @@ struct Job {
 // vectors in the kernel's activation format (per vector), phase 1 runs chunks of rows.
 struct LinearJob {
   const Proj* W = nullptr;
+  QuantFn quant = nullptr;
   const float* x = nullptr;
   float* out = nullptr;
   int T = 0;
@@ -95,8 +118,9 @@ constexpr int kActParts = 6;
 void act_sizes(int64_t n, int64_t K, bool bf16, bool q8, size_t* sizes);
 Act act_view(int64_t K, const float* f, uint8_t* const* parts);
 
-// Write vector t of `a` (length a.K) from the floats x in the representation `act` needs.
-void encode_act(const float* x, int act, const Act& a, int64_t t);
+// Write vector t of `a` (length a.K) from the floats x in the representation `act` needs,
+// quantising with `quant` where that is Q8.
+void encode_act(const float* x, int act, const Act& a, int64_t t, QuantFn quant);
 
 class Executor {
  public:
@@ -115,9 +139,13 @@ class Executor {
   // Thread-safe; blocks only while Pool::kSlots jobs are unwaited.
   int64_t submit(int layer, const float* x, const int64_t* ids, const float* w, float* out,
                  int T, int A);
-  // Blocks until the job is done; returns the weight bytes it read. Once per handle.
-  // Block until the job is done; its weight bytes read, and its run time in *ns if given.
-  int64_t wait(int64_t handle, int64_t* ns = nullptr);
+  // Block until the job is done (once per handle); returns the weight bytes it read, with its
+  // run time in *ns and its TM_FIELDS timing record in timing when those are given.
+  int64_t wait(int64_t handle, int64_t* ns = nullptr, int64_t* timing = nullptr);
+  // Time every item of later jobs (see TimingField); a profiling aid, off by default.
+  void set_timing(bool on) { pool_.set_timing(on); }
+  // The phase-2 split of later jobs (DownSplit).
+  void set_down_split(int mode) { down_split_ = mode; }
 
   // A dense matrix (one Proj of one "expert"): out = x @ W^T for T vectors of length cols.
   std::string add_linear(int id, Proj w, int act_mode);
@@ -139,10 +167,8 @@ class Executor {
   LinearJob linear_jobs_[Pool::kSlots];
   int64_t bytes_[Pool::kSlots] = {};  // weight bytes the slot's job reads
   std::mutex layers_mu_;
+  std::atomic<int> down_split_{DOWN_AUTO};
+  QuantFn quant_;
 };
-
-// Quantise one vector of K floats (K % 32 == 0) to Q8 blocks.
-void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
-                 int32_t* gb);
 
 }  // namespace ft

@@ -222,6 +222,7 @@ uint64_t read_scalar(const uint8_t* p, int64_t bytes) {
 
 void register_scalar(KernelTable& t) {
   t.read[ISA_SCALAR] = read_scalar;
+  t.quant[ISA_SCALAR] = quantize_q8;
   t.fn[F_BF16][ACT_F32][ISA_SCALAR] = gemv_f32<F_BF16>;
   t.fn[F_Q8_0][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q8_0>;
   t.fn[F_Q4_0][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q4_0>;

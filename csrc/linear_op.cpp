@@ -16,7 +16,7 @@ void run_linear_item(void* ctx, int phase, int64_t item, int) {
   LinearJob& j = *(LinearJob*)ctx;
   const Proj& W = *j.W;
   if (phase == 0) {
-    encode_act(j.x + item * W.cols, W.act, j.xa, item);
+    encode_act(j.x + item * W.cols, W.act, j.xa, item, j.quant);
     return;
   }
   int64_t r0 = item * j.chunk, r1 = min64(W.rows, r0 + j.chunk);
@@ -56,6 +56,7 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   if (!W || T <= 0) return -1;
   int slot = pool_.acquire();
   LinearJob& j = linear_jobs_[slot];
+  jobs_[slot].await_ns = 0;  // the slot's timing record reads it
   const int64_t K = W->cols;
   const bool bf = W->act == ACT_BF16, q = W->act == ACT_Q8;
   size_t sizes[kActParts + 1];
@@ -65,6 +66,7 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   uint8_t* part[kParts];
   j.scratch.carve(sizes, kParts, part);
   j.W = W;
+  j.quant = quant_;
   j.x = x;
   j.out = out;
   j.T = T;

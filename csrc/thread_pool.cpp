@@ -127,7 +127,10 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
     s.count[p] = p < phases ? counts[p] : 0;
     s.next[p].store(0, std::memory_order_relaxed);
     s.done[p].v.store(0, std::memory_order_relaxed);
+    s.end_ns[p] = 0;
+    s.busy_ns[p].store(0, std::memory_order_relaxed);
   }
+  s.start_ns = 0;
   s.exited.v.store(0, std::memory_order_relaxed);
   s.published_ns = now_ns();
   s.state.v.store(kReady, std::memory_order_release);
@@ -146,7 +149,22 @@ void Pool::wait(int slot) {
 }
 
 int64_t Pool::elapsed_ns(int slot) const {
-  return slots_[slot].done_ns - slots_[slot].published_ns;
+  const Slot& s = slots_[slot];
+  int64_t end = s.published_ns;
+  for (int64_t e : s.end_ns) end = e > end ? e : end;
+  return end - s.published_ns;
+}
+
+Pool::Timing Pool::timing(int slot) const {
+  const Slot& s = slots_[slot];
+  Timing t;
+  auto since = [&s](int64_t ns) { return ns ? ns - s.published_ns : 0; };
+  t.start = since(s.start_ns);
+  for (int p = 0; p < kMaxPhases; ++p) {
+    t.end[p] = since(s.end_ns[p]);
+    t.busy[p] = s.busy_ns[p].load(std::memory_order_relaxed);
+  }
+  return t;
 }
 
 void Pool::release(int slot) {
@@ -158,19 +176,23 @@ void Pool::release(int slot) {
 }
 
 void Pool::run(Slot& s, int worker) {
-  int last = -1;
+  int first = -1, last = -1;
   for (int p = 0; p < s.phases; ++p)
-    if (s.count[p] > 0) last = p;
+    if (s.count[p] > 0) last = p, first = first < 0 ? p : first;
+  const bool timed = timing_.load(std::memory_order_relaxed);
   for (int p = 0; p <= last; ++p) {
     int64_t count = s.count[p];
     if (count == 0) continue;
     for (;;) {
       int64_t item = s.next[p].fetch_add(1, std::memory_order_relaxed);
       if (item >= count) break;
+      int64_t t0 = timed || (item == 0 && p == first) ? now_ns() : 0;
+      if (item == 0 && p == first) s.start_ns = t0;
       s.fn(s.ctx, p, item, worker);
+      if (timed) s.busy_ns[p].fetch_add(now_ns() - t0, std::memory_order_relaxed);
       if ((int64_t)s.done[p].v.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
+        s.end_ns[p] = now_ns();
         if (p == last) {
-          s.done_ns = now_ns();
           s.state.v.store(kDone);
           wake(s.state);
         } else {

@@ -28,7 +28,7 @@ using ItemFn = void (*)(void* ctx, int phase, int64_t item, int worker);
 void futex_wait_at(uint32_t* addr, uint32_t expected);
 void futex_wake_all_at(uint32_t* addr);
 
-constexpr int kMaxPhases = 3;
+constexpr int kMaxPhases = 4;
 
 class Pool {
  public:
@@ -55,6 +55,15 @@ class Pool {
   void wait(int slot);
   // Nanoseconds from the slot's publish to its last item's end (valid after wait).
   int64_t elapsed_ns(int slot) const;
+  // Where a job's time went, in nanoseconds from its publish (valid after wait): when its
+  // first item started, when each phase's last item ended, and (with set_timing(true)) the
+  // time workers spent inside each phase's items, summed over workers.
+  struct Timing {
+    int64_t start = 0, end[kMaxPhases] = {}, busy[kMaxPhases] = {};
+  };
+  Timing timing(int slot) const;
+  // Time every item (two clock reads per item); off by default.
+  void set_timing(bool on) { timing_.store(on, std::memory_order_relaxed); }
   // Hand the slot back (after wait).
   void release(int slot);
   void debug();
@@ -70,7 +79,8 @@ class Pool {
     unsigned overlap = 0;
     ItemFn fn = nullptr;
     void* ctx = nullptr;
-    int64_t published_ns = 0, done_ns = 0;
+    int64_t published_ns = 0, start_ns = 0, end_ns[kMaxPhases] = {};
+    std::atomic<int64_t> busy_ns[kMaxPhases];
   };
   enum : uint32_t { kFree = 0, kReady = 1, kDone = 2 };
   // Published jobs in order: ticket t runs slot queue_[t % kQueue]. An entry is rewritten only
@@ -91,6 +101,7 @@ class Pool {
   uint32_t next_ticket_ = 0;
   Word submitted_;            // tickets published so far (mod 2^32)
   std::atomic<bool> stop_{false};
+  std::atomic<bool> timing_{false};
   int64_t spin_ns_;          // before sleeping while idle or waiting for a result
   int64_t barrier_spin_ns_;  // before sleeping between phases: the others are at work, and a
                              // futex wake-up can cost tens of microseconds in a VM

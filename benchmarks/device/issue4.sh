@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# GPU machine's CPU: build the CPU MoE library, run its tests there, then benchmarks/cpu_moe.py
-# at 15 workers (one core left for the engine thread).
+# GPU machine's CPU: the CPU MoE library built there and its tests, then benchmarks/cpu_moe.py
+# at 15 workers (one core left for the engine thread) with both down_proj splits and per-phase
+# timing. PEER=1 then runs benchmarks/cpu_peer.py at 16 threads against llama.cpp on a
+# synthetic qwen3-30b-a3b GGUF of PEER_LAYERS (16) q8_0 layers; llama-cpp-python's package
+# (and diskcache) are carried in .peer/site, since the machine has no index to install from.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/issue4.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-lscpu | grep -E "Model name|^CPU\(s\)|L3" | tee "$OUT/cpu.txt"
-cmake -S . -B /tmp/build -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build.log" 2>&1 \
-  && cmake --build /tmp/build >> "$OUT/build.log" 2>&1 \
-  && cp /tmp/build/libfreetoken_cpu.so freetoken/ || { tail -20 "$OUT/build.log"; exit 1; }
-python3 -m pytest -q -p no:cacheprovider tests/moe 2>&1 | tail -3 | tee "$OUT/cpu_tests.log"
-python3 benchmarks/cpu_moe.py --fmt bf16,q8_0 --threads 15 --batch 1,2,3,4 --out "$OUT" 2>&1 \
-  | tail -15
+source benchmarks/device/setup.sh
+lscpu | grep -E "Model name|^CPU\(s\)|L3|Flags" | cut -c1-400 > "$OUT/cpu.txt"
+build_cpu_library
+if [ "${BENCH:-1}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/moe/test_cpu_kernels.py \
+    tests/moe/test_cpu_executor.py tests/moe/test_pool_linear.py 2>&1 | tail -2 \
+    | tee "$OUT/cpu_tests.log"
+  python3 benchmarks/cpu_moe.py --fmt ${FMTS:-bf16,q8_0} --threads 15 --batch ${BATCH:-1,4} \
+    --down-split ${SPLITS:-rows,experts} --timing --out "$OUT" 2>&1 | tail -20
+fi
+if [ "${PEER:-0}" = 1 ]; then
+  M=/tmp/qwen3-${PEER_LAYERS:-16}l-q8_0.gguf
+  [ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --layers ${PEER_LAYERS:-16} \
+    --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
+  PYTHONPATH=$PWD/.peer/site:$PYTHONPATH python3 benchmarks/cpu_peer.py --model $M \
+    --threads 16 --tokens 32 --engines cpu_dense_pool --label qwen3-${PEER_LAYERS:-16}layers-q8_0-16cores-h200 \
+    --out "$OUT" 2>&1 | grep -v output_ids | tail -25
+fi

@@ -75,6 +75,45 @@ class LayerInfo:
     kernels: tuple[tuple[str, str], ...]  # (isa, act kind) per projection
 
 
+def quantize_q8(x: torch.Tensor, cap: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """The kernels' int8 activations for x (K floats, K % 32 == 0) with the quantiser at or
+    below ``cap``: the int8 values (K), the block scales (K / 32), the sums of each group of
+    four (K / 4), and the tier that ran."""
+    x = x.detach().to(torch.float32).contiguous()
+    K = x.numel()
+    if K % 32:
+        raise ValueError(f"{K} values are not whole 32-blocks")
+    q = torch.empty(K, dtype=torch.int8)
+    d = torch.empty(K // 32, dtype=torch.float32)
+    gs = torch.empty(K // 4, dtype=torch.int32)
+    tier = native().ft_quantize_q8(ISAS.index(cap), x.data_ptr(), K, q.data_ptr(), d.data_ptr(),
+                                   gs.data_ptr())
+    return q, d, gs, ISAS[tier]
+
+
+DOWN_SPLITS = {"auto": -1, "rows": 0, "experts": 1}  # csrc/expert_op.h DownSplit
+
+
+@dataclass(frozen=True)
+class JobTiming:
+    """Where one pool job's time went, in seconds from its submit (csrc TimingField).
+
+    ``start``: its first item began; ``ends[p]``: phase p's last item ended (0 for an empty
+    phase); ``busy[p]``: time inside phase p's items summed over workers; ``await_s``: time
+    down items waited for an expert's gate/up (inside ``busy[2]``).
+    """
+
+    start: float
+    ends: tuple[float, ...]
+    busy: tuple[float, ...]
+    await_s: float
+
+    @classmethod
+    def from_record(cls, rec: list[int]) -> JobTiming:
+        return cls(rec[0] / 1e9, tuple(v / 1e9 for v in rec[1:5]),
+                   tuple(v / 1e9 for v in rec[5:9]), rec[9] / 1e9)
+
+
 class CpuMoeFuture:
     """A submitted layer; :meth:`wait` returns its (T, H) float32 result."""
 
@@ -92,10 +131,11 @@ class CpuMoeFuture:
         self._done = False
         self.weight_bytes = 0
         self.seconds = 0.0  # the pool's time on the job, from submit to its last item
+        self.timing: JobTiming | None = None  # with CpuMoeExecutor.set_timing(True)
 
     def wait(self) -> torch.Tensor:
         if not self._done:
-            self.weight_bytes, self.seconds = self._executor._wait(self._ticket)
+            self.weight_bytes, self.seconds, self.timing = self._executor._wait(self._ticket)
             self._done = True
             self._keep = ()
         return self._out
@@ -147,6 +187,7 @@ class CpuMoeExecutor:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._announced = False
+        self._timing = False
         spare = max(1, len(usable) - len(set(self.cores)))
         if torch.get_num_threads() > spare:
             log.info(
@@ -294,12 +335,27 @@ class CpuMoeExecutor:
         """submit + wait."""
         return self.submit(hidden, expert_ids, weights, layer).wait()
 
-    def _wait(self, ticket: int) -> tuple[int, float]:
+    def set_timing(self, on: bool) -> None:
+        """Time every item of later jobs: their futures then carry a :class:`JobTiming`."""
+        self._timing = on
+        self._lib.ft_set_timing(self._handle, int(on))
+
+    def set_down_split(self, split: str) -> None:
+        """How later jobs split down_proj over the workers: "auto" ("experts" for decode-sized
+        jobs, else "rows"), "rows" (a chunk of H rows of every routed expert per item) or
+        "experts" (a chunk of one expert's rows per item, then a sum over pairs). Both give
+        the same bits."""
+        if split not in DOWN_SPLITS:
+            raise ValueError(f"unknown down split {split!r} (choose from {', '.join(DOWN_SPLITS)})")
+        self._lib.ft_set_down_split(self._handle, DOWN_SPLITS[split])
+
+    def _wait(self, ticket: int) -> tuple[int, float, JobTiming | None]:
         ns = ctypes.c_int64(0)
-        nbytes = int(self._lib.ft_wait(self._handle, ticket, ctypes.byref(ns)))
+        rec = (ctypes.c_int64 * self._lib.ft_timing_fields())() if self._timing else None
+        nbytes = int(self._lib.ft_wait(self._handle, ticket, ctypes.byref(ns), rec))
         with self._lock:
             self._in_flight -= 1
-        return nbytes, ns.value / 1e9
+        return nbytes, ns.value / 1e9, JobTiming.from_record(list(rec)) if rec else None
 
     def stream_read_seconds(self, buf: torch.Tensor, reps: int = 1) -> float:
         """Seconds for the workers to read ``buf`` ``reps`` times (the bandwidth ceiling)."""

@@ -108,7 +108,12 @@ def native() -> ctypes.CDLL:
             c.c_int64,
             [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
         ),
-        "ft_wait": (c.c_int64, [c.c_void_p, c.c_int64, c.POINTER(c.c_int64)]),
+        "ft_wait": (
+            c.c_int64, [c.c_void_p, c.c_int64, c.POINTER(c.c_int64), c.POINTER(c.c_int64)],
+        ),
+        "ft_timing_fields": (c.c_int, []),
+        "ft_set_timing": (None, [c.c_void_p, c.c_int]),
+        "ft_set_down_split": (None, [c.c_void_p, c.c_int]),
         "ft_add_linear": (
             c.c_int, [c.c_void_p, c.c_int, c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int],
         ),
@@ -120,6 +125,9 @@ def native() -> ctypes.CDLL:
         ),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
+        "ft_quantize_q8": (
+            c.c_int, [c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p],
+        ),
     }
     for name, (restype, argtypes) in sigs.items():
         fn = getattr(lib, name)

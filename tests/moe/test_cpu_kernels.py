@@ -243,3 +243,73 @@ def test_bad_shapes_say_what_is_wrong() -> None:
     ids[0, 0] = E
     with pytest.raises(ValueError, match="expert ids must be < 8"):
         ex.submit(x, ids, w, 0)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_int8_activations_round_like_torch(tier: str) -> None:
+    """Every quantiser tier against torch: scale amax / 127, round half to even, clamp."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, generator=g) * 3
+    x[64:96] = 0.0  # an all-zero block
+    x[100] = -0.0
+    x[200:232] = torch.arange(-16, 16) * 0.5  # exact halves after scaling
+    q, d, gs, _ = cx.quantize_q8(x, tier)
+    blocks = x.view(-1, 32)
+    amax = blocks.abs().amax(1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    want = torch.round(blocks * inv).clamp(-127, 127).to(torch.int8).view(-1)
+    assert torch.equal(q, want)
+    assert torch.equal(d, (amax / 127.0).view(-1))
+    assert torch.equal(gs, want.view(-1, 4).sum(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k"])
+def test_down_splits_give_the_same_bits(fmt: str, T: int) -> None:
+    """Down split per expert (decode) and per chunk of H rows (prefill) sum the same pairs in
+    the same order: equal bits, at any thread count; auto picks by the number of pairs."""
+    b = bank(fmt)
+    x, ids, w = inputs(fmt, T, seed=11)
+    ids[0, 1] = -1  # a pair computed elsewhere
+    outs = []
+    for threads in (1, 3):
+        ex = cx.CpuMoeExecutor(threads=threads)
+        ex.add_layer(0, *stacks(b))
+        for split in ("rows", "experts", "auto"):
+            ex.set_down_split(split)
+            outs.append(ex.run(x, ids, w, 0))
+        ex.close()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert rel_err(outs[0], reference(b, x, ids, w)) < TOLERANCE["q8"]
+
+
+def test_bad_down_split_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="auto, rows, experts"):
+        executor("scalar").set_down_split("columns")
+
+
+@pytest.mark.parametrize("split", ["rows", "experts"])
+def test_job_timing_accounts_for_the_call(split: str) -> None:
+    """The timing record of a job: phases end in order, the last at the job's own time, and the
+    busy time of the workers fits in (workers + the waiting thread) x the job's time."""
+    ex = cx.CpuMoeExecutor(threads=2)
+    ex.add_layer(0, *stacks(bank("q8_0")))
+    ex.set_down_split(split)
+    ex.set_timing(True)
+    x, ids, w = inputs("q8_0", 4)
+    fut = ex.submit(x, ids, w, 0)
+    fut.wait()
+    t = fut.timing
+    assert t is not None and 0 <= t.start <= fut.seconds
+    ends = [e for e in t.ends if e]
+    phases = 4 if split == "experts" else 3
+    assert len(ends) == phases and max(ends) == pytest.approx(fut.seconds, abs=1e-9)
+    assert ends[0] <= ends[1] and ends[-1] == max(ends)
+    assert all(b > 0 for b in t.busy[:phases]) and t.busy[phases:] == (0.0,) * (4 - phases)
+    assert sum(t.busy) <= (ex.threads + 1) * fut.seconds
+    assert 0 <= t.await_s <= t.busy[2]
+    ex.set_timing(False)
+    fut = ex.submit(x, ids, w, 0)
+    fut.wait()
+    assert fut.timing is None
+    ex.close()

@@ -12,6 +12,7 @@ large buffer with the widest loads the tier has, measured before and after each 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import socket
@@ -109,8 +110,8 @@ def breakdown(timings: list[cx.JobTiming], pool_s: float, workers: int) -> dict[
     mean = lambda f: sum(f(t) for t in timings) / len(timings) * 1e6  # noqa: E731
     out["start_us"] = mean(lambda t: t.start)
     for p in range(4):
-        out[f"end{p}_us"] = mean(lambda t: t.ends[p])
-        out[f"busy{p}_us"] = mean(lambda t: t.busy[p])
+        out[f"end{p}_us"] = mean(lambda t, p=p: t.ends[p])
+        out[f"busy{p}_us"] = mean(lambda t, p=p: t.busy[p])
     out["await_us"] = mean(lambda t: t.await_s)
     out["idle_us"] = workers * out["pool_us"] - sum(out[f"busy{p}_us"] for p in range(4))
     return {k: round(v, 1) for k, v in out.items()}
@@ -137,6 +138,8 @@ def main() -> None:
                    "(default: the kernels' own)")
     p.add_argument("--down-split", default="auto", help="comma-separated down_proj splits to "
                    "compare: auto, rows, experts (see CpuMoeExecutor.set_down_split)")
+    p.add_argument("--gate-up-rows", default="0", help="comma-separated rows per gate/up work "
+                   "item to compare (0: the executor's default)")
     p.add_argument("--timing", action="store_true", help="time every work item and report "
                    "where each call's time went (phase ends, busy, idle, waits)")
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
@@ -152,6 +155,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     prefetches = args.prefetch.split(",") if args.prefetch else [None]
     splits = args.down_split.split(",")
+    gate_up_rows = [int(r) for r in args.gate_up_rows.split(",")]
     nbuf = max(GIB, 4 * l3)
     buf = cx.host_buffer(nbuf) if args.huge_pages else torch.empty(nbuf, dtype=torch.uint8)
     buf.fill_(1)
@@ -167,12 +171,13 @@ def main() -> None:
                 ex.add_layer(i, *s)
             kernels = ex.layers[0].kernels
             ex.set_timing(args.timing)
-            for T, ahead, split in [(T, a, s) for a in prefetches for s in splits
-                                    for T in batches]:
+            for ahead, split, rows1, T in itertools.product(prefetches, splits, gate_up_rows,
+                                                            batches):
                 if ahead is not None:
                     nbytes, _, level = ahead.partition(":")
                     cx.set_prefetch(int(nbytes), int(level or 0))
                 ex.set_down_split(split)
+                ex.set_gate_up_rows(rows1)
                 before = ceiling_gbps(ex, buf, args.seconds / 2)
                 gbps, us, calls, where = kernel_gbps(ex, list(range(n_layers)), args.experts,
                                                      args.top_k, args.hidden, T, args.seconds)
@@ -181,11 +186,12 @@ def main() -> None:
                        "kernels": kernels, "batch": T, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceiling, 2), "ratio": round(gbps / ceiling, 3),
                        "us_per_call": round(us, 1), "calls": calls, "prefetch": ahead,
-                       "down_split": split, "huge_pages": args.huge_pages,
+                       "down_split": split, "gate_up_rows": rows1, "huge_pages": args.huge_pages,
                        "spin_us": args.spin_us, "time_us": where}
                 rows.append(row)
                 print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T} "
-                      f"prefetch={ahead} down={split} huge={int(args.huge_pages)}: "
+                      f"prefetch={ahead} down={split} rows1={rows1} "
+                      f"huge={int(args.huge_pages)}: "
                       f"{gbps:6.2f} GB/s of {ceiling:6.2f} ceiling ({gbps / ceiling:5.1%}), "
                       f"{us:8.1f} us/call", flush=True)
                 if args.timing:

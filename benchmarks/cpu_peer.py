@@ -93,7 +93,7 @@ def main() -> None:
         result[f"ours_{name}"] = ours
         result[f"ratio_{name}_to_llama_cpp"] = ours["tokens_per_s"] / peer["tokens_per_s"]  # type: ignore[operator]
         same = 0
-        for a, b in zip(ours["output_ids"], peer["output_ids"]):  # type: ignore[call-overload]
+        for a, b in zip(ours["output_ids"], peer["output_ids"], strict=False):  # type: ignore[call-overload]
             if a != b:
                 break
             same += 1

@@ -139,6 +139,12 @@ FT_API void ft_set_timing(void* ex, int on) { ((ft::Executor*)ex)->set_timing(on
 // Tuning: how later jobs split down_proj (ft::DownSplit: -1 auto, 0 rows, 1 experts).
 FT_API void ft_set_down_split(void* ex, int mode) { ((ft::Executor*)ex)->set_down_split(mode); }
 
+// Tuning: rows of I per gate/up work item of later jobs (0: the default); 0, or -1 when the
+// count is not a multiple of 32 up to the limit.
+FT_API int ft_set_gate_up_rows(void* ex, int rows) {
+  return ((ft::Executor*)ex)->set_gate_up_rows(rows) ? 0 : -1;
+}
+
 FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);
 }

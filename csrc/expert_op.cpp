@@ -50,7 +50,7 @@ const char* fmt_name(int fmt) {
 namespace {
 
 constexpr int kGroup = 16;     // pairs per kernel call
-constexpr int64_t kMaxChunk = 64;  // rows per work item
+constexpr int64_t kMaxChunk = kMaxGateUpRows;  // rows per gate/up work item
 constexpr int kExpertSpins = 100000;  // pauses (a few ms) before a down item sleeps on gate/up
 
 inline float activate(int kind, float g) {
@@ -253,7 +253,8 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   // Enough items that every worker takes several (the last round is then short); chunks
   // stay whole q8 blocks.
   const int64_t target = 8 * (int64_t)j.nthreads;
-  j.c1 = (int64_t)j.n_active * cdiv(I, 64) >= target ? 64 : 32;
+  const int64_t rows1 = gate_up_rows_.load(std::memory_order_relaxed);
+  j.c1 = rows1 ? rows1 : (int64_t)j.n_active * cdiv(I, 64) >= target ? 64 : 32;
   j.chunks1 = cdiv(I, j.c1);
   int64_t counts[4] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, 0, 0};
   if (j.down == DOWN_ROWS) {

@@ -33,6 +33,7 @@ enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
 //   DOWN_AUTO: DOWN_EXPERTS up to kExpertSplitPairs pairs, else DOWN_ROWS.
 enum DownSplit : int { DOWN_AUTO = -1, DOWN_ROWS = 0, DOWN_EXPERTS = 1 };
 constexpr int64_t kExpertSplitPairs = 64;
+constexpr int kMaxGateUpRows = 128;
 
 // Executor::wait's timing record (nanoseconds from the job's publish): its first item's start,
 // each phase's end, each phase's time inside items summed over workers (with timing on, else
@@ -146,6 +147,13 @@ class Executor {
   void set_timing(bool on) { pool_.set_timing(on); }
   // The phase-2 split of later jobs (DownSplit).
   void set_down_split(int mode) { down_split_ = mode; }
+  // Rows of I per gate/up item of later jobs: a multiple of 32 up to kMaxGateUpRows, or 0 for
+  // the default (64, or 32 when that gives each worker too few items). False if out of range.
+  bool set_gate_up_rows(int rows) {
+    if (rows < 0 || rows % 32 || rows > kMaxGateUpRows) return false;
+    gate_up_rows_ = rows;
+    return true;
+  }
 
   // A dense matrix (one Proj of one "expert"): out = x @ W^T for T vectors of length cols.
   std::string add_linear(int id, Proj w, int act_mode);
@@ -168,6 +176,7 @@ class Executor {
   int64_t bytes_[Pool::kSlots] = {};  // weight bytes the slot's job reads
   std::mutex layers_mu_;
   std::atomic<int> down_split_{DOWN_AUTO};
+  std::atomic<int> gate_up_rows_{0};
   QuantFn quant_;
 };
 

@@ -4,18 +4,19 @@ only when a kernel is first used: triton is needed on GPU machines, not on CPU i
 Every kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (program axis
 0) and BLOCK_R output rows (axis 1), W's blocks read from uint8 ``w_ptr`` at ``slot * slot_stride
 + row * row_stride`` bytes, NB blocks per row, float32 accumulation.
+
+The helpers carry no type annotations: compiled code may read only constexpr globals, and the
+compiler counts an annotation such as ``Any`` as a read (the interpreter does not).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _f16(ptr: Any, mask: Any) -> Any:
+def _f16(ptr, mask):
     """Little-endian f16s at byte pointers ``ptr``, as float32."""
     lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
@@ -23,8 +24,8 @@ def _f16(ptr: Any, mask: Any) -> Any:
 
 
 @triton.jit
-def _pair_rows(index_ptr: Any, x_ptr: Any, R: Any, per: Any, slot_stride: Any, row_stride: Any,
-               x_stride: Any, BLOCK_R: tl.constexpr) -> Any:
+def _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride, x_stride,
+               BLOCK_R: tl.constexpr):
     """This program's pair p, its block of output rows (and which of them exist), the rows'
     byte offsets in the pair's slot, and the pair's activation row."""
     p = tl.program_id(0)
@@ -87,7 +88,7 @@ def q5_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_st
 
 
 @triton.jit
-def _k4_scale_min(at: Any, s: Any, ok: Any) -> Any:
+def _k4_scale_min(at, s, ok):
     """Six-bit scale and min of sub-blocks ``s`` (scales: a = [0:4], b = [4:8], c = [8:12]
     after the two f16s) for the rows whose blocks start at ``at``."""
     lo = (s % 4)[None, :]

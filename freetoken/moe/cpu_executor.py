@@ -349,6 +349,13 @@ class CpuMoeExecutor:
             raise ValueError(f"unknown down split {split!r} (choose from {', '.join(DOWN_SPLITS)})")
         self._lib.ft_set_down_split(self._handle, DOWN_SPLITS[split])
 
+    def set_gate_up_rows(self, rows: int) -> None:
+        """Rows of the intermediate size per gate/up work item of later jobs (a multiple of 32
+        up to 128; 0 restores the default). A tuning knob for benchmarks."""
+        if self._lib.ft_set_gate_up_rows(self._handle, rows) != 0:
+            raise ValueError(f"gate/up rows per item must be 0 or a multiple of 32 up to 128, "
+                             f"got {rows}")
+
     def _wait(self, ticket: int) -> tuple[int, float, JobTiming | None]:
         ns = ctypes.c_int64(0)
         rec = (ctypes.c_int64 * self._lib.ft_timing_fields())() if self._timing else None

@@ -267,7 +267,8 @@ def test_int8_activations_round_like_torch(tier: str) -> None:
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k"])
 def test_down_splits_give_the_same_bits(fmt: str, T: int) -> None:
     """Down split per expert (decode) and per chunk of H rows (prefill) sum the same pairs in
-    the same order: equal bits, at any thread count; auto picks by the number of pairs."""
+    the same order: equal bits, at any thread count and gate/up item size; auto picks by the
+    number of pairs."""
     b = bank(fmt)
     x, ids, w = inputs(fmt, T, seed=11)
     ids[0, 1] = -1  # a pair computed elsewhere
@@ -275,17 +276,21 @@ def test_down_splits_give_the_same_bits(fmt: str, T: int) -> None:
     for threads in (1, 3):
         ex = cx.CpuMoeExecutor(threads=threads)
         ex.add_layer(0, *stacks(b))
-        for split in ("rows", "experts", "auto"):
+        for split, rows1 in (("rows", 0), ("experts", 0), ("auto", 0), ("experts", 128)):
             ex.set_down_split(split)
+            ex.set_gate_up_rows(rows1)
             outs.append(ex.run(x, ids, w, 0))
         ex.close()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert rel_err(outs[0], reference(b, x, ids, w)) < TOLERANCE["q8"]
 
 
-def test_bad_down_split_names_the_choices() -> None:
+def test_bad_tuning_values_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="auto, rows, experts"):
         executor("scalar").set_down_split("columns")
+    for rows in (48, 256, -32):
+        with pytest.raises(ValueError, match="multiple of 32 up to 128"):
+            executor("scalar").set_gate_up_rows(rows)
 
 
 @pytest.mark.parametrize("split", ["rows", "experts"])

@@ -106,3 +106,37 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="rows of 144-byte blocks"):
         gather_gemv("q4_k", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
     assert fused(("q4_k", "q4_k", "q6_k")) and not fused(("q4_k", "q4_k", "bf16"))
+
+
+_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freetoken.kernels import triton_gemv
+from freetoken.kernels.gather_gemv import BLOCK_ROWS, KERNELS
+fmt, dtype = sys.argv[1], sys.argv[2]
+spec = KERNELS[fmt]
+nb = 2048 // spec.block
+sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
+       "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
+       "out_stride": "i32", "NB": "constexpr", "BLOCK_R": "constexpr", "STEP": "constexpr"}
+src = ASTSource(fn=getattr(triton_gemv, fmt), signature=sig,
+                constexprs={"NB": nb, "BLOCK_R": BLOCK_ROWS, "STEP": spec.step})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+assert kernel.asm["cubin"], "no cubin"
+"""
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("fmt", list(GGUF_TYPE))
+def test_kernels_compile_for_a_gpu(fmt: str, dtype: str) -> None:
+    """Each kernel through Triton's whole compiler for an sm_90 GPU, which needs no GPU: the
+    interpreter runs what the compiler rejects (say, a non-constexpr global)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, fmt, dtype], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine's CPU: the CPU MoE library built there and its tests, then benchmarks/cpu_moe.py
 # at 15 workers (one core left for the engine thread) with both down_proj splits and per-phase
-# timing. PEER=1 then runs benchmarks/cpu_peer.py at 16 threads against llama.cpp on a
+# timing (CPU_MOE_ARGS adds flags: a prefetch or item-size sweep). PEER=1 then runs benchmarks/cpu_peer.py at 16 threads against llama.cpp on a
 # synthetic qwen3-30b-a3b GGUF of PEER_LAYERS (16) q8_0 layers; llama-cpp-python's package
 # (and diskcache) are carried in .peer/site, since the machine has no index to install from.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/issue4.sh (the copied tree has no .git).
@@ -11,11 +11,12 @@ source benchmarks/device/setup.sh
 lscpu | grep -E "Model name|^CPU\(s\)|L3|Flags" | cut -c1-400 > "$OUT/cpu.txt"
 build_cpu_library
 if [ "${BENCH:-1}" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/moe/test_cpu_kernels.py \
+  [ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/moe/test_cpu_kernels.py \
     tests/moe/test_cpu_executor.py tests/moe/test_pool_linear.py 2>&1 | tail -2 \
     | tee "$OUT/cpu_tests.log"
   python3 benchmarks/cpu_moe.py --fmt ${FMTS:-bf16,q8_0} --threads 15 --batch ${BATCH:-1,4} \
-    --down-split ${SPLITS:-rows,experts} --timing --out "$OUT" 2>&1 | tail -20
+    --down-split ${SPLITS:-rows,experts} --timing ${CPU_MOE_ARGS:-} --out "$OUT" 2>&1 \
+    | grep -v "^    " | tail -40
 fi
 if [ "${PEER:-0}" = 1 ]; then
   M=/tmp/qwen3-${PEER_LAYERS:-16}l-q8_0.gguf

@@ -6,7 +6,7 @@ namespace ft {
 namespace {
 
 std::atomic<int> g_prefetch{kDefaultPrefetch};
-std::atomic<int> g_prefetch_level{0};
+std::atomic<int> g_prefetch_level{kDefaultPrefetchLevel};
 
 KernelTable build_table() {
   KernelTable t;

@@ -253,8 +253,12 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   // Enough items that every worker takes several (the last round is then short); chunks
   // stay whole q8 blocks.
   const int64_t target = 8 * (int64_t)j.nthreads;
-  const int64_t rows1 = gate_up_rows_.load(std::memory_order_relaxed);
-  j.c1 = rows1 ? rows1 : (int64_t)j.n_active * cdiv(I, 64) >= target ? 64 : 32;
+  // Gate/up items of up to 128 rows (long contiguous reads), halved while there are fewer than
+  // about three per worker.
+  j.c1 = gate_up_rows_.load(std::memory_order_relaxed);
+  if (!j.c1)
+    for (j.c1 = kMaxGateUpRows; j.c1 > 32 && j.n_active * cdiv(I, j.c1) < 3 * j.nthreads;)
+      j.c1 /= 2;
   j.chunks1 = cdiv(I, j.c1);
   int64_t counts[4] = {xbf || xq ? T : 0, (int64_t)j.n_active * j.chunks1, 0, 0};
   if (j.down == DOWN_ROWS) {

@@ -148,7 +148,7 @@ class Executor {
   // The phase-2 split of later jobs (DownSplit).
   void set_down_split(int mode) { down_split_ = mode; }
   // Rows of I per gate/up item of later jobs: a multiple of 32 up to kMaxGateUpRows, or 0 for
-  // the default (64, or 32 when that gives each worker too few items). False if out of range.
+  // the default (the most that leaves each worker about three items). False if out of range.
   bool set_gate_up_rows(int rows) {
     if (rows < 0 || rows % 32 || rows > kMaxGateUpRows) return false;
     gate_up_rows_ = rows;

@@ -91,6 +91,14 @@ def quantize_q8(x: torch.Tensor, cap: str) -> tuple[torch.Tensor, torch.Tensor, 
     return q, d, gs, ISAS[tier]
 
 
+def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous CPU tensor of dtype the workers may read: t itself when it is one (the
+    checks cost a fraction of a no-op ``to``, and submit is on the decode path)."""
+    if t.is_cpu and t.dtype is dtype and t.is_contiguous() and not t.requires_grad:
+        return t
+    return t.detach().to("cpu", dtype).contiguous()
+
+
 DOWN_SPLITS = {"auto": -1, "rows": 0, "experts": 1}  # csrc/expert_op.h DownSplit
 
 
@@ -246,9 +254,9 @@ class CpuMoeExecutor:
         """
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no experts on the CPU executor")
-        x = hidden.detach().to("cpu", torch.float32).contiguous()
-        ids = expert_ids.detach().to("cpu", torch.int64).contiguous()
-        w = weights.detach().to("cpu", torch.float32).contiguous()
+        x = _host(hidden, torch.float32)
+        ids = _host(expert_ids, torch.int64)
+        w = _host(weights, torch.float32)
         T, H = x.shape
         if ids.shape != w.shape or ids.shape[0] != T or H != self.layers[layer].hidden:
             raise ValueError(
@@ -259,8 +267,7 @@ class CpuMoeExecutor:
             self._announce(ids.shape[1])
         if out is None:
             out = torch.empty(T, H, dtype=torch.float32)
-        elif (out.shape != (T, H) or out.dtype != torch.float32 or out.device.type != "cpu"
-              or not out.is_contiguous()):
+        elif out is not _host(out, torch.float32) or out.shape != (T, H):
             raise ValueError(f"out must be a contiguous float32 CPU tensor of {(T, H)}")
         if T == 0:
             fut = CpuMoeFuture(self, -1, out, ())
@@ -312,7 +319,7 @@ class CpuMoeExecutor:
     def submit_linear(self, x: torch.Tensor, lid: int) -> CpuMoeFuture:
         """Start ``x @ W^T`` for x (T, cols) on the pool; the future's result is (T, rows)."""
         w = self._linears[lid]
-        xf = x.detach().to("cpu", torch.float32).contiguous()
+        xf = _host(x, torch.float32)
         if xf.dim() != 2 or xf.shape[1] != w.cols:
             raise ValueError(f"dense {w.rows}x{w.cols}: input {tuple(x.shape)}")
         out = torch.empty(xf.shape[0], w.rows, dtype=torch.float32)

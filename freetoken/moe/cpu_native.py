@@ -172,7 +172,7 @@ def expert_bytes(fmt: str, hidden: int, intermediate: int) -> int:
     return 2 * proj(intermediate, hidden) + proj(hidden, intermediate)
 
 
-def set_prefetch(nbytes: int, level: int = 0) -> None:
+def set_prefetch(nbytes: int, level: int = 1) -> None:
     """How far ahead of the weight row being read the SIMD kernels prefetch, and into which
     cache level (0 = L1, 1 = L2, 2 = L3); process-wide, a tuning knob for benchmarks."""
     native().ft_set_prefetch(nbytes, level)

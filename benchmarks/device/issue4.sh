@@ -16,7 +16,7 @@ if [ "${BENCH:-1}" = 1 ]; then
     | tee "$OUT/cpu_tests.log"
   python3 benchmarks/cpu_moe.py --fmt ${FMTS:-bf16,q8_0} --threads 15 --batch ${BATCH:-1,4} \
     --down-split ${SPLITS:-rows,experts} --timing ${CPU_MOE_ARGS:-} --out "$OUT" 2>&1 \
-    | grep -v "^    " | tail -40
+    | grep -v "pool_us=" | tail -40
 fi
 if [ "${PEER:-0}" = 1 ]; then
   M=/tmp/qwen3-${PEER_LAYERS:-16}l-q8_0.gguf

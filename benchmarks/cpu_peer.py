@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -84,7 +85,7 @@ def main() -> None:
     peer = llamacpp_decode(args.model, ids, args.tokens, args.threads)
     result: dict[str, object] = {
         "bench": "cpu_peer", "label": args.label,
-        **git_state(), **host(), "params": vars(args) | {"out": str(args.out)},
+        **git_state(os.environ.get("GIT_SHA")), **host(), "params": vars(args) | {"out": str(args.out)},
         "llama_cpp": peer,
     }
     for name in engines:

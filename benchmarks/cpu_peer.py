@@ -85,7 +85,8 @@ def main() -> None:
     peer = llamacpp_decode(args.model, ids, args.tokens, args.threads)
     result: dict[str, object] = {
         "bench": "cpu_peer", "label": args.label,
-        **git_state(os.environ.get("GIT_SHA")), **host(), "params": vars(args) | {"out": str(args.out)},
+        **git_state(os.environ.get("GIT_SHA")), **host(),
+        "params": vars(args) | {"out": str(args.out)},
         "llama_cpp": peer,
     }
     for name in engines:

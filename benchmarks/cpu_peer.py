@@ -46,23 +46,30 @@ def llamacpp_decode(model: str, ids: list[int], tokens: int, threads: int) -> di
 
 
 def ours_decode(model: str, ids: list[int], tokens: int, threads: int,
-                strategy: str, cpu_dense: str = "torch") -> dict[str, object]:
+                strategy: str, cpu_dense: str = "torch", join: bool = True) -> dict[str, object]:
     cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
                        max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
                        cpu_dense=cpu_dense)
     configure_threads(cfg)
     engine = Engine(cfg, progress=False)
+    if strategy == "cpu" or cpu_dense == "pool":
+        from freetoken.moe.cpu import shared_executor
+
+        shared_executor().set_join(join)
     stats = GenerationStats()
     out = engine.generate(ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True),
                           stats=stats)
     return {"tokens_per_s": stats.decode_tokens_per_s, "output_ids": out[:tokens]}
 
 
-# name: (--moe-strategy, --cpu-dense, what it is)
+# name: (--moe-strategy, --cpu-dense, whether the engine thread joins pool jobs, what it is)
 ENGINES = {
-    "cpu_dense_pool": ("cpu", "pool", "experts and dense matrices in their format on the pool"),
-    "cpu": ("cpu", "torch", "experts on the pool, dense layers f32 in torch"),
-    "resident_f32": ("resident", "torch", "everything dequantised to f32 in torch"),
+    "cpu_dense_pool": ("cpu", "pool", True,
+                       "experts and dense matrices in their format on the pool"),
+    "cpu_dense_pool_nojoin": ("cpu", "pool", False, "the same, the engine thread only waits "
+                              "for pool jobs (CpuMoeExecutor.set_join)"),
+    "cpu": ("cpu", "torch", True, "experts on the pool, dense layers f32 in torch"),
+    "resident_f32": ("resident", "torch", True, "everything dequantised to f32 in torch"),
 }
 
 
@@ -74,7 +81,7 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated engines of ours to run next to llama.cpp: "
-                   + ", ".join(f"{k} ({v[2]})" for k, v in ENGINES.items()))
+                   + ", ".join(f"{k} ({v[3]})" for k, v in ENGINES.items()))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     engines = args.engines.split(",")
@@ -90,8 +97,8 @@ def main() -> None:
         "llama_cpp": peer,
     }
     for name in engines:
-        strategy, dense, _ = ENGINES[name]
-        ours = ours_decode(args.model, ids, args.tokens, args.threads, strategy, dense)
+        strategy, dense, join, _ = ENGINES[name]
+        ours = ours_decode(args.model, ids, args.tokens, args.threads, strategy, dense, join)
         result[f"ours_{name}"] = ours
         result[f"ratio_{name}_to_llama_cpp"] = ours["tokens_per_s"] / peer["tokens_per_s"]  # type: ignore[operator]
         same = 0

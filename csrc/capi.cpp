@@ -136,6 +136,9 @@ FT_API int ft_timing_fields() { return ft::TM_FIELDS; }
 // Profiling: time every item of later jobs (1) or not (0).
 FT_API void ft_set_timing(void* ex, int on) { ((ft::Executor*)ex)->set_timing(on != 0); }
 
+// Tuning: whether the thread in wait() runs items of its job (1, the default) or only blocks.
+FT_API void ft_set_join(void* ex, int on) { ((ft::Executor*)ex)->set_join(on != 0); }
+
 // Tuning: how later jobs split down_proj (ft::DownSplit: -1 auto, 0 rows, 1 experts).
 FT_API void ft_set_down_split(void* ex, int mode) { ((ft::Executor*)ex)->set_down_split(mode); }
 

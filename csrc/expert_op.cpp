@@ -279,7 +279,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
 
 int64_t Executor::wait(int64_t handle, int64_t* ns, int64_t* timing) {
   int slot = (int)handle;
-  pool_.wait(slot);
+  pool_.wait(slot, join_.load(std::memory_order_relaxed));
   int64_t bytes = bytes_[slot];
   if (ns) *ns = pool_.elapsed_ns(slot);
   if (timing) {
@@ -324,7 +324,7 @@ double Executor::stream_read(const uint8_t* buf, int64_t bytes, int reps) {
   int slot = pool_.acquire();
   auto t0 = std::chrono::steady_clock::now();
   pool_.publish(slot, counts, 1, run_read, &r);
-  pool_.wait(slot);
+  pool_.wait(slot, join_.load(std::memory_order_relaxed));
   auto t1 = std::chrono::steady_clock::now();
   pool_.release(slot);
   return std::chrono::duration<double>(t1 - t0).count();

@@ -145,6 +145,8 @@ class Executor {
   int64_t wait(int64_t handle, int64_t* ns = nullptr, int64_t* timing = nullptr);
   // Time every item of later jobs (see TimingField); a profiling aid, off by default.
   void set_timing(bool on) { pool_.set_timing(on); }
+  // Whether the thread in wait() runs items of its job too (the default) or only blocks.
+  void set_join(bool on) { join_ = on; }
   // The phase-2 split of later jobs (DownSplit).
   void set_down_split(int mode) { down_split_ = mode; }
   // Rows of I per gate/up item of later jobs: a multiple of 32 up to kMaxGateUpRows, or 0 for
@@ -177,6 +179,7 @@ class Executor {
   std::mutex layers_mu_;
   std::atomic<int> down_split_{DOWN_AUTO};
   std::atomic<int> gate_up_rows_{0};
+  std::atomic<bool> join_{true};
   QuantFn quant_;
 };
 

@@ -141,10 +141,10 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
   wake(submitted_);
 }
 
-void Pool::wait(int slot) {
+void Pool::wait(int slot, bool join) {
   // The waiting thread has a core of its own and nothing else to do: it takes items of the
   // job too (items do not depend on who runs them), then blocks for the rest.
-  run(slots_[slot], -1);
+  if (join) run(slots_[slot], -1);
   await(slots_[slot].state, [](uint32_t v) { return v == kDone; }, wait_spin_ns_);
 }
 

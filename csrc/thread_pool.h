@@ -52,7 +52,8 @@ class Pool {
   void publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx,
                unsigned overlap = 0);
   // Run items of the slot's job on the calling thread, then block until the job is done.
-  void wait(int slot);
+  // With join false the caller only blocks (its caches stay its own).
+  void wait(int slot, bool join = true);
   // Nanoseconds from the slot's publish to its last item's end (valid after wait).
   int64_t elapsed_ns(int slot) const;
   // Where a job's time went, in nanoseconds from its publish (valid after wait): when its

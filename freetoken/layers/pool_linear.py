@@ -3,6 +3,12 @@ CPU MoE pool (``--cpu-dense pool``): the attention projections and the head read
 with the experts' row kernels, on every pool worker plus the engine thread, instead of
 float32 weights in torch on the engine thread alone.
 
+Layers that read the same input in turn (an attention's q, k and v; an MLP's gate and up) form
+an :class:`InputGroup`: the first of them to be called runs one pool job over all their rows,
+and the others take their part of its output, which saves the engine thread a submit and a
+wait per member (decode on the CPU is bound by that thread's per-call costs, not by the
+pool's bandwidth). Every row is the same dot product either way, so the outputs are the same.
+
 The slow twin is :class:`~freetoken.layers.linear.Linear` on the same checkpoint tensor.
 """
 
@@ -15,6 +21,67 @@ from freetoken.quant import QuantTensor, get_format
 
 # Formats the pool's kernels read; f32 and f16 weights are kept as bf16.
 _AS_BF16 = ("f32", "f16")
+# Sibling layers that read one input, by attribute name in their parent module.
+INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _register(qt: QuantTensor) -> int:
+    """Put a dense matrix on the shared pool; its linear id."""
+    from freetoken.moe.cpu import shared_executor
+    from freetoken.moe.cpu_executor import ExpertStack
+
+    stacked = QuantTensor(qt.fmt, (1, *qt.shape), qt.data.unsqueeze(0),
+                          {k: v.unsqueeze(0) for k, v in qt.scales.items()})
+    return shared_executor().add_linear(ExpertStack.from_quant(stacked, copy=True))
+
+
+def _run(lid: int, x: torch.Tensor, cols: int) -> torch.Tensor:
+    from freetoken.moe.cpu import shared_executor
+
+    return shared_executor().submit_linear(x.reshape(-1, cols), lid).wait()
+
+
+class InputGroup:
+    """PoolLinear layers called in turn on the same input tensor. Their weights are stacked
+    into one matrix when they share a format and input size and keep no separate scales (so
+    rows concatenate); otherwise each member runs alone."""
+
+    def __init__(self, members: list[PoolLinear]) -> None:
+        self.members = members
+        self._id: int | None = None
+        self.stacked: bool | None = None  # decided at the first call
+        self._x: torch.Tensor | None = None  # the input whose outputs are pending
+        self._pending: dict[int, torch.Tensor] = {}  # member index -> its output
+
+    def _stack(self) -> None:
+        qts = [m.weight_q for m in self.members]
+        self.stacked = all(qt is not None for qt in qts) and len(
+            {(qt.fmt, qt.shape[1:], qt.data.shape[1:], qt.data.dtype) for qt in qts}) == 1 \
+            and not any(qt.scales for qt in qts)
+        if self.stacked:
+            first = qts[0]
+            rows = sum(qt.shape[0] for qt in qts)
+            self._id = _register(QuantTensor(first.fmt, (rows, *first.shape[1:]),
+                                             torch.cat([qt.data for qt in qts])))
+            for m in self.members:
+                m.weight_q = None
+
+    def output(self, member: PoolLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``member``'s output for x from one job for the whole group; None when the group
+        does not stack (the member then runs alone)."""
+        if self.stacked is None:
+            self._stack()
+        if not self.stacked:
+            return None
+        i = self.members.index(member)
+        if x is not self._x or i not in self._pending:
+            y = _run(self._id, x, member.in_features)
+            parts = y.split([m.out_features for m in self.members], dim=-1)
+            self._x, self._pending = x, dict(enumerate(parts))
+        y = self._pending.pop(i)
+        if not self._pending:
+            self._x = None
+        return y
 
 
 class PoolLinear(nn.Module):
@@ -25,6 +92,7 @@ class PoolLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight_q: QuantTensor | None = None
         self._id: int | None = None
+        self.group: InputGroup | None = None
 
     def load_weight_tensor(self, qt: QuantTensor) -> None:
         """Keep the checkpoint tensor (a view of the file) until the first forward."""
@@ -36,30 +104,26 @@ class PoolLinear(nn.Module):
         self.weight_q = qt
 
     def missing_weight(self) -> bool:
-        return self.weight_q is None and self._id is None
+        return self.weight_q is None and self._id is None and (
+            self.group is None or not self.group.stacked)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from freetoken.moe.cpu import shared_executor
-
-        ex = shared_executor()
-        if self._id is None:
-            from freetoken.moe.cpu_executor import ExpertStack
-
-            qt = self.weight_q
-            assert qt is not None, "PoolLinear used before its weight was loaded"
-            stacked = QuantTensor(qt.fmt, (1, *qt.shape), qt.data.unsqueeze(0),
-                                  {k: v.unsqueeze(0) for k, v in qt.scales.items()})
-            self._id = ex.add_linear(ExpertStack.from_quant(stacked, copy=True))
-            self.weight_q = None
         lead = x.shape[:-1]
-        y = ex.submit_linear(x.reshape(-1, self.in_features), self._id).wait()
-        return y.view(*lead, self.out_features).to(x.dtype)
+        y = self.group.output(self, x) if self.group is not None else None
+        if y is None:
+            if self._id is None:
+                assert self.weight_q is not None, "PoolLinear used before its weight was loaded"
+                self._id = _register(self.weight_q)
+                self.weight_q = None
+            y = _run(self._id, x, self.in_features)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
 
 
 def use_pool_linears(model: nn.Module) -> int:
     """Swap the model's dense ``Linear`` layers for :class:`PoolLinear`, except routers
     (``mlp.gate``: top-k choices stay as exact as the resident path's) and a head tied to
-    the embedding. Returns how many were swapped; call before loading the weights."""
+    the embedding, and group siblings that read one input (:data:`INPUT_GROUPS`). Returns
+    how many were swapped; call before loading the weights."""
     from freetoken.layers.linear import Linear
 
     swapped = 0
@@ -74,4 +138,11 @@ def use_pool_linears(model: nn.Module) -> int:
         out_f, in_f = module.weight.shape
         setattr(parent, attr, PoolLinear(in_f, out_f))
         swapped += 1
+    for module in model.modules():
+        for names in INPUT_GROUPS:
+            members = [getattr(module, n, None) for n in names]
+            if all(isinstance(m, PoolLinear) for m in members):
+                group = InputGroup(members)  # type: ignore[arg-type]
+                for m in members:
+                    m.group = group  # type: ignore[union-attr]
     return swapped

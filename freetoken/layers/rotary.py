@@ -18,14 +18,16 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (theta**exponents)
         pos = torch.arange(max_position, dtype=torch.float32) / factor
         freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (positions, 1, head_dim)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` (T, heads, head_dim) at ``positions`` (T,)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        cos = torch.index_select(self.cos, 0, positions)
+        sin = torch.index_select(self.sin, 0, positions)
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin

@@ -356,6 +356,11 @@ class CpuMoeExecutor:
             raise ValueError(f"unknown down split {split!r} (choose from {', '.join(DOWN_SPLITS)})")
         self._lib.ft_set_down_split(self._handle, DOWN_SPLITS[split])
 
+    def set_join(self, on: bool) -> None:
+        """Whether the thread in ``wait()`` runs items of its job (the default: one more core on
+        the job) or only blocks (its caches stay its own, for the Python work after)."""
+        self._lib.ft_set_join(self._handle, int(on))
+
     def set_gate_up_rows(self, rows: int) -> None:
         """Rows of the intermediate size per gate/up work item of later jobs (a multiple of 32
         up to 128; 0 restores the default). A tuning knob for benchmarks."""

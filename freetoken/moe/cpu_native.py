@@ -114,6 +114,7 @@ def native() -> ctypes.CDLL:
         "ft_timing_fields": (c.c_int, []),
         "ft_set_timing": (None, [c.c_void_p, c.c_int]),
         "ft_set_down_split": (None, [c.c_void_p, c.c_int]),
+        "ft_set_join": (None, [c.c_void_p, c.c_int]),
         "ft_set_gate_up_rows": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_add_linear": (
             c.c_int, [c.c_void_p, c.c_int, c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int],

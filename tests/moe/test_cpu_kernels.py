@@ -318,3 +318,21 @@ def test_job_timing_accounts_for_the_call(split: str) -> None:
     fut.wait()
     assert fut.timing is None
     ex.close()
+
+
+def test_a_caller_that_only_waits_gets_the_same_result() -> None:
+    """wait() without joining the job's items: the workers alone do it, to the same bits."""
+    b = bank("q8_0")
+    x, ids, w = inputs("q8_0", 4, seed=2)
+    ex = cx.CpuMoeExecutor(threads=1)
+    ex.add_layer(0, *stacks(b))
+    joined = ex.run(x, ids, w, 0)
+    ex.set_join(False)
+    assert torch.equal(ex.run(x, ids, w, 0), joined)
+    g = b.gate  # (E, I, H): its first expert as a dense matrix
+    lid = ex.add_linear(cx.ExpertStack.from_quant(QuantTensor(g.fmt, (1, *g.shape[1:]),
+                                                              g.data[:1])))
+    alone = ex.submit_linear(x, lid).wait()
+    ex.set_join(True)
+    assert torch.equal(ex.submit_linear(x, lid).wait(), alone)
+    ex.close()

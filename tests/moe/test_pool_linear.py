@@ -58,3 +58,48 @@ def test_pool_linear_layer_loads_and_multiplies():
     want = x @ get_format("q8_0").dequantize(qt).T
     assert y.shape == (2, 3, 48) and not layer.missing_weight()
     assert float((y - want).abs().max() / want.abs().max()) <= TOLERANCE["q8"]
+
+
+def _layers(fmts: list[str], rows: list[int], cols: int, seed: int) -> list[PoolLinear]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for fmt, r in zip(fmts, rows, strict=True):
+        layer = PoolLinear(cols, r)
+        layer.load_weight_tensor(get_format(fmt).quantize(torch.randn(r, cols, generator=g)))
+        out.append(layer)
+    return out
+
+
+@pytest.mark.parametrize("fmts", [["q8_0"] * 3, ["q4_k"] * 3, ["q8_0", "q8_0", "bf16"]])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_grouped_layers_give_each_layer_its_own_output(fmts, tokens):
+    """q/k/v as one pool job (stacked rows) against three separate layers on the same weights:
+    the same bits; a group whose formats differ runs its members alone."""
+    from freetoken.layers.pool_linear import InputGroup
+
+    rows, cols = [64, 32, 32], 256
+    alone = _layers(fmts, rows, cols, seed=1)
+    grouped = _layers(fmts, rows, cols, seed=1)
+    group = InputGroup(grouped)
+    for m in grouped:
+        m.group = group
+    for step in range(2):  # a new input each step: nothing is served from the last one
+        x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(step))
+        for a, b in zip(alone, grouped, strict=True):
+            assert torch.equal(a(x), b(x))
+    assert group.stacked == (len(set(fmts)) == 1)
+    assert not any(m.missing_weight() for m in grouped)
+
+
+def test_a_member_called_again_on_the_same_input_recomputes():
+    from freetoken.layers.pool_linear import InputGroup
+
+    alone = _layers(["q8_0"] * 2, [32, 32], 64, seed=2)
+    grouped = _layers(["q8_0"] * 2, [32, 32], 64, seed=2)
+    group = InputGroup(grouped)
+    for m in grouped:
+        m.group = group
+    x = torch.randn(2, 64)
+    assert torch.equal(grouped[0](x), alone[0](x))
+    assert torch.equal(grouped[0](x), alone[0](x))  # its pending part was taken: a new job
+    assert torch.equal(grouped[1](x), alone[1](x))

@@ -49,7 +49,20 @@ void copy_error(const std::string& s, char* buf, int len) {
 
 }  // namespace
 
+namespace ft {
+void attention_decode(const float* q, const float* kc, const float* vc, const int64_t* slots,
+                      const uint8_t* visible, int B, int S, int Hq, int Hkv, int D, float scale,
+                      float* out);
+}
+
 FT_API int ft_best_isa() { return ft::best_isa(); }
+
+// Decode attention (csrc/attention_decode.cpp) on the calling thread.
+FT_API void ft_attention_decode(const float* q, const float* kc, const float* vc,
+                                const int64_t* slots, const uint8_t* visible, int B, int S,
+                                int Hq, int Hkv, int D, float scale, float* out) {
+  ft::attention_decode(q, kc, vc, slots, visible, B, S, Hq, Hkv, D, scale, out);
+}
 
 FT_API const char* ft_isa_name(int isa) { return ft::isa_name(isa); }
 

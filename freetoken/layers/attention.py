@@ -2,16 +2,47 @@
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from freetoken.engine.context import ForwardContext
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots] for slots (B, S): (B, S, Hkv, D); index_select costs about half of advanced
+def _gather(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """table[slots] for slots (B, S): (B, S, Hkv, D); index_select costs about half of advanced
     indexing per call on the CPU."""
-    return torch.index_select(cache, 0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+    return torch.index_select(table, 0, slots.reshape(-1)).view(*slots.shape, *table.shape[1:])
+
+
+@cache
+def _native_decode() -> Any:
+    """The native library's decode attention, or None where the library is not built (the
+    torch path below is its slow twin and runs instead)."""
+    from freetoken.moe.cpu_native import NativeUnavailable, native
+
+    try:
+        return native().ft_attention_decode
+    except NativeUnavailable:
+        return None
+
+
+def _decode_on_cpu(fn: Any, q: torch.Tensor, ctx: ForwardContext, layer: int, scale: float,
+                   window: int) -> torch.Tensor:
+    """One query per sequence (q (B, Hq, D)) in a single native call: on the CPU at batch 1 the
+    torch path's dozen calls cost more in dispatch than in arithmetic."""
+    q = q.contiguous()
+    B, Hq, D = q.shape
+    S = ctx.k_slots.shape[1]
+    kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]
+    visible = ctx.masks[window].reshape(B, S).contiguous()
+    slots = ctx.k_slots.contiguous()
+    out = torch.empty_like(q)
+    fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), visible.data_ptr(), B, S,
+       Hq, kc.shape[1], D, scale, out.data_ptr())
+    return out
 
 
 def attention(
@@ -25,6 +56,10 @@ def attention(
     and with a window W only p - j < W.
     """
     ctx.kv.store(layer, ctx.slots, k, v)
+    if ctx.decode and q.device.type == "cpu" and q.dtype == ctx.kv.k.dtype == torch.float32:
+        fn = _native_decode()
+        if fn is not None:
+            return _decode_on_cpu(fn, q, ctx, layer, scale, window)
     keys = _gather(ctx.kv.k[layer], ctx.k_slots).transpose(1, 2)  # (B, Hkv, S, D)
     values = _gather(ctx.kv.v[layer], ctx.k_slots).transpose(1, 2)
     queries = q[ctx.q_index].transpose(1, 2)  # (B, Hq, Tq, D)

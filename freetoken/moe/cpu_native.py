@@ -115,6 +115,11 @@ def native() -> ctypes.CDLL:
         "ft_set_timing": (None, [c.c_void_p, c.c_int]),
         "ft_set_down_split": (None, [c.c_void_p, c.c_int]),
         "ft_set_join": (None, [c.c_void_p, c.c_int]),
+        "ft_attention_decode": (
+            None,
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int,
+             c.c_int, c.c_int, c.c_int, c.c_float, c.c_void_p],
+        ),
         "ft_set_gate_up_rows": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_add_linear": (
             c.c_int, [c.c_void_p, c.c_int, c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int],

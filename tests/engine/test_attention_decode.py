@@ -1,0 +1,41 @@
+"""The native decode attention against its slow twin, torch's SDPA over the gathered cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.engine.context import ForwardContext, Segment
+from freetoken.kvcache.paged import PagedKV
+from freetoken.layers import attention as attn_mod
+
+
+def _torch_path(monkeypatch, *args):
+    monkeypatch.setattr(attn_mod, "_native_decode", lambda: None)
+    out = attn_mod.attention(*args)
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("sharp", [1.0, 30.0])  # 30: scores spread over ~100, exp underflows
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(8, 2, 0), (4, 4, 0), (8, 1, 5)])
+def test_native_decode_matches_sdpa(monkeypatch, heads, kv_heads, window, sharp):
+    if attn_mod._native_decode() is None:
+        pytest.skip("the native library is not built")
+    torch.manual_seed(0)
+    D, page = 64, 4
+    kv = PagedKV(num_layers=2, num_pages=16, page_size=page, kv_heads=kv_heads, head_dim=D,
+                 dtype=torch.float32, device="cpu")
+    kv.k.normal_()
+    kv.v.normal_()
+    # three sequences at different lengths, pages interleaved in the pool
+    segs = [Segment(pages=kv.allocate(3), start=9, count=1),
+            Segment(pages=kv.allocate(1), start=0, count=1),
+            Segment(pages=kv.allocate(2), start=6, count=1)]
+    ctx = ForwardContext.build(kv, segs, torch.device("cpu"), windows=(window,))
+    assert ctx.decode
+    q, k, v = (torch.randn(3, h, D) for h in (heads, kv_heads, kv_heads))
+    q = q * sharp
+    want = _torch_path(monkeypatch, q, k, v, ctx, 1, D**-0.5, window)
+    got = attn_mod.attention(q, k, v, ctx, 1, D**-0.5, window)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)

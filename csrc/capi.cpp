@@ -152,8 +152,11 @@ FT_API void ft_set_timing(void* ex, int on) { ((ft::Executor*)ex)->set_timing(on
 // Tuning: whether the thread in wait() runs items of its job (1, the default) or only blocks.
 FT_API void ft_set_join(void* ex, int on) { ((ft::Executor*)ex)->set_join(on != 0); }
 
-// Tuning: how later jobs split down_proj (ft::DownSplit: -1 auto, 0 rows, 1 experts).
-FT_API void ft_set_down_split(void* ex, int mode) { ((ft::Executor*)ex)->set_down_split(mode); }
+// Tuning: how later jobs split down_proj (ft::DownSplit: -1 auto, 0 rows, 1 experts); 0, or
+// -1 for another value.
+FT_API int ft_set_down_split(void* ex, int mode) {
+  return ((ft::Executor*)ex)->set_down_split(mode) ? 0 : -1;
+}
 
 // Tuning: rows of I per gate/up work item of later jobs (0: the default); 0, or -1 when the
 // count is not a multiple of 32 up to the limit.

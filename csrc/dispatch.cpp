@@ -80,6 +80,7 @@ ReadFn pick_reader(int cap) {
 
 QuantFn pick_quantizer(int cap, int* picked) {
   if (cap > best_isa()) cap = best_isa();
+  if (cap < ISA_SCALAR) cap = ISA_SCALAR;
   int isa = cap;
   while (isa > ISA_SCALAR && !table().quant[isa]) --isa;
   if (picked) *picked = isa;

@@ -39,6 +39,8 @@ constexpr int kMaxGateUpRows = 128;
 // each phase's end, each phase's time inside items summed over workers (with timing on, else
 // 0), and the time down items waited for an expert's gate/up.
 enum TimingField : int { TM_START = 0, TM_END = 1, TM_BUSY = 5, TM_AWAIT = 9, TM_FIELDS = 10 };
+static_assert(TM_BUSY == TM_END + kMaxPhases && TM_AWAIT == TM_BUSY + kMaxPhases,
+              "cpu_executor.JobTiming reads the record in this layout");
 
 // One projection of all experts of a layer.
 struct Proj {
@@ -147,8 +149,12 @@ class Executor {
   void set_timing(bool on) { pool_.set_timing(on); }
   // Whether the thread in wait() runs items of its job too (the default) or only blocks.
   void set_join(bool on) { join_ = on; }
-  // The phase-2 split of later jobs (DownSplit).
-  void set_down_split(int mode) { down_split_ = mode; }
+  // The phase-2 split of later jobs (DownSplit); false for a value that is none.
+  bool set_down_split(int mode) {
+    if (mode < DOWN_AUTO || mode > DOWN_EXPERTS) return false;
+    down_split_ = mode;
+    return true;
+  }
   // Rows of I per gate/up item of later jobs: a multiple of 32 up to kMaxGateUpRows, or 0 for
   // the default (the most that leaves each worker about three items). False if out of range.
   bool set_gate_up_rows(int rows) {

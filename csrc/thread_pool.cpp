@@ -121,14 +121,16 @@ void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void*
   Slot& s = slots_[slot];
   s.phases = phases;
   s.overlap = overlap;
+  s.last = -1;
   s.fn = fn;
   s.ctx = ctx;
   for (int p = 0; p < kMaxPhases; ++p) {
     s.count[p] = p < phases ? counts[p] : 0;
     s.next[p].store(0, std::memory_order_relaxed);
     s.done[p].v.store(0, std::memory_order_relaxed);
-    s.end_ns[p] = 0;
+    s.end_ns[p].store(0, std::memory_order_relaxed);
     s.busy_ns[p].store(0, std::memory_order_relaxed);
+    if (s.count[p] > 0) s.last = p;
   }
   s.start_ns = 0;
   s.exited.v.store(0, std::memory_order_relaxed);
@@ -149,19 +151,20 @@ void Pool::wait(int slot, bool join) {
 }
 
 int64_t Pool::elapsed_ns(int slot) const {
+  // The last phase's end is written before the job is marked done, so wait() has seen it.
   const Slot& s = slots_[slot];
-  int64_t end = s.published_ns;
-  for (int64_t e : s.end_ns) end = e > end ? e : end;
-  return end - s.published_ns;
+  return s.last < 0 ? 0 : s.end_ns[s.last].load(std::memory_order_relaxed) - s.published_ns;
 }
 
-Pool::Timing Pool::timing(int slot) const {
-  const Slot& s = slots_[slot];
+Pool::Timing Pool::timing(int slot) {
+  Slot& s = slots_[slot];
+  uint32_t n = (uint32_t)workers_.size();
+  await(s.exited, [n](uint32_t v) { return v == n; }, spin_ns_);
   Timing t;
   auto since = [&s](int64_t ns) { return ns ? ns - s.published_ns : 0; };
   t.start = since(s.start_ns);
   for (int p = 0; p < kMaxPhases; ++p) {
-    t.end[p] = since(s.end_ns[p]);
+    t.end[p] = since(s.end_ns[p].load(std::memory_order_relaxed));
     t.busy[p] = s.busy_ns[p].load(std::memory_order_relaxed);
   }
   return t;
@@ -191,7 +194,7 @@ void Pool::run(Slot& s, int worker) {
       s.fn(s.ctx, p, item, worker);
       if (timed) s.busy_ns[p].fetch_add(now_ns() - t0, std::memory_order_relaxed);
       if ((int64_t)s.done[p].v.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
-        s.end_ns[p] = now_ns();
+        s.end_ns[p].store(now_ns(), std::memory_order_relaxed);
         if (p == last) {
           s.state.v.store(kDone);
           wake(s.state);

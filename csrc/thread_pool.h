@@ -56,13 +56,14 @@ class Pool {
   void wait(int slot, bool join = true);
   // Nanoseconds from the slot's publish to its last item's end (valid after wait).
   int64_t elapsed_ns(int slot) const;
-  // Where a job's time went, in nanoseconds from its publish (valid after wait): when its
-  // first item started, when each phase's last item ended, and (with set_timing(true)) the
-  // time workers spent inside each phase's items, summed over workers.
+  // Where a job's time went, in nanoseconds from its publish (after wait; it first waits for
+  // every worker to leave the job, whose last writes may come after the job is done): when
+  // its first item started, when each phase's last item ended, and (with set_timing(true))
+  // the time workers spent inside each phase's items, summed over workers.
   struct Timing {
     int64_t start = 0, end[kMaxPhases] = {}, busy[kMaxPhases] = {};
   };
-  Timing timing(int slot) const;
+  Timing timing(int slot);
   // Time every item (two clock reads per item); off by default.
   void set_timing(bool on) { timing_.store(on, std::memory_order_relaxed); }
   // Hand the slot back (after wait).
@@ -80,8 +81,9 @@ class Pool {
     unsigned overlap = 0;
     ItemFn fn = nullptr;
     void* ctx = nullptr;
-    int64_t published_ns = 0, start_ns = 0, end_ns[kMaxPhases] = {};
-    std::atomic<int64_t> busy_ns[kMaxPhases];
+    int last = -1;  // the last phase with items
+    int64_t published_ns = 0, start_ns = 0;
+    std::atomic<int64_t> end_ns[kMaxPhases], busy_ns[kMaxPhases];
   };
   enum : uint32_t { kFree = 0, kReady = 1, kDone = 2 };
   // Published jobs in order: ticket t runs slot queue_[t % kQueue]. An entry is rewritten only

@@ -95,7 +95,11 @@ class PoolLinear(nn.Module):
         self.group: InputGroup | None = None
 
     def load_weight_tensor(self, qt: QuantTensor) -> None:
-        """Keep the checkpoint tensor (a view of the file) until the first forward."""
+        """Keep the checkpoint tensor (a view of the file) until the first forward, which puts
+        it on the pool: a weight is loaded once, before that."""
+        if self._id is not None or (self.group is not None and self.group.stacked):
+            raise RuntimeError("a PoolLinear's weight is loaded once, before its first forward; "
+                               "build a new model to load other weights")
         if tuple(qt.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight of shape {tuple(qt.shape)}, the config implies "
                              f"{(self.out_features, self.in_features)}")

@@ -79,7 +79,7 @@ def quantize_q8(x: torch.Tensor, cap: str) -> tuple[torch.Tensor, torch.Tensor, 
     """The kernels' int8 activations for x (K floats, K % 32 == 0) with the quantiser at or
     below ``cap``: the int8 values (K), the block scales (K / 32), the sums of each group of
     four (K / 4), and the tier that ran."""
-    x = x.detach().to(torch.float32).contiguous()
+    x = x.detach().to("cpu", torch.float32).contiguous()
     K = x.numel()
     if K % 32:
         raise ValueError(f"{K} values are not whole 32-blocks")

@@ -113,7 +113,7 @@ def native() -> ctypes.CDLL:
         ),
         "ft_timing_fields": (c.c_int, []),
         "ft_set_timing": (None, [c.c_void_p, c.c_int]),
-        "ft_set_down_split": (None, [c.c_void_p, c.c_int]),
+        "ft_set_down_split": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_set_join": (None, [c.c_void_p, c.c_int]),
         "ft_attention_decode": (
             None,
@@ -137,7 +137,12 @@ def native() -> ctypes.CDLL:
         ),
     }
     for name, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError as e:
+            raise NativeUnavailable(
+                f"the CPU MoE library {path} is older than this package (it has no {name}); "
+                "rebuild it with `pip install -e .`") from e
         fn.restype = restype
         fn.argtypes = argtypes
     return lib

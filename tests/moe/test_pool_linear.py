@@ -89,6 +89,8 @@ def test_grouped_layers_give_each_layer_its_own_output(fmts, tokens):
             assert torch.equal(a(x), b(x))
     assert group.stacked == (len(set(fmts)) == 1)
     assert not any(m.missing_weight() for m in grouped)
+    with pytest.raises(RuntimeError, match="loaded once"):  # the pool holds the old rows
+        grouped[1].load_weight_tensor(get_format(fmts[1]).quantize(torch.randn(rows[1], cols)))
 
 
 def test_a_member_called_again_on_the_same_input_recomputes():

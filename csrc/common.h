@@ -189,5 +189,6 @@ static inline void q4k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* 
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace ft

@@ -125,6 +125,9 @@ Act act_view(int64_t K, const float* f, uint8_t* const* parts);
 // quantising with `quant` where that is Q8.
 void encode_act(const float* x, int act, const Act& a, int64_t t, QuantFn quant);
 
+// One work item of a Job (expert_items.cpp): ctx is the Job, phase and item as published.
+void run_expert_item(void* ctx, int phase, int64_t item, int worker);
+
 class Executor {
  public:
   Executor(const std::vector<int>& cores, int isa_cap, int spin_us);

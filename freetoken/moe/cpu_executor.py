@@ -38,6 +38,7 @@ from freetoken.moe.cpu_native import (  # noqa: F401  (the executor's public nam
     isa_cap_from_env,
     kernel_isa,
     native,
+    quantize_q8,
     set_prefetch,
 )
 from freetoken.moe.expert_stack import ExpertStack
@@ -73,22 +74,6 @@ class LayerInfo:
     intermediate: int
     fmts: tuple[str, str, str]
     kernels: tuple[tuple[str, str], ...]  # (isa, act kind) per projection
-
-
-def quantize_q8(x: torch.Tensor, cap: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    """The kernels' int8 activations for x (K floats, K % 32 == 0) with the quantiser at or
-    below ``cap``: the int8 values (K), the block scales (K / 32), the sums of each group of
-    four (K / 4), and the tier that ran."""
-    x = x.detach().to("cpu", torch.float32).contiguous()
-    K = x.numel()
-    if K % 32:
-        raise ValueError(f"{K} values are not whole 32-blocks")
-    q = torch.empty(K, dtype=torch.int8)
-    d = torch.empty(K // 32, dtype=torch.float32)
-    gs = torch.empty(K // 4, dtype=torch.int32)
-    tier = native().ft_quantize_q8(ISAS.index(cap), x.data_ptr(), K, q.data_ptr(), d.data_ptr(),
-                                   gs.data_ptr())
-    return q, d, gs, ISAS[tier]
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,9 +12,13 @@ import importlib.resources
 import logging
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from freetoken import env
 from freetoken.quant import get_format
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +170,24 @@ def kernel_isa(fmt: str, act: str, cap: str) -> str | None:
     """The tier whose kernel (fmt, act) runs with under ``cap``; None if there is none."""
     tier = native().ft_kernel_isa(FORMATS.index(fmt), ACT_KINDS.index(act), ISAS.index(cap))
     return ISAS[tier] if tier >= 0 else None
+
+
+def quantize_q8(x: torch.Tensor, cap: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """The kernels' int8 activations for x (K floats, K % 32 == 0) with the quantiser at or
+    below ``cap``: the int8 values (K), the block scales (K / 32), the sums of each group of
+    four (K / 4), and the tier that ran."""
+    import torch
+
+    x = x.detach().to("cpu", torch.float32).contiguous()
+    K = x.numel()
+    if K % 32:
+        raise ValueError(f"{K} values are not whole 32-blocks")
+    q = torch.empty(K, dtype=torch.int8)
+    d = torch.empty(K // 32, dtype=torch.float32)
+    gs = torch.empty(K // 4, dtype=torch.int32)
+    tier = native().ft_quantize_q8(ISAS.index(cap), x.data_ptr(), K, q.data_ptr(), d.data_ptr(),
+                                   gs.data_ptr())
+    return q, d, gs, ISAS[tier]
 
 
 def expert_bytes(fmt: str, hidden: int, intermediate: int) -> int:

@@ -61,8 +61,10 @@ void attention_decode(const float* q, const float* kc, const float* vc, const in
                       const uint8_t* visible, int B, int S, int Hq, int Hkv, int D, float scale,
                       float* out) {
   const int G = Hq / Hkv;  // query heads per kv head: each key and value row is read once
-  std::vector<float> p((size_t)G * S);
-  std::vector<float> sum(G);
+  // Scores and sums, kept per thread: this runs once per layer per decode step.
+  thread_local std::vector<float> p, sum;
+  p.resize((size_t)G * S);
+  sum.resize(G);
   for (int b = 0; b < B; ++b) {
     const int64_t* sl = slots + (int64_t)b * S;
     const uint8_t* vis = visible + (int64_t)b * S;

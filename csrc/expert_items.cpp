@@ -147,7 +147,7 @@ void down_expert(Job& j, int64_t item) {
 // order (experts ascending), as down_sum adds them.
 void sum_pairs(Job& j, int64_t item) {
   const int64_t H = j.L->H;
-  int64_t r0 = item * j.c3, r1 = min64(H, r0 + j.c3), rows = r1 - r0;
+  int64_t r0 = item * kSumRows, r1 = min64(H, r0 + kSumRows), rows = r1 - r0;
   for (int64_t t = 0; t < j.T; ++t) std::memset(j.out + t * H + r0, 0, rows * sizeof(float));
   for (int64_t p = 0; p < j.P; ++p) {
     float wgt = j.pw[p];

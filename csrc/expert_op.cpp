@@ -224,8 +224,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
     while (j.c2 > 16 && j.n_active * cdiv(H, j.c2) < target) j.c2 /= 2;
     j.chunks2 = cdiv(H, j.c2);
     counts[2] = j.n_active * j.chunks2;
-    j.c3 = 256;
-    counts[3] = cdiv(H, j.c3);
+    counts[3] = cdiv(H, kSumRows);
   }
   // Down items start as soon as the first experts' h is ready (no barrier).
   pool_.publish(slot, counts, j.down == DOWN_ROWS ? 3 : 4, run_expert_item, &j, /*overlap=*/1u << 1);

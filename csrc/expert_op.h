@@ -34,6 +34,7 @@ enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
 enum DownSplit : int { DOWN_AUTO = -1, DOWN_ROWS = 0, DOWN_EXPERTS = 1 };
 constexpr int64_t kExpertSplitPairs = 64;
 constexpr int kMaxGateUpRows = 128;
+constexpr int64_t kSumRows = 256;  // DOWN_EXPERTS: rows of H per phase-3 item
 
 // Executor::wait's timing record (nanoseconds from the job's publish): its first item's start,
 // each phase's end, each phase's time inside items summed over workers (with timing on, else
@@ -86,7 +87,7 @@ struct Job {
   int64_t await_ns = 0;       // time down items waited on ready counters (atomic)
   int64_t P = 0;              // routed pairs
   int down = DOWN_ROWS;       // the phase-2 split (DownSplit)
-  int64_t chunks2 = 0, c3 = 0;  // DOWN_EXPERTS: down items per expert, H rows per sum item
+  int64_t chunks2 = 0;        // DOWN_EXPERTS: down items per expert
   float* y = nullptr;         // DOWN_EXPERTS: (P, H) each pair's down output
   Act xa{}, ha{};             // x (T, H) and h (P, I) representations
   float* hf = nullptr;

@@ -28,38 +28,86 @@ from freetoken.engine.sample import SamplingParams  # noqa: E402
 from freetoken.resolve import configure_threads  # noqa: E402
 
 
-def llamacpp_decode(model: str, ids: list[int], tokens: int, threads: int) -> dict[str, float]:
-    import llama_cpp
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the file, decoding greedily one token per eval."""
 
-    llm = llama_cpp.Llama(model, n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
-    vocab = llm.n_vocab()
-    llm.eval(ids)
-    out: list[int] = []
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), (vocab,))
-        out.append(int(logits.argmax()))
-        llm.eval([out[-1]])
-    dt = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / dt, "output_ids": out}
+    def __init__(self, model: str, threads: int) -> None:
+        import llama_cpp
+
+        self.llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(model, n_ctx=512, n_threads=threads, n_threads_batch=threads,
+                                   verbose=False)
+
+    def decode(self, ids: list[int], tokens: int) -> dict[str, object]:
+        llm, vocab = self.llm, self.llm.n_vocab()
+        llm.reset()
+        llm.eval(ids)
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(llm.ctx, -1),
+                                           (vocab,))
+            out.append(int(logits.argmax()))
+            llm.eval([out[-1]])
+        dt = time.perf_counter() - t0
+        return {"tokens_per_s": tokens / dt, "output_ids": out}
 
 
-def ours_decode(model: str, ids: list[int], tokens: int, threads: int,
-                strategy: str, cpu_dense: str = "torch", join: bool = True) -> dict[str, object]:
-    cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
-                       max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
-                       cpu_dense=cpu_dense)
-    configure_threads(cfg)
-    engine = Engine(cfg, progress=False)
-    if strategy == "cpu" or cpu_dense == "pool":
-        from freetoken.moe.cpu import shared_executor
+_WAITED = [0.0]  # seconds the engine thread spent in pool waits
 
-        shared_executor().set_join(join)
-    stats = GenerationStats()
-    out = engine.generate(ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True),
-                          stats=stats)
-    return {"tokens_per_s": stats.decode_tokens_per_s, "output_ids": out[:tokens]}
+
+def _time_waits(ex: object) -> None:
+    """Count the time spent in ``ex``'s waits into _WAITED (installed once per executor)."""
+    if getattr(ex, "_waits_timed", False):
+        return
+    inner = ex._wait  # type: ignore[attr-defined]
+
+    def timed_wait(ticket: int):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return inner(ticket)
+        finally:
+            _WAITED[0] += time.perf_counter() - t
+
+    ex._wait = timed_wait  # type: ignore[attr-defined]
+    ex._waits_timed = True  # type: ignore[attr-defined]
+
+
+class Ours:
+    """Our engine on the file, CPU only; it records how a token's time splits between the
+    engine thread's own work and its waits for pool jobs (in which it joins the workers)."""
+
+    def __init__(self, model: str, threads: int, strategy: str, cpu_dense: str,
+                 join: bool) -> None:
+        cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
+                           max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
+                           cpu_dense=cpu_dense)
+        configure_threads(cfg)
+        self.engine = Engine(cfg, progress=False)
+        self.join = join
+        self.executor = None
+        if strategy == "cpu" or cpu_dense == "pool":
+            from freetoken.moe.cpu import shared_executor
+
+            self.executor = shared_executor()  # one per process, shared by our engines
+            _time_waits(self.executor)
+
+    def decode(self, ids: list[int], tokens: int) -> dict[str, object]:
+        if self.executor is not None:
+            self.executor.set_join(self.join)
+        stats = GenerationStats()
+        steps = self.engine.stream(ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True),
+                                   stats)
+        out = [next(steps)]  # the prefill's token
+        _WAITED[0] = 0.0
+        t0 = time.perf_counter()
+        out += list(steps)
+        total = time.perf_counter() - t0
+        return {"tokens_per_s": stats.decode_tokens_per_s, "output_ids": out[:tokens],
+                # per decode step: the engine thread's waits for pool jobs (in which it joins
+                # the workers) and its own work
+                "pool_wait_ms_per_token": _WAITED[0] / tokens * 1e3,
+                "engine_ms_per_token": (total - _WAITED[0]) / tokens * 1e3}
 
 
 # name: (--moe-strategy, --cpu-dense, whether the engine thread joins pool jobs, what it is)
@@ -78,6 +126,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="decode runs of each engine, interleaved; the medians are reported")
     p.add_argument("--label", default="")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated engines of ours to run next to llama.cpp: "
@@ -89,20 +139,37 @@ def main() -> None:
     if unknown:
         p.error(f"unknown engines {unknown} (choose from {', '.join(ENGINES)})")
     ids = list(range(1000, 1016))
-    peer = llamacpp_decode(args.model, ids, args.tokens, args.threads)
+    peer = LlamaCpp(args.model, args.threads)
+    ours = {name: Ours(args.model, args.threads, *ENGINES[name][:3]) for name in engines}
+    runs: dict[str, list[dict[str, object]]] = {"llama_cpp": []} | {n: [] for n in engines}
+    for r in range(args.repeats):  # interleaved, so drift in the machine hits both alike
+        runs["llama_cpp"].append(peer.decode(ids, args.tokens))
+        for name in engines:
+            runs[name].append(ours[name].decode(ids, args.tokens))
+        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
+            f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in runs.items()), flush=True)
+
+    def median(xs: list[float]) -> float:
+        return float(np.median(xs))
+
     result: dict[str, object] = {
         "bench": "cpu_peer", "label": args.label,
         **git_state(os.environ.get("GIT_SHA")), **host(),
         "params": vars(args) | {"out": str(args.out)},
-        "llama_cpp": peer,
     }
+    peer_tps = median([run["tokens_per_s"] for run in runs["llama_cpp"]])  # type: ignore[misc]
+    result["llama_cpp"] = {"tokens_per_s": peer_tps,
+                           "runs": [run["tokens_per_s"] for run in runs["llama_cpp"]]}
     for name in engines:
-        strategy, dense, join, _ = ENGINES[name]
-        ours = ours_decode(args.model, ids, args.tokens, args.threads, strategy, dense, join)
-        result[f"ours_{name}"] = ours
-        result[f"ratio_{name}_to_llama_cpp"] = ours["tokens_per_s"] / peer["tokens_per_s"]  # type: ignore[operator]
+        mine = runs[name]
+        summary = {k: median([run[k] for run in mine])  # type: ignore[misc]
+                   for k in mine[0] if k != "output_ids"}
+        summary["runs"] = [run["tokens_per_s"] for run in mine]
+        result[f"ours_{name}"] = summary
+        result[f"ratio_{name}_to_llama_cpp"] = summary["tokens_per_s"] / peer_tps
         same = 0
-        for a, b in zip(ours["output_ids"], peer["output_ids"], strict=False):  # type: ignore[call-overload]
+        for a, b in zip(mine[0]["output_ids"], runs["llama_cpp"][0]["output_ids"],  # type: ignore[call-overload]
+                        strict=False):
             if a != b:
                 break
             same += 1

@@ -53,6 +53,10 @@ namespace ft {
 void attention_decode(const float* q, const float* kc, const float* vc, const int64_t* slots,
                       const uint8_t* visible, int B, int S, int Hq, int Hkv, int D, float scale,
                       float* out);
+void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
+              float* y);
+int rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
+                const int64_t* positions, int64_t T, int heads, int D, float* y);
 }
 
 FT_API int ft_best_isa() { return ft::best_isa(); }
@@ -62,6 +66,19 @@ FT_API void ft_attention_decode(const float* q, const float* kc, const float* vc
                                 const int64_t* slots, const uint8_t* visible, int B, int S,
                                 int Hq, int Hkv, int D, float scale, float* out) {
   ft::attention_decode(q, kc, vc, slots, visible, B, S, Hq, Hkv, D, scale, out);
+}
+
+// RMSNorm of float32 rows (csrc/rms_norm.cpp) on the calling thread.
+FT_API void ft_rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps,
+                        int unit_offset, float* y) {
+  ft::rms_norm(x, w, rows, dim, eps, unit_offset != 0, y);
+}
+
+// NeoX rotary embedding of float32 heads (csrc/rotary.cpp) on the calling thread; -1 when a
+// position is outside the P rows of the tables.
+FT_API int ft_rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
+                          const int64_t* positions, int64_t T, int heads, int D, float* y) {
+  return ft::rotary_neox(x, cos, sin, P, positions, T, heads, D, y);
 }
 
 FT_API const char* ft_isa_name(int isa) { return ft::isa_name(isa); }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import torch
@@ -17,16 +16,12 @@ def _gather(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, slots.reshape(-1)).view(*slots.shape, *table.shape[1:])
 
 
-@cache
 def _native_decode() -> Any:
     """The native library's decode attention, or None where the library is not built (the
     torch path below is its slow twin and runs instead)."""
-    from freetoken.moe.cpu_native import NativeUnavailable, native
+    from freetoken.moe.cpu_native import optional
 
-    try:
-        return native().ft_attention_decode
-    except NativeUnavailable:
-        return None
+    return optional("ft_attention_decode")
 
 
 def _decode_on_cpu(fn: Any, q: torch.Tensor, ctx: ForwardContext, layer: int, scale: float,

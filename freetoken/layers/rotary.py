@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+
+def _native() -> Any:
+    """The native library's rotary embedding, or None where it is not built (torch runs)."""
+    from freetoken.moe.cpu_native import optional
+
+    return optional("ft_rotary_neox")
 
 
 class Rotary(nn.Module):
@@ -23,7 +32,20 @@ class Rotary(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (T, heads, head_dim) at ``positions`` (T,)."""
+        """Rotate ``x`` (T, heads, head_dim) at ``positions`` (T,). Float32 on the CPU is one
+        native call (same bits as :meth:`reference`, its slow twin)."""
+        if x.dtype is torch.float32 and x.is_cpu and self.cos.dtype is torch.float32:
+            fn = _native()
+            if fn is not None:
+                x = x.contiguous()
+                pos = positions.long().contiguous()
+                y = torch.empty_like(x)
+                if fn(x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
+                      pos.data_ptr(), x.shape[0], x.shape[1], x.shape[2], y.data_ptr()) == 0:
+                    return y
+        return self.reference(x, positions)
+
+    def reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos = torch.index_select(self.cos, 0, positions)
         sin = torch.index_select(self.sin, 0, positions)
         if cos.dtype != x.dtype:

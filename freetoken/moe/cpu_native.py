@@ -124,6 +124,14 @@ def native() -> ctypes.CDLL:
             [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int,
              c.c_int, c.c_int, c.c_int, c.c_float, c.c_void_p],
         ),
+        "ft_rms_norm": (
+            None, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int, c.c_float, c.c_int, c.c_void_p],
+        ),
+        "ft_rotary_neox": (
+            c.c_int,
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int,
+             c.c_int, c.c_void_p],
+        ),
         "ft_set_gate_up_rows": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_add_linear": (
             c.c_int, [c.c_void_p, c.c_int, c.POINTER(_ProjDesc), c.c_int, c.c_char_p, c.c_int],
@@ -159,6 +167,16 @@ def available() -> str | None:
     except NativeUnavailable as e:
         return str(e)
     return None
+
+
+@cache
+def optional(name: str) -> ctypes._CFuncPtr | None:
+    """The library's function ``name``, or None where the library is not built; the callers
+    (the CPU decode's norm, rotary and attention) then run their torch slow twins."""
+    try:
+        return getattr(native(), name)
+    except NativeUnavailable:
+        return None
 
 
 def best_isa() -> str:

@@ -13,6 +13,14 @@ def test_greedy_is_argmax():
     assert sample(logits, SamplingParams(), None) == int(logits.argmax())
 
 
+def test_greedy_breaks_ties_and_nans_as_torch_does():
+    logits = torch.zeros(151_936)
+    logits[[7, 90_000]] = 5.0  # a tie: the first index
+    assert sample(logits, SamplingParams(), None) == int(torch.argmax(logits)) == 7
+    logits[[11, 12]] = float("nan")  # NaN counts as the largest
+    assert sample(logits, SamplingParams(), None) == int(torch.argmax(logits)) == 11
+
+
 def test_top_k_one_is_greedy_at_any_temperature():
     logits = torch.randn(1000)
     g = torch.Generator().manual_seed(1)

@@ -1,0 +1,35 @@
+// RMSNorm of float32 rows on the calling thread: y = x / sqrt(mean(x^2) + eps) * scale, where
+// scale is w (Qwen, Llama) or 1 + w (Gemma). On the CPU at decode a norm is a few thousand
+// floats, and torch's five calls (pow, mean, add, rsqrt, two muls) cost more in dispatch than in
+// arithmetic. The slow twin is RMSNorm's torch path in freetoken/layers/norm.py.
+#include <cmath>
+#include <cstdint>
+
+namespace ft {
+
+// x, y (rows, dim), may be the same buffer; w (dim). Compiled per vector width, picked at load
+// time by the CPU.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
+              float* y) {
+  constexpr int kLanes = 16;  // independent partial sums: the compiler keeps them in a vector
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* yr = y + r * dim;
+    float acc[kLanes] = {};
+    int i = 0;
+    for (; i + kLanes <= dim; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) acc[l] += xr[i + l] * xr[i + l];
+    float ss = 0;
+    for (; i < dim; ++i) ss += xr[i] * xr[i];
+    for (int l = 0; l < kLanes; ++l) ss += acc[l];
+    const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
+    // the torch path's order: the normalised value first, then the scale
+    if (unit_offset)
+      for (int j = 0; j < dim; ++j) yr[j] = (xr[j] * inv) * (1.0f + w[j]);
+    else
+      for (int j = 0; j < dim; ++j) yr[j] = w[j] * (xr[j] * inv);
+  }
+}
+
+}  // namespace ft

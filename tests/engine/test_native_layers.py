@@ -1,0 +1,75 @@
+"""The CPU's native RMSNorm and rotary embedding against transformers' modules and against
+their torch slow twins (RMSNorm.reference, Rotary.reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeRMSNorm,
+    apply_rotary_pos_emb,
+)
+
+from freetoken.layers import norm as norm_mod
+from freetoken.layers import rotary as rotary_mod
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import Rotary
+
+pytestmark = pytest.mark.skipif(norm_mod._native() is None,
+                                reason="the native library is not built")
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 32, 128), (5, 37), (2, 2880)])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_matches_transformers(shape, gemma):
+    torch.manual_seed(0)
+    dim, eps = shape[-1], 1e-6
+    theirs = Gemma3RMSNorm(dim, eps) if gemma else Qwen3MoeRMSNorm(dim, eps)
+    ours = RMSNorm(dim, eps, unit_offset=gemma)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        ours.weight.copy_(theirs.weight)
+    x = torch.randn(shape) * 3
+    got = ours(x)
+    torch.testing.assert_close(got, theirs(x), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, ours.reference(x), atol=1e-6, rtol=1e-5)
+
+
+def test_rms_norm_reads_strided_input():
+    torch.manual_seed(1)
+    ours = RMSNorm(64, 1e-5)
+    ours.weight.data.normal_()
+    x = torch.randn(64, 6).t()  # (6, 64), not contiguous
+    torch.testing.assert_close(ours(x), ours.reference(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("T", "heads", "D"), [(1, 32, 128), (7, 4, 64), (3, 2, 10)])
+def test_rotary_matches_transformers_bit_for_bit(T, heads, D):
+    torch.manual_seed(2)
+    rot = Rotary(D, 1e6, 512)
+    positions = torch.randint(0, 512, (T,))
+    x = torch.randn(T, heads, D)
+    got = rot(x, positions)
+    assert torch.equal(got, rot.reference(x, positions))
+    cos, sin = rot.cos[positions, 0][None], rot.sin[positions, 0][None]  # (1, T, D)
+    q = x.transpose(0, 1)[None]  # (1, heads, T, D)
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), atol=0, rtol=0)
+
+
+def test_rotary_position_past_the_table_is_an_index_error():
+    rot = Rotary(16, 1e4, 8)
+    with pytest.raises(IndexError):
+        rot(torch.randn(1, 2, 16), torch.tensor([8]))
+
+
+def test_slow_twins_run_without_the_library(monkeypatch):
+    monkeypatch.setattr(norm_mod, "_native", lambda: None)
+    monkeypatch.setattr(rotary_mod, "_native", lambda: None)
+    norm, rot = RMSNorm(8, 1e-6), Rotary(8, 1e4, 4)
+    norm.weight.data.fill_(2.0)
+    x = torch.randn(2, 8)
+    assert torch.equal(norm(x), norm.reference(x))
+    pos = torch.tensor([1, 3])
+    assert torch.equal(rot(x[:, None], pos), rot.reference(x[:, None], pos))

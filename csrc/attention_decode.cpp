@@ -22,8 +22,11 @@ inline __attribute__((always_inline)) float dot(const float* a, const float* b, 
     for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
   float s = 0;
   for (; i < n; ++i) s += a[i] * b[i];
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
+  // pairwise, so each level is one vector add: a chain of 16 scalar adds cost more than the
+  // products
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return s + acc[0];
 }
 
 // e^x for x <= 0 (scores less their max), within about an ulp of expf: x = n ln2 + r with
@@ -53,13 +56,19 @@ inline __attribute__((always_inline)) void axpy(float w, const float* x, float* 
 
 }  // namespace
 
-// q (B, Hq, D); kc, vc (N, Hkv, D); slots (B, S) cache rows of each sequence's keys;
+// q (B, Hq, D); k, v (B, Hkv, D) the new token's, stored first at cache rows new_slots (B);
+// kc, vc (N, Hkv, D) the layer's cache; slots (B, S) cache rows of each sequence's keys;
 // visible (B, S) which of them each query sees; out (B, Hq, D). Hq % Hkv == 0. Compiled per
 // vector width, picked at load time by the CPU.
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attention_decode(const float* q, const float* kc, const float* vc, const int64_t* slots,
-                      const uint8_t* visible, int B, int S, int Hq, int Hkv, int D, float scale,
-                      float* out) {
+void attention_decode(const float* q, const float* k, const float* v, const int64_t* new_slots,
+                      float* kc, float* vc, const int64_t* slots, const uint8_t* visible, int B,
+                      int S, int Hq, int Hkv, int D, float scale, float* out) {
+  const size_t row = (size_t)Hkv * D * sizeof(float);
+  for (int b = 0; b < B; ++b) {
+    std::memcpy(kc + new_slots[b] * Hkv * D, k + (int64_t)b * Hkv * D, row);
+    std::memcpy(vc + new_slots[b] * Hkv * D, v + (int64_t)b * Hkv * D, row);
+  }
   const int G = Hq / Hkv;  // query heads per kv head: each key and value row is read once
   // Scores and sums, kept per thread: this runs once per layer per decode step.
   thread_local std::vector<float> p, sum;
@@ -73,8 +82,8 @@ void attention_decode(const float* q, const float* kc, const float* vc, const in
       float* og = out + ((int64_t)b * Hq + (int64_t)kvh * G) * D;
       for (int j = 0; j < S; ++j) {
         if (!vis[j]) continue;
-        const float* k = kc + (sl[j] * Hkv + kvh) * D;
-        for (int g = 0; g < G; ++g) p[(size_t)g * S + j] = scale * dot(qg + (int64_t)g * D, k, D);
+        const float* kr = kc + (sl[j] * Hkv + kvh) * D;
+        for (int g = 0; g < G; ++g) p[(size_t)g * S + j] = scale * dot(qg + (int64_t)g * D, kr, D);
       }
       for (int g = 0; g < G; ++g) {
         float* pg = p.data() + (size_t)g * S;
@@ -89,9 +98,9 @@ void attention_decode(const float* q, const float* kc, const float* vc, const in
       std::memset(og, 0, (size_t)G * D * sizeof(float));
       for (int j = 0; j < S; ++j) {
         if (!vis[j]) continue;
-        const float* v = vc + (sl[j] * Hkv + kvh) * D;
+        const float* vr = vc + (sl[j] * Hkv + kvh) * D;
         for (int g = 0; g < G; ++g)
-          if (sum[g] > 0) axpy(p[(size_t)g * S + j] / sum[g], v, og + (int64_t)g * D, D);
+          if (sum[g] > 0) axpy(p[(size_t)g * S + j] / sum[g], vr, og + (int64_t)g * D, D);
       }
     }
   }

@@ -50,22 +50,26 @@ void copy_error(const std::string& s, char* buf, int len) {
 }  // namespace
 
 namespace ft {
-void attention_decode(const float* q, const float* kc, const float* vc, const int64_t* slots,
-                      const uint8_t* visible, int B, int S, int Hq, int Hkv, int D, float scale,
-                      float* out);
+void attention_decode(const float* q, const float* k, const float* v, const int64_t* new_slots,
+                      float* kc, float* vc, const int64_t* slots, const uint8_t* visible, int B,
+                      int S, int Hq, int Hkv, int D, float scale, float* out);
 void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
               float* y);
 int rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
                 const int64_t* positions, int64_t T, int heads, int D, float* y);
+void route_topk(const float* logits, int64_t T, int E, int A, bool renormalise, int64_t* ids,
+                float* weights);
 }
 
 FT_API int ft_best_isa() { return ft::best_isa(); }
 
-// Decode attention (csrc/attention_decode.cpp) on the calling thread.
-FT_API void ft_attention_decode(const float* q, const float* kc, const float* vc,
+// Decode attention (csrc/attention_decode.cpp) on the calling thread: stores the new keys and
+// values, then attends.
+FT_API void ft_attention_decode(const float* q, const float* k, const float* v,
+                                const int64_t* new_slots, float* kc, float* vc,
                                 const int64_t* slots, const uint8_t* visible, int B, int S,
                                 int Hq, int Hkv, int D, float scale, float* out) {
-  ft::attention_decode(q, kc, vc, slots, visible, B, S, Hq, Hkv, D, scale, out);
+  ft::attention_decode(q, k, v, new_slots, kc, vc, slots, visible, B, S, Hq, Hkv, D, scale, out);
 }
 
 // RMSNorm of float32 rows (csrc/rms_norm.cpp) on the calling thread.
@@ -79,6 +83,12 @@ FT_API void ft_rms_norm(const float* x, const float* w, int64_t rows, int dim, f
 FT_API int ft_rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
                           const int64_t* positions, int64_t T, int heads, int D, float* y) {
   return ft::rotary_neox(x, cos, sin, P, positions, T, heads, D, y);
+}
+
+// An MoE router's top-A choice and weights (csrc/route_topk.cpp) on the calling thread.
+FT_API void ft_route_topk(const float* logits, int64_t T, int E, int A, int renormalise,
+                          int64_t* ids, float* weights) {
+  ft::route_topk(logits, T, E, A, renormalise != 0, ids, weights);
 }
 
 FT_API const char* ft_isa_name(int isa) { return ft::isa_name(isa); }

@@ -8,7 +8,7 @@
 
 namespace ft {
 
-// Weight formats; the numbering is part of the C ABI (freetoken/moe/cpu_executor.py).
+// Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/moe/cpu_native.py).
 enum Fmt : int {
   F_BF16 = 0,
   F_Q8_0 = 1,
@@ -19,7 +19,8 @@ enum Fmt : int {
   F_MXFP4 = 6,
   F_NVFP4 = 7,
   F_FP8_BLOCK = 8,
-  F_COUNT = 9,
+  F_F32 = 9,
+  F_COUNT = 10,
 };
 
 // ISA tiers, lowest first; a tier may use every instruction of the tiers below it.

@@ -22,6 +22,7 @@ int64_t block_of(int fmt) {
   switch (fmt) {
     case F_BF16:
     case F_FP8_BLOCK:
+    case F_F32:
       return 1;
     case F_NVFP4:
       return 16;
@@ -34,8 +35,8 @@ int64_t block_of(int fmt) {
 }
 
 const char* fmt_name(int fmt) {
-  static const char* names[F_COUNT] = {"bf16",  "q8_0",  "q4_0",  "q5_0",     "q4_k",
-                                       "q6_k",  "mxfp4", "nvfp4", "fp8_block"};
+  static const char* names[F_COUNT] = {"bf16", "q8_0",  "q4_0",  "q5_0",      "q4_k",
+                                       "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32"};
   return fmt >= 0 && fmt < F_COUNT ? names[fmt] : "unknown";
 }
 
@@ -47,6 +48,9 @@ Executor::Executor(const std::vector<int>& cores, int isa_cap, int spin_us)
 }
 
 std::string Executor::set_kernel(Proj& p, int act_mode) {
+  // f32 weights are kept unquantised on purpose (a router, whose logits pick the experts):
+  // int8 or bf16 activations would undo that, whatever the mode asks for the other formats.
+  if (p.fmt == F_F32) act_mode = ACT_F32;
   Pick best{nullptr, -1};
   int best_act = ACT_F32;
   for (int act = 0; act < ACT_COUNT; ++act) {

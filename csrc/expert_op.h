@@ -136,7 +136,8 @@ class Executor {
   int threads() const { return pool_.threads(); }
   int isa() const { return isa_; }
 
-  // act_mode: -1 picks per projection (the fastest tier; F32 on ties), else an ActKind.
+  // act_mode: -1 picks per projection (the fastest tier; F32 on ties), else an ActKind; f32
+  // weights read F32 activations whatever the mode.
   // Returns an empty string or what was wrong.
   std::string add_layer(int layer, int E, int H, int I, int activation, Proj gate, Proj up,
                         Proj down, int act_mode);

@@ -1,4 +1,4 @@
-// AVX2 + FMA tier: bf16 with float activations, int formats with int8 activations
+// AVX2 + FMA tier: bf16 and f32 with float activations, int formats with int8 activations
 // (maddubs: unsigned weights times signed activations, the sign trick for q8_0).
 #include <immintrin.h>
 
@@ -15,18 +15,35 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-static inline __m256 bf16x8(const uint16_t* p) {
-  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
+// Per-row decoders of the float formats: 8 weights at element i, or the one at element k.
+struct BF16 {
+  static inline __m256 load(const uint8_t* row, int64_t i) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(row + 2 * i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+  static inline float at(const uint8_t* row, int64_t k) {
+    return bf16_to_f32(load_u16(row + 2 * k));
+  }
+};
 
-template <int NV>
-void bf16_row(const uint16_t* w, int64_t cols, const float* const* x, float* res) {
+struct F32 {
+  static inline __m256 load(const uint8_t* row, int64_t i) {
+    return _mm256_loadu_ps((const float*)row + i);
+  }
+  static inline float at(const uint8_t* row, int64_t k) {
+    float f;
+    std::memcpy(&f, row + 4 * k, 4);
+    return f;
+  }
+};
+
+template <class D, int NV>
+void f32_row(const uint8_t* w, int64_t cols, const float* const* x, float* res) {
   __m256 acc[NV][2];
   for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= cols; i += 16) {
-    __m256 w0 = bf16x8(w + i), w1 = bf16x8(w + i + 8);
+    __m256 w0 = D::load(w, i), w1 = D::load(w, i + 8);
     for (int v = 0; v < NV; ++v) {
       acc[v][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[v] + i), acc[v][0]);
       acc[v][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[v] + i + 8), acc[v][1]);
@@ -34,7 +51,7 @@ void bf16_row(const uint16_t* w, int64_t cols, const float* const* x, float* res
   }
   for (int v = 0; v < NV; ++v) {
     float s = hsum(_mm256_add_ps(acc[v][0], acc[v][1]));
-    for (int64_t k = i; k < cols; ++k) s += bf16_to_f32(w[k]) * x[v][k];
+    for (int64_t k = i; k < cols; ++k) s += D::at(w, k) * x[v][k];
     res[v] = s;
   }
 }
@@ -66,26 +83,27 @@ void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float
   for (int v = 0; v < NV; ++v) res[v] = hsum(acc[v]);
 }
 
-template <int NV>
-void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
-               const int32_t* vidx, int v0, float* out, int64_t ldo) {
+template <class D, int NV>
+void f32_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+              const int32_t* vidx, int v0, float* out, int64_t ldo) {
   const float* x[NV];
   for (int v = 0; v < NV; ++v) x[v] = a.f + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
   float res[NV];
   for (int64_t r = r0; r < r1; ++r) {
-    bf16_row<NV>((const uint16_t*)(m.data + r * m.row_bytes), cols, x, res);
+    f32_row<D, NV>(m.data + r * m.row_bytes, cols, x, res);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }
 }
 
-void gemv_bf16(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
-               const int32_t* vidx, int n, float* out, int64_t ldo) {
+template <class D>
+void gemv_f32(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
+              const int32_t* vidx, int n, float* out, int64_t ldo) {
   int v0 = 0;
-  for (; v0 + 4 <= n; v0 += 4) bf16_rows<4>(m, cols, r0, r1, a, vidx, v0, out, ldo);
+  for (; v0 + 4 <= n; v0 += 4) f32_rows<D, 4>(m, cols, r0, r1, a, vidx, v0, out, ldo);
   switch (n - v0) {
-    case 3: bf16_rows<3>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
-    case 2: bf16_rows<2>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
-    case 1: bf16_rows<1>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 3: f32_rows<D, 3>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 2: f32_rows<D, 2>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
+    case 1: f32_rows<D, 1>(m, cols, r0, r1, a, vidx, v0, out, ldo); break;
   }
 }
 
@@ -133,7 +151,8 @@ uint64_t read_avx2(const uint8_t* p, int64_t bytes) {
 }  // namespace
 
 void register_avx2(KernelTable& t) {
-  t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_bf16;
+  t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_f32<BF16>;
+  t.fn[F_F32][ACT_F32][ISA_AVX2] = gemv_f32<F32>;
   t.fn[F_Q8_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q8_0>;
   t.fn[F_Q4_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q4_0>;
   t.fn[F_Q5_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q5_0>;

@@ -1,5 +1,6 @@
 // AVX-512 (F, BW, VL, DQ) tier: float-activation kernels for the formats that are decoded to
-// floats (bf16, nvfp4, fp8_block), 16 weights per instruction. Int formats fall back to AVX2.
+// floats (bf16, f32, nvfp4, fp8_block), 16 weights per instruction. Int formats fall back to
+// AVX2.
 #include <immintrin.h>
 
 #include "common.h"
@@ -15,6 +16,14 @@ struct BF16 {
   static inline __m512 load(const Mat&, const uint8_t* row, int64_t, int64_t i, __mmask16 k) {
     __m256i v = _mm256_maskz_loadu_epi16(k, row + 2 * i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+};
+
+struct F32 {
+  static constexpr int kStep = 16;
+  static constexpr int kBytes = 8;  // per 2 weights
+  static inline __m512 load(const Mat&, const uint8_t* row, int64_t, int64_t i, __mmask16 k) {
+    return _mm512_maskz_loadu_ps(k, row + 4 * i);
   }
 };
 
@@ -138,6 +147,7 @@ void register_avx512(KernelTable& t) {
   t.fn[F_BF16][ACT_F32][ISA_AVX512] = gemv_f32<BF16>;
   t.fn[F_NVFP4][ACT_F32][ISA_AVX512] = gemv_f32<NVFP4>;
   t.fn[F_FP8_BLOCK][ACT_F32][ISA_AVX512] = gemv_f32<FP8Block>;
+  t.fn[F_F32][ACT_F32][ISA_AVX512] = gemv_f32<F32>;
   t.read[ISA_AVX512] = read_avx512;
   t.quant[ISA_AVX512] = quantize_q8_avx512;
 }

@@ -8,7 +8,8 @@ namespace {
 
 constexpr int kMaxUnit = 256;
 
-// Elements per decoding unit of each format (the last unit of a bf16/fp8 row may be partial).
+// Elements per decoding unit of each format (the last unit of a bf16/f32/fp8 row may be
+// partial).
 constexpr int unit_of(int fmt) {
   return fmt == F_Q4_K || fmt == F_Q6_K ? 256 : fmt == F_NVFP4 ? 16 : 32;
 }
@@ -110,6 +111,10 @@ void decode_f32(int fmt, const Mat& m, int64_t r, int64_t u, int n, float* w) {
   const uint8_t* row = m.data + r * m.row_bytes;
   if (fmt == F_BF16) {
     for (int i = 0; i < n; ++i) w[i] = bf16_to_f32(load_u16(row + 2 * (u * 32 + i)));
+    return;
+  }
+  if (fmt == F_F32) {
+    std::memcpy(w, row + 4 * u * 32, 4 * (size_t)n);
     return;
   }
   if (fmt == F_FP8_BLOCK) {
@@ -232,6 +237,7 @@ void register_scalar(KernelTable& t) {
   t.fn[F_MXFP4][ACT_F32][ISA_SCALAR] = gemv_f32<F_MXFP4>;
   t.fn[F_NVFP4][ACT_F32][ISA_SCALAR] = gemv_f32<F_NVFP4>;
   t.fn[F_FP8_BLOCK][ACT_F32][ISA_SCALAR] = gemv_f32<F_FP8_BLOCK>;
+  t.fn[F_F32][ACT_F32][ISA_SCALAR] = gemv_f32<F_F32>;
   t.fn[F_BF16][ACT_BF16][ISA_SCALAR] = gemv_bf16_bf16;
   t.fn[F_Q8_0][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q8_0>;
   t.fn[F_Q4_0][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q4_0>;

@@ -102,7 +102,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="--device cpu: dense layers (attention, dense MLPs, an untied head) in torch at "
         "the compute dtype, or in their checkpoint format on the CPU MoE pool's kernels "
         "(pool: fewer bytes per token and every pool core; activations rounded to int8/bf16 "
-        "as the expert kernels do). auto: pool with --moe-strategy cpu, else torch",
+        "as the expert kernels do; MoE routers stay float32 on the pool). auto: pool with "
+        "--moe-strategy cpu, else torch",
     )
     g.add_argument(
         "--cuda-graph-max-bs",

@@ -14,7 +14,7 @@ from freetoken.config import EngineConfig
 from freetoken.engine.context import ForwardContext, Segment
 from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
-from freetoken.layers.pool_linear import use_pool_linears
+from freetoken.layers.pool_linear import PoolLinear, use_pool_linears
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
 from freetoken.moe import cpu_executor
@@ -54,8 +54,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(prev)
         if cfg.cpu_dense == "pool":
-            log.info("dense layers on the CPU pool in their checkpoint format: %d matrices",
-                     use_pool_linears(self.model))
+            swapped = use_pool_linears(self.model)
+            routers = sum(isinstance(m, PoolLinear) and m.exact for m in self.model.modules())
+            log.info("dense layers on the CPU pool: %d matrices in their checkpoint format, "
+                     "%d routers in float32", swapped - routers, routers)
         if any(p in ("offload", "hybrid", "cpu") for p in _names(self.plan)):
             check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)

@@ -24,19 +24,20 @@ def _native_decode() -> Any:
     return optional("ft_attention_decode")
 
 
-def _decode_on_cpu(fn: Any, q: torch.Tensor, ctx: ForwardContext, layer: int, scale: float,
-                   window: int) -> torch.Tensor:
-    """One query per sequence (q (B, Hq, D)) in a single native call: on the CPU at batch 1 the
-    torch path's dozen calls cost more in dispatch than in arithmetic."""
-    q = q.contiguous()
+def _decode_on_cpu(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   ctx: ForwardContext, layer: int, scale: float, window: int) -> torch.Tensor:
+    """One query per sequence (q (B, Hq, D)) in a single native call that also stores the new
+    keys and values: on the CPU at batch 1 the torch path's dozen calls cost more in dispatch
+    than in arithmetic."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, Hq, D = q.shape
     S = ctx.k_slots.shape[1]
     kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]
     visible = ctx.masks[window].reshape(B, S).contiguous()
-    slots = ctx.k_slots.contiguous()
     out = torch.empty_like(q)
-    fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(), visible.data_ptr(), B, S,
-       Hq, kc.shape[1], D, scale, out.data_ptr())
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), ctx.slots.contiguous().data_ptr(),
+       kc.data_ptr(), vc.data_ptr(), ctx.k_slots.contiguous().data_ptr(), visible.data_ptr(),
+       B, S, Hq, kc.shape[1], D, scale, out.data_ptr())
     return out
 
 
@@ -50,11 +51,12 @@ def attention(
     (B, Tq)) attend over its keys (padded to (B, S)). Query at position p sees keys j <= p,
     and with a window W only p - j < W.
     """
-    ctx.kv.store(layer, ctx.slots, k, v)
-    if ctx.decode and q.device.type == "cpu" and q.dtype == ctx.kv.k.dtype == torch.float32:
+    if ctx.decode and q.device.type == "cpu" and q.dtype == ctx.kv.k.dtype == torch.float32 \
+            and k.dtype == v.dtype == torch.float32 and ctx.kv.k.is_contiguous():
         fn = _native_decode()
         if fn is not None:
-            return _decode_on_cpu(fn, q, ctx, layer, scale, window)
+            return _decode_on_cpu(fn, q, k, v, ctx, layer, scale, window)
+    ctx.kv.store(layer, ctx.slots, k, v)
     keys = _gather(ctx.kv.k[layer], ctx.k_slots).transpose(1, 2)  # (B, Hkv, S, D)
     values = _gather(ctx.kv.v[layer], ctx.k_slots).transpose(1, 2)
     queries = q[ctx.q_index].transpose(1, 2)  # (B, Hq, Tq, D)

@@ -5,6 +5,8 @@ Shapes: T tokens, H hidden, Hq/Hkv query/key-value heads, D head dim, E experts,
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,6 +18,13 @@ from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
 from freetoken.moe.strategy import ExpertShape, StrategyPlan, make_experts
+
+
+def _native_route() -> Any:
+    """The native library's router top-k, or None where it is not built (torch runs)."""
+    from freetoken.moe.cpu_native import optional
+
+    return optional("ft_route_topk")
 
 
 class Attention(nn.Module):
@@ -79,11 +88,26 @@ class MoEBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> top-k expert ids (T, A) and their weights (T, A) in x's dtype."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        logits = self.gate(x)
+        if logits.is_cpu and logits.dtype is torch.float32:
+            fn = _native_route()
+            if fn is not None:  # one call instead of five torch calls at decode
+                logits = logits.contiguous()
+                ids = torch.empty(logits.shape[0], self.top_k, dtype=torch.int64)
+                weights = torch.empty(logits.shape[0], self.top_k)
+                fn(logits.data_ptr(), logits.shape[0], logits.shape[1], self.top_k,
+                   self.norm_topk_prob, ids.data_ptr(), weights.data_ptr())
+                return ids, weights.to(x.dtype)
+        return self.choose(logits, x.dtype)
+
+    def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path of :meth:`route` from the router's logits (the native one's slow
+        twin): softmax over E, top-A, renormalised if the model says so."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)

@@ -71,7 +71,7 @@ def add_bench_bw_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", metavar="all|FMT[,FMT...]",
                    help=f"expert formats to bench at the {CANONICAL} shape "
                    f"({PRESETS[CANONICAL].hidden}x{PRESETS[CANONICAL].moe_intermediate} "
-                   f"top{PRESETS[CANONICAL].top_k}); all: {', '.join(cx.FORMATS)} "
+                   f"top{PRESETS[CANONICAL].top_k}); all: {', '.join(cx.EXPERT_FORMATS)} "
                    "(with no --model, --dtype or --preset: all)")
     p.add_argument("--preset", action="append", metavar="NAME[,NAME...]",
                    help=f"synthetic presets whose layer kinds to bench ({presets})")
@@ -120,7 +120,7 @@ def collect_targets(models: Sequence[str] = (), dtypes: Sequence[str] = (),
         for kind, experts, activation in checkpoint_kinds(model):
             add(kind, experts, activation, model)
     canon = PRESETS[CANONICAL]
-    for d in dict.fromkeys(cx.FORMATS if "all" in dtypes else dtypes):
+    for d in dict.fromkeys(cx.EXPERT_FORMATS if "all" in dtypes else dtypes):
         fmt, options = cpu_format(d, d, d)
         kind = LayerKind(fmt, canon.hidden, canon.moe_intermediate, canon.top_k, options)
         add(kind, canon.experts, "silu", f"dtype:{d}")

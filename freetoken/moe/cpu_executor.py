@@ -25,6 +25,7 @@ from freetoken.moe.cpu_native import (  # noqa: F401  (the executor's public nam
     ACT_KINDS,
     ACTIVATIONS,
     DEFAULT_SPIN_US,
+    EXPERT_FORMATS,
     FORMATS,
     ISAS,
     LIBRARY,

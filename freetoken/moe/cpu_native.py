@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 LIBRARY = "libfreetoken_cpu.so"
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
-FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block")
+FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32")
+# What experts are kept in: f32 and f16 experts are kept as bf16; f32 is for dense routers.
+EXPERT_FORMATS = FORMATS[:-1]
 ACT_KINDS = ("f32", "q8", "bf16")  # how a kernel reads activations
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -121,8 +123,8 @@ def native() -> ctypes.CDLL:
         "ft_set_join": (None, [c.c_void_p, c.c_int]),
         "ft_attention_decode": (
             None,
-            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int,
-             c.c_int, c.c_int, c.c_int, c.c_float, c.c_void_p],
+            [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+             c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_float, c.c_void_p],
         ),
         "ft_rms_norm": (
             None, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int, c.c_float, c.c_int, c.c_void_p],
@@ -131,6 +133,9 @@ def native() -> ctypes.CDLL:
             c.c_int,
             [c.c_void_p, c.c_void_p, c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int,
              c.c_int, c.c_void_p],
+        ),
+        "ft_route_topk": (
+            None, [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_void_p],
         ),
         "ft_set_gate_up_rows": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_add_linear": (

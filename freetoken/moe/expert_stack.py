@@ -12,7 +12,7 @@ import torch
 
 from freetoken.moe.cpu_native import FORMATS, _ProjDesc
 from freetoken.moe.host_memory import to_host_bank
-from freetoken.quant import QuantTensor
+from freetoken.quant import QuantTensor, get_format
 
 
 @dataclass
@@ -39,10 +39,13 @@ class ExpertStack:
 
     @classmethod
     def from_quant(cls, qts: QuantTensor | list[QuantTensor], copy: bool = False) -> ExpertStack:
-        """From one stacked (E, rows, cols) QuantTensor or a list of per-expert (rows, cols).
+        """From one stacked (E, rows, cols) QuantTensor or a list of per-expert (rows, cols);
+        one (rows, cols) QuantTensor is a stack of one (a dense matrix for ``add_linear``).
 
         ``copy`` puts the data in huge-page host memory of its own (else it is read in place).
         """
+        if isinstance(qts, QuantTensor) and len(qts.shape) == 2:
+            qts = [qts]
         stacked = isinstance(qts, QuantTensor)
         if isinstance(qts, QuantTensor):
             if len(qts.shape) != 3:
@@ -63,6 +66,11 @@ class ExpertStack:
         if copy:
             data = [to_host_bank(d) for d in data]
         row_bytes = data[0].shape[-1] * data[0].element_size()
+        if row_bytes != get_format(fmt).row_bytes(cols):
+            raise ValueError(
+                f"{fmt} rows of {cols} take {get_format(fmt).row_bytes(cols)} bytes, but the "
+                f"data ({data[0].dtype}, last axis {data[0].shape[-1]}) has {row_bytes}"
+            )
         stack = cls(fmt, rows, cols, _addresses(data, E, stacked), row_bytes)
         stack.keep = list(data)
         stack.expert_bytes = rows * stack.row_bytes

@@ -36,6 +36,12 @@ def test_native_decode_matches_sdpa(monkeypatch, heads, kv_heads, window, sharp)
     assert ctx.decode
     q, k, v = (torch.randn(3, h, D) for h in (heads, kv_heads, kv_heads))
     q = q * sharp
+    before = kv.k.clone(), kv.v.clone()
+    got = attn_mod.attention(q, k, v, ctx, 1, D**-0.5, window)  # stores k, v natively
+    stored = kv.k.clone(), kv.v.clone()
+    kv.k.copy_(before[0])
+    kv.v.copy_(before[1])
     want = _torch_path(monkeypatch, q, k, v, ctx, 1, D**-0.5, window)
-    got = attn_mod.attention(q, k, v, ctx, 1, D**-0.5, window)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    assert torch.equal(stored[0], kv.k) and torch.equal(stored[1], kv.v)
+    assert not torch.equal(stored[0], before[0])  # the new keys did land

@@ -73,3 +73,41 @@ def test_slow_twins_run_without_the_library(monkeypatch):
     assert torch.equal(norm(x), norm.reference(x))
     pos = torch.tensor([1, 3])
     assert torch.equal(rot(x[:, None], pos), rot.reference(x[:, None], pos))
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_router_top_k_matches_torch(renormalise):
+    from freetoken.config import ModelConfig
+    from freetoken.models.blocks import MoEBlock
+
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position=64, tie_word_embeddings=False,
+                      num_experts=128, top_k=8, moe_intermediate_size=32, moe_layers=(True,),
+                      norm_topk_prob=renormalise)
+    block = MoEBlock(cfg, 0, "resident")
+    torch.manual_seed(3)
+    block.gate.weight.data.normal_()
+    x = torch.randn(5, 64)
+    ids, weights = block.route(x)
+    # transformers' Qwen3-MoE router: softmax in float32, top-k, renormalised if configured
+    probs = torch.softmax(x @ block.gate.weight.T, dim=-1, dtype=torch.float32)
+    want_w, want_ids = torch.topk(probs, 8, dim=-1)
+    if renormalise:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-7, rtol=1e-5)
+    slow_ids, slow_w = block.choose(block.gate(x), x.dtype)
+    assert torch.equal(ids, slow_ids)
+    torch.testing.assert_close(weights, slow_w, atol=1e-7, rtol=1e-5)
+
+
+def test_router_ties_go_to_the_lower_expert():
+    from freetoken.models.blocks import _native_route
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, -1.0]])
+    ids, w = torch.empty(1, 3, dtype=torch.int64), torch.empty(1, 3)
+    _native_route()(logits.data_ptr(), 1, 6, 3, True, ids.data_ptr(), w.data_ptr())
+    assert ids.tolist() == [[1, 3, 2]]
+    e = torch.tensor([2.0, 2.0, 1.0]).exp()
+    torch.testing.assert_close(w, (e / e.sum())[None])

@@ -32,7 +32,8 @@ def test_cpu_strategy_matches_resident(tiny_qwen3_moe, tmp_path, expert_fmt):
     ("cpu", ["--moe-cpu-threads", "1", "--cpu-dense", "torch"],
      "CPU MoE executor ready: threads=1"),
     ("cpu", ["--moe-cpu-threads", "1"],  # auto: dense layers on the pool
-     "dense layers on the CPU pool in their checkpoint format: 9 matrices"),
+     "dense layers on the CPU pool: 9 matrices in their checkpoint format, 2 routers in "
+     "float32"),
     ("offload", ["--moe-cache-size", "3"], "MoE plan: offload on 2 q8_0 layers"),
     ("hybrid", ["--moe-cache-size", "3", "--moe-cpu-threads", "1"],
      "MoE plan: hybrid on 2 q8_0 layers at a fetch cap of 1"),

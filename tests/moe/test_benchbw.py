@@ -109,8 +109,8 @@ def test_help_documents_thread_resolution(capsys: pytest.CaptureFixture[str],
 
 def test_no_input_benches_every_cpu_format_at_the_canonical_shape() -> None:
     targets = collect_targets()
-    assert len(targets) == len(cx.FORMATS)
-    assert {t.sources[0] for t in targets} == {f"dtype:{f}" for f in cx.FORMATS}
+    assert len(targets) == len(cx.EXPERT_FORMATS)
+    assert {t.sources[0] for t in targets} == {f"dtype:{f}" for f in cx.EXPERT_FORMATS}
     assert {(t.kind.hidden, t.kind.moe_intermediate, t.kind.top_k) for t in targets} == {
         (2048, 768, 8)}
     assert collect_targets(dtypes=["all"]) == targets

@@ -26,6 +26,7 @@ SHAPES = {
     "q6_k": (256, 512),
     "nvfp4": (80, 48),
     "fp8_block": (200, 136),
+    "f32": (83, 41),  # odd: the 16/8-wide loops' masked and scalar tails
 }
 # Largest error, relative to the output's largest magnitude, per activation kind.
 TOLERANCE = {"f32": 2e-5, "bf16": 2e-2, "q8": 3e-2}
@@ -158,6 +159,16 @@ def test_bf16_activations_match_scalar_twin() -> None:
     want = reference(bank("bf16"), x, ids, w)
     assert rel_err(fast.run(x, ids, w, layer), want) < TOLERANCE["bf16"]
     assert rel_err(slow.run(x, ids, w, 0), want) < TOLERANCE["f32"]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_f32_weights_read_f32_activations_in_every_mode(tier: str) -> None:
+    """f32 weights keep float activations even where the executor quantises x for the others,
+    on the widest float kernel at or below the tier."""
+    layer = cx.FORMATS.index("f32")
+    want = cx.ISAS[min(cx.ISAS.index(tier), cx.ISAS.index("avx512"))]
+    for act in ("auto", "f32", "q8"):
+        assert executor(tier, act).layers[layer].kernels == ((want, "f32"),) * 3, act
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])

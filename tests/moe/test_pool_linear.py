@@ -45,6 +45,31 @@ def test_dense_matrix_matches_reference(executor, fmt, tokens):
     assert fut.weight_bytes == stack.expert_bytes  # every row read once, for all tokens
 
 
+@pytest.mark.parametrize("act", ["auto", "q8"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_f32_router_is_float32_linear(monkeypatch, tier, act):
+    """An f32 router (128 x 2048) registered as it is read: x @ W.T to float32 rounding under
+    any ISA cap and activation mode, the activations never quantised."""
+    monkeypatch.setenv("FREETOKEN_CPU_ISA", tier)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 2048, generator=g) / 2048**0.5
+    x = torch.randn(5, 2048, generator=g)
+    ex = cx.CpuMoeExecutor(threads=2, act=act)
+    lid = ex.add_linear(cx.ExpertStack.from_quant(QuantTensor("f32", tuple(w.shape), w)))
+    want_isa = cx.ISAS[min(cx.ISAS.index(tier), cx.ISAS.index("avx512"))]
+    assert ex.linear_kernel(lid) == (want_isa, "f32")
+    got = ex.submit_linear(x, lid).wait()
+    want = torch.nn.functional.linear(x, w)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    ex.close()
+
+
+def test_data_that_does_not_fit_the_format_is_refused():
+    qt = QuantTensor("f32", (4, 8), torch.zeros(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="f32 rows of 8 take 32 bytes, but the data"):
+        cx.ExpertStack.from_quant(qt)
+
+
 def test_pool_linear_layer_loads_and_multiplies():
     torch.manual_seed(0)
     qt = get_format("q8_0").quantize(torch.randn(48, 96))

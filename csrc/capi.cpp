@@ -166,6 +166,20 @@ FT_API int64_t ft_submit_linear(void* ex, int id, const float* x, float* out, in
   return ((ft::Executor*)ex)->submit_linear(id, x, out, T);
 }
 
+// submit + wait in one call, for callers that have nothing to overlap (a layer's synchronous
+// path): the weight bytes read, or submit's negative code; the pool's time in ns.
+FT_API int64_t ft_run(void* ex, int layer, const float* x, const int64_t* ids, const float* w,
+                      float* out, int T, int A, int64_t* ns) {
+  int64_t h = ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A);
+  return h < 0 ? h : ((ft::Executor*)ex)->wait(h, ns, nullptr);
+}
+
+// submit_linear + wait in one call (see ft_run).
+FT_API int64_t ft_run_linear(void* ex, int id, const float* x, float* out, int T, int64_t* ns) {
+  int64_t h = ((ft::Executor*)ex)->submit_linear(id, x, out, T);
+  return h < 0 ? h : ((ft::Executor*)ex)->wait(h, ns, nullptr);
+}
+
 // timing: null, or ft::TM_FIELDS int64s to fill (see ft::TimingField).
 FT_API int64_t ft_wait(void* ex, int64_t handle, int64_t* ns, int64_t* timing) {
   return ((ft::Executor*)ex)->wait(handle, ns, timing);

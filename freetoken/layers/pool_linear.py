@@ -38,7 +38,7 @@ def _register(qt: QuantTensor) -> int:
 def _run(lid: int, x: torch.Tensor, cols: int) -> torch.Tensor:
     from freetoken.moe.cpu import shared_executor
 
-    return shared_executor().submit_linear(x.reshape(-1, cols), lid).wait()
+    return shared_executor().run_linear(x.reshape(-1, cols), lid)
 
 
 class InputGroup:

@@ -229,15 +229,11 @@ class CpuMoeExecutor:
         self._stacks[layer] = (gate, up, down)
         return info
 
-    def submit(
+    def _check_moe(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int,
-        out: torch.Tensor | None = None,
-    ) -> CpuMoeFuture:
-        """Start ``sum_a weights[t, a] * expert_{ids[t, a]}(hidden[t])`` on the pool.
-
-        hidden (T, H), expert_ids/weights (T, A); ids < 0 are skipped. Returns at once. The
-        result goes to ``out`` if given (float32, contiguous, on the CPU, (T, H)).
-        """
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """submit's arguments as the workers read them: (x, ids, w, out)."""
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no experts on the CPU executor")
         x = _host(hidden, torch.float32)
@@ -255,32 +251,62 @@ class CpuMoeExecutor:
             out = torch.empty(T, H, dtype=torch.float32)
         elif out is not _host(out, torch.float32) or out.shape != (T, H):
             raise ValueError(f"out must be a contiguous float32 CPU tensor of {(T, H)}")
-        if T == 0:
-            fut = CpuMoeFuture(self, -1, out, ())
-            fut._done = True
-            return fut
+        return x, ids, w, out
+
+    def _take_slot(self) -> None:
         with self._lock:
             if self._in_flight >= MAX_IN_FLIGHT:
                 raise RuntimeError(
-                    f"more than {MAX_IN_FLIGHT} CPU MoE jobs in flight; wait() "
-                    "on earlier futures first"
+                    f"more than {MAX_IN_FLIGHT} CPU jobs in flight; wait() on earlier futures "
+                    "first"
                 )
             self._in_flight += 1
-        ticket = self._lib.ft_submit(
-            self._handle,
-            layer,
-            x.data_ptr(),
-            ids.data_ptr(),
-            w.data_ptr(),
-            out.data_ptr(),
-            T,
-            ids.shape[1],
-        )
+
+    def _give_slot(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def submit(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int,
+        out: torch.Tensor | None = None,
+    ) -> CpuMoeFuture:
+        """Start ``sum_a weights[t, a] * expert_{ids[t, a]}(hidden[t])`` on the pool.
+
+        hidden (T, H), expert_ids/weights (T, A); ids < 0 are skipped. Returns at once. The
+        result goes to ``out`` if given (float32, contiguous, on the CPU, (T, H)).
+        """
+        x, ids, w, out = self._check_moe(hidden, expert_ids, weights, layer, out)
+        if x.shape[0] == 0:
+            fut = CpuMoeFuture(self, -1, out, ())
+            fut._done = True
+            return fut
+        self._take_slot()
+        ticket = self._lib.ft_submit(self._handle, layer, x.data_ptr(), ids.data_ptr(),
+                                     w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1])
         if ticket < 0:
-            with self._lock:
-                self._in_flight -= 1
+            self._give_slot()
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
         return CpuMoeFuture(self, ticket, out, (x, ids, w))
+
+    def run(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int
+    ) -> torch.Tensor:
+        """submit + wait, in one call into the library: a decode step's synchronous path, where
+        the Python of a future per layer shows in the engine thread's time."""
+        if self._timing:
+            return self.submit(hidden, expert_ids, weights, layer).wait()
+        x, ids, w, out = self._check_moe(hidden, expert_ids, weights, layer, None)
+        if x.shape[0] == 0:
+            return out
+        self._take_slot()
+        try:
+            done = self._lib.ft_run(self._handle, layer, x.data_ptr(), ids.data_ptr(),
+                                    w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1], None)
+        finally:
+            self._give_slot()
+        if done < 0:
+            raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
+        return out
 
     def add_linear(self, weight: ExpertStack) -> int:
         """Register a dense matrix (a one-expert stack, rows x cols); returns its id."""
@@ -302,31 +328,39 @@ class CpuMoeExecutor:
         self._lib.ft_linear_kernel(self._handle, lid, ctypes.byref(isa), ctypes.byref(act))
         return ISAS[isa.value], ACT_KINDS[act.value]
 
-    def submit_linear(self, x: torch.Tensor, lid: int) -> CpuMoeFuture:
-        """Start ``x @ W^T`` for x (T, cols) on the pool; the future's result is (T, rows)."""
+    def _check_linear(self, x: torch.Tensor, lid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) of dense matrix ``lid`` for x (T, cols), as the workers read them."""
         w = self._linears[lid]
         xf = _host(x, torch.float32)
-        if xf.dim() != 2 or xf.shape[1] != w.cols:
+        if xf.dim() != 2 or xf.shape[1] != w.cols or xf.shape[0] == 0:
             raise ValueError(f"dense {w.rows}x{w.cols}: input {tuple(x.shape)}")
-        out = torch.empty(xf.shape[0], w.rows, dtype=torch.float32)
-        with self._lock:
-            if self._in_flight >= MAX_IN_FLIGHT:
-                raise RuntimeError(f"more than {MAX_IN_FLIGHT} CPU jobs in flight; wait() on "
-                                   "earlier futures first")
-            self._in_flight += 1
+        return xf, torch.empty(xf.shape[0], w.rows, dtype=torch.float32)
+
+    def submit_linear(self, x: torch.Tensor, lid: int) -> CpuMoeFuture:
+        """Start ``x @ W^T`` for x (T, cols) on the pool; the future's result is (T, rows)."""
+        xf, out = self._check_linear(x, lid)
+        self._take_slot()
         ticket = self._lib.ft_submit_linear(self._handle, lid, xf.data_ptr(), out.data_ptr(),
                                             xf.shape[0])
         if ticket < 0:
-            with self._lock:
-                self._in_flight -= 1
-            raise ValueError(f"dense matrix {lid} is not registered or the input is empty")
+            self._give_slot()
+            raise ValueError(f"dense matrix {lid} is not registered")
         return CpuMoeFuture(self, ticket, out, (xf,))
 
-    def run(
-        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int
-    ) -> torch.Tensor:
-        """submit + wait."""
-        return self.submit(hidden, expert_ids, weights, layer).wait()
+    def run_linear(self, x: torch.Tensor, lid: int) -> torch.Tensor:
+        """submit_linear + wait in one call into the library (see :meth:`run`)."""
+        if self._timing:
+            return self.submit_linear(x, lid).wait()
+        xf, out = self._check_linear(x, lid)
+        self._take_slot()
+        try:
+            done = self._lib.ft_run_linear(self._handle, lid, xf.data_ptr(), out.data_ptr(),
+                                           xf.shape[0], None)
+        finally:
+            self._give_slot()
+        if done < 0:
+            raise ValueError(f"dense matrix {lid} is not registered")
+        return out
 
     def set_timing(self, on: bool) -> None:
         """Time every item of later jobs: their futures then carry a :class:`JobTiming`."""

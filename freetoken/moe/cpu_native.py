@@ -114,6 +114,15 @@ def native() -> ctypes.CDLL:
             c.c_int64,
             [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
         ),
+        "ft_run": (
+            c.c_int64,
+            [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int,
+             c.POINTER(c.c_int64)],
+        ),
+        "ft_run_linear": (
+            c.c_int64,
+            [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int, c.POINTER(c.c_int64)],
+        ),
         "ft_wait": (
             c.c_int64, [c.c_void_p, c.c_int64, c.POINTER(c.c_int64), c.POINTER(c.c_int64)],
         ),

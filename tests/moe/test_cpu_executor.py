@@ -113,9 +113,30 @@ def test_too_many_unwaited_jobs_is_an_error() -> None:
     futs = [ex.submit(*inputs("q8_0", 1), layer=0) for _ in range(cx.MAX_IN_FLIGHT)]
     with pytest.raises(RuntimeError, match="in flight"):
         ex.submit(*inputs("q8_0", 1), layer=0)
+    with pytest.raises(RuntimeError, match="in flight"):
+        ex.run(*inputs("q8_0", 1), layer=0)  # it would wait for a slot that never frees
     for f in futs:
         f.wait()
     ex.run(*inputs("q8_0", 1), layer=0)
+
+
+def test_run_in_one_call_equals_submit_and_wait() -> None:
+    from freetoken.quant import get_format
+
+    ex = cx.CpuMoeExecutor(threads=2)
+    bank = make_bank("q8_0", 96, 160)
+    ex.add_layer(0, *stacks(bank))
+    x, ids, w = inputs("q8_0", 3)
+    assert torch.equal(ex.run(x, ids, w, layer=0), ex.submit(x, ids, w, layer=0).wait())
+    with pytest.raises(ValueError, match="expert ids must be <"):
+        ex.run(x, torch.full_like(ids, E), w, layer=0)
+    weight = torch.randn(40, 96)
+    lid = ex.add_linear(cx.ExpertStack.from_quant(get_format("q8_0").quantize(weight)))
+    xs = torch.randn(2, 96)
+    assert torch.equal(ex.run_linear(xs, lid), ex.submit_linear(xs, lid).wait())
+    with pytest.raises(ValueError, match=r"dense 40x96: input \(2, 95\)"):
+        ex.run_linear(xs[:, :95], lid)
+    ex.run(x, ids, w, layer=0)  # the failed calls gave their slots back
 
 
 def test_a_dropped_future_is_waited_for() -> None:

@@ -53,24 +53,27 @@ class LlamaCpp:
         return {"tokens_per_s": tokens / dt, "output_ids": out}
 
 
-_WAITED = [0.0]  # seconds the engine thread spent in pool waits
+_WAITED = [0.0]  # seconds the engine thread spent in pool calls that wait for a job
 
 
 def _time_waits(ex: object) -> None:
-    """Count the time spent in ``ex``'s waits into _WAITED (installed once per executor)."""
-    if getattr(ex, "_waits_timed", False):
+    """Count the time spent in ``ex``'s library calls that wait for a pool job (a future's
+    wait, or a layer's one-call run) into _WAITED; installed once per library."""
+    lib = ex._lib  # type: ignore[attr-defined]
+    if getattr(lib, "_waits_timed", False):
         return
-    inner = ex._wait  # type: ignore[attr-defined]
+    for name in ("ft_wait", "ft_run", "ft_run_linear"):
+        inner = getattr(lib, name)
 
-    def timed_wait(ticket: int):  # type: ignore[no-untyped-def]
-        t = time.perf_counter()
-        try:
-            return inner(ticket)
-        finally:
-            _WAITED[0] += time.perf_counter() - t
+        def timed(*args, _inner=inner):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return _inner(*args)
+            finally:
+                _WAITED[0] += time.perf_counter() - t
 
-    ex._wait = timed_wait  # type: ignore[attr-defined]
-    ex._waits_timed = True  # type: ignore[attr-defined]
+        setattr(lib, name, timed)
+    lib._waits_timed = True
 
 
 class Ours:

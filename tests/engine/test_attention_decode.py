@@ -18,12 +18,16 @@ def _torch_path(monkeypatch, *args):
 
 
 @pytest.mark.parametrize("sharp", [1.0, 30.0])  # 30: scores spread over ~100, exp underflows
-@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(8, 2, 0), (4, 4, 0), (8, 1, 5)])
-def test_native_decode_matches_sdpa(monkeypatch, heads, kv_heads, window, sharp):
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "D"), [
+    (8, 2, 0, 64), (4, 4, 0, 64), (8, 1, 5, 64),
+    (20, 2, 0, 32),  # ten query heads per kv head: a block of eight and a block of two
+    (6, 2, 0, 40),  # a head size that is not a multiple of 16: the plain loops
+])
+def test_native_decode_matches_sdpa(monkeypatch, heads, kv_heads, window, D, sharp):
     if attn_mod._native_decode() is None:
         pytest.skip("the native library is not built")
     torch.manual_seed(0)
-    D, page = 64, 4
+    page = 4
     kv = PagedKV(num_layers=2, num_pages=16, page_size=page, kv_heads=kv_heads, head_dim=D,
                  dtype=torch.float32, device="cpu")
     kv.k.normal_()
@@ -42,6 +46,9 @@ def test_native_decode_matches_sdpa(monkeypatch, heads, kv_heads, window, sharp)
     kv.k.copy_(before[0])
     kv.v.copy_(before[1])
     want = _torch_path(monkeypatch, q, k, v, ctx, 1, D**-0.5, window)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    # scores spread over ~100 turn a score's last-bit rounding (the sums run in another order
+    # than SDPA's) into ~1e-5 of its weight
+    tol = dict(atol=2e-6, rtol=2e-5) if sharp == 1 else dict(atol=2e-5, rtol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
     assert torch.equal(stored[0], kv.k) and torch.equal(stored[1], kv.v)
     assert not torch.equal(stored[0], before[0])  # the new keys did land

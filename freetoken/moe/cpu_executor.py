@@ -295,18 +295,28 @@ class CpuMoeExecutor:
         the Python of a future per layer shows in the engine thread's time."""
         if self._timing:
             return self.submit(hidden, expert_ids, weights, layer).wait()
+        return self.run_measured(hidden, expert_ids, weights, layer, None)[0]
+
+    def run_measured(
+        self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int,
+        ns: ctypes.c_int64 | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """:meth:`run` that also gives the weight bytes read, and the pool's time on the job
+        in ``ns`` (nanoseconds) when one is passed: what a benchmark of the decode path
+        records."""
         x, ids, w, out = self._check_moe(hidden, expert_ids, weights, layer, None)
         if x.shape[0] == 0:
-            return out
+            return out, 0
         self._take_slot()
         try:
             done = self._lib.ft_run(self._handle, layer, x.data_ptr(), ids.data_ptr(),
-                                    w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1], None)
+                                    w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1],
+                                    None if ns is None else ctypes.byref(ns))
         finally:
             self._give_slot()
         if done < 0:
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
-        return out
+        return out, int(done)
 
     def add_linear(self, weight: ExpertStack) -> int:
         """Register a dense matrix (a one-expert stack, rows x cols); returns its id."""
@@ -361,6 +371,11 @@ class CpuMoeExecutor:
         if done < 0:
             raise ValueError(f"dense matrix {lid} is not registered")
         return out
+
+    @property
+    def timing(self) -> bool:
+        """Whether later jobs are timed item by item (:meth:`set_timing`)."""
+        return self._timing
 
     def set_timing(self, on: bool) -> None:
         """Time every item of later jobs: their futures then carry a :class:`JobTiming`."""

@@ -3,6 +3,7 @@ stress, the startup line, and the error when the library is missing."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 import subprocess
@@ -127,7 +128,11 @@ def test_run_in_one_call_equals_submit_and_wait() -> None:
     bank = make_bank("q8_0", 96, 160)
     ex.add_layer(0, *stacks(bank))
     x, ids, w = inputs("q8_0", 3)
-    assert torch.equal(ex.run(x, ids, w, layer=0), ex.submit(x, ids, w, layer=0).wait())
+    fut = ex.submit(x, ids, w, layer=0)
+    assert torch.equal(ex.run(x, ids, w, layer=0), fut.wait())
+    ns = ctypes.c_int64(0)
+    out, nbytes = ex.run_measured(x, ids, w, 0, ns)
+    assert torch.equal(out, fut.wait()) and nbytes == fut.weight_bytes > 0 and ns.value > 0
     with pytest.raises(ValueError, match="expert ids must be <"):
         ex.run(x, torch.full_like(ids, E), w, layer=0)
     weight = torch.randn(40, 96)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine.context import ForwardContext
+from freetoken.moe.cpu_native import optional
 
 
 def _gather(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -19,8 +20,6 @@ def _gather(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _native_decode() -> Any:
     """The native library's decode attention, or None where the library is not built (the
     torch path below is its slow twin and runs instead)."""
-    from freetoken.moe.cpu_native import optional
-
     return optional("ft_attention_decode")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken.moe.cpu import shared_executor
+from freetoken.moe.expert_stack import ExpertStack
 from freetoken.quant import QuantTensor, get_format
 
 # Formats the pool's kernels read; f32 and f16 weights are kept as bf16.
@@ -27,17 +29,12 @@ INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def _register(qt: QuantTensor) -> int:
     """Put a dense matrix on the shared pool; its linear id."""
-    from freetoken.moe.cpu import shared_executor
-    from freetoken.moe.cpu_executor import ExpertStack
-
     stacked = QuantTensor(qt.fmt, (1, *qt.shape), qt.data.unsqueeze(0),
                           {k: v.unsqueeze(0) for k, v in qt.scales.items()})
     return shared_executor().add_linear(ExpertStack.from_quant(stacked, copy=True))
 
 
 def _run(lid: int, x: torch.Tensor, cols: int) -> torch.Tensor:
-    from freetoken.moe.cpu import shared_executor
-
     return shared_executor().run_linear(x.reshape(-1, cols), lid)
 
 

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from freetoken.moe.cpu_native import optional
+
 
 def _native() -> Any:
     """The native library's rotary embedding, or None where it is not built (torch runs)."""
-    from freetoken.moe.cpu_native import optional
-
     return optional("ft_rotary_neox")
 
 

@@ -17,13 +17,12 @@ from freetoken.layers.attention import attention
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
+from freetoken.moe.cpu_native import optional
 from freetoken.moe.strategy import ExpertShape, StrategyPlan, make_experts
 
 
 def _native_route() -> Any:
     """The native library's router top-k, or None where it is not built (torch runs)."""
-    from freetoken.moe.cpu_native import optional
-
     return optional("ft_route_topk")
 
 

@@ -53,24 +53,27 @@ class LlamaCpp:
         return {"tokens_per_s": tokens / dt, "output_ids": out}
 
 
-_WAITED = [0.0]  # seconds the engine thread spent in pool calls that wait for a job
+# seconds the engine thread spent in the library: waiting for pool jobs (in which it joins the
+# workers), and in native decode layers (their four pool jobs and the steps between them)
+_WAITED = {"pool": 0.0, "native_layers": 0.0}
+_TIMED = {"ft_wait": "pool", "ft_run": "pool", "ft_run_linear": "pool",
+          "ft_decode_layer": "native_layers"}
 
 
 def _time_waits(ex: object) -> None:
-    """Count the time spent in ``ex``'s library calls that wait for a pool job (a future's
-    wait, or a layer's one-call run) into _WAITED; installed once per library."""
+    """Count the time spent in ``ex``'s library calls into _WAITED; installed once per library."""
     lib = ex._lib  # type: ignore[attr-defined]
     if getattr(lib, "_waits_timed", False):
         return
-    for name in ("ft_wait", "ft_run", "ft_run_linear"):
+    for name, kind in _TIMED.items():
         inner = getattr(lib, name)
 
-        def timed(*args, _inner=inner):  # type: ignore[no-untyped-def]
+        def timed(*args, _inner=inner, _kind=kind):  # type: ignore[no-untyped-def]
             t = time.perf_counter()
             try:
                 return _inner(*args)
             finally:
-                _WAITED[0] += time.perf_counter() - t
+                _WAITED[_kind] += time.perf_counter() - t
 
         setattr(lib, name, timed)
     lib._waits_timed = True
@@ -78,15 +81,22 @@ def _time_waits(ex: object) -> None:
 
 class Ours:
     """Our engine on the file, CPU only; it records how a token's time splits between the
-    engine thread's own work and its waits for pool jobs (in which it joins the workers)."""
+    engine thread's own work and its waits for pool jobs (in which it joins the workers).
+
+    Engines of one run share the process's pool: a later engine's experts replace an earlier
+    one's under the same layer ids (the same file's bytes, so the results are the same, but
+    the earlier engine then reads the later one's copy)."""
 
     def __init__(self, model: str, threads: int, strategy: str, cpu_dense: str,
-                 join: bool) -> None:
+                 join: bool, native: bool) -> None:
         cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
                            max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
                            cpu_dense=cpu_dense)
         configure_threads(cfg)
         self.engine = Engine(cfg, progress=False)
+        if not native:  # decode every layer through its modules (the native layers' twin)
+            for layer in self.engine.model.model.layers:
+                layer.native = None
         self.join = join
         self.executor = None
         if strategy == "cpu" or cpu_dense == "pool":
@@ -102,25 +112,32 @@ class Ours:
         steps = self.engine.stream(ids, SamplingParams(max_tokens=tokens + 1, ignore_eos=True),
                                    stats)
         out = [next(steps)]  # the prefill's token
-        _WAITED[0] = 0.0
+        for k in _WAITED:
+            _WAITED[k] = 0.0
         t0 = time.perf_counter()
         out += list(steps)
         total = time.perf_counter() - t0
         return {"tokens_per_s": stats.decode_tokens_per_s, "output_ids": out[:tokens],
-                # per decode step: the engine thread's waits for pool jobs (in which it joins
-                # the workers) and its own work
-                "pool_wait_ms_per_token": _WAITED[0] / tokens * 1e3,
-                "engine_ms_per_token": (total - _WAITED[0]) / tokens * 1e3}
+                # per decode step: the engine thread's waits for pool jobs outside native
+                # layers, its time in native layers, and the rest (Python and torch)
+                "pool_wait_ms_per_token": _WAITED["pool"] / tokens * 1e3,
+                "native_layers_ms_per_token": _WAITED["native_layers"] / tokens * 1e3,
+                "engine_ms_per_token": (total - sum(_WAITED.values())) / tokens * 1e3}
 
 
-# name: (--moe-strategy, --cpu-dense, whether the engine thread joins pool jobs, what it is)
+# name: (--moe-strategy, --cpu-dense, whether the engine thread joins pool jobs, whether
+# decode layers run as one native call each where they fit, what it is)
 ENGINES = {
-    "cpu_dense_pool": ("cpu", "pool", True,
-                       "experts and dense matrices in their format on the pool"),
-    "cpu_dense_pool_nojoin": ("cpu", "pool", False, "the same, the engine thread only waits "
-                              "for pool jobs (CpuMoeExecutor.set_join)"),
-    "cpu": ("cpu", "torch", True, "experts on the pool, dense layers f32 in torch"),
-    "resident_f32": ("resident", "torch", True, "everything dequantised to f32 in torch"),
+    "cpu_dense_pool": ("cpu", "pool", True, True,
+                       "experts and dense matrices in their format on the pool; a decode "
+                       "layer is one native call"),
+    "cpu_dense_pool_nojoin": ("cpu", "pool", False, True, "the same, the engine thread only "
+                              "waits for pool jobs (CpuMoeExecutor.set_join)"),
+    "cpu_dense_pool_modules": ("cpu", "pool", True, False, "the same, each decode layer "
+                               "through its torch modules (the native layer's slow twin)"),
+    "cpu": ("cpu", "torch", True, True, "experts on the pool, dense layers f32 in torch"),
+    "resident_f32": ("resident", "torch", True, True,
+                     "everything dequantised to f32 in torch"),
 }
 
 
@@ -134,7 +151,7 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated engines of ours to run next to llama.cpp: "
-                   + ", ".join(f"{k} ({v[3]})" for k, v in ENGINES.items()))
+                   + ", ".join(f"{k} ({v[4]})" for k, v in ENGINES.items()))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     engines = args.engines.split(",")
@@ -143,7 +160,7 @@ def main() -> None:
         p.error(f"unknown engines {unknown} (choose from {', '.join(ENGINES)})")
     ids = list(range(1000, 1016))
     peer = LlamaCpp(args.model, args.threads)
-    ours = {name: Ours(args.model, args.threads, *ENGINES[name][:3]) for name in engines}
+    ours = {name: Ours(args.model, args.threads, *ENGINES[name][:4]) for name in engines}
     runs: dict[str, list[dict[str, object]]] = {"llama_cpp": []} | {n: [] for n in engines}
     for r in range(args.repeats):  # interleaved, so drift in the machine hits both alike
         runs["llama_cpp"].append(peer.decode(ids, args.tokens))

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_layer.h"
 #include "dispatch.h"
 #include "expert_op.h"
 
@@ -178,6 +179,13 @@ FT_API int64_t ft_run(void* ex, int layer, const float* x, const int64_t* ids, c
 FT_API int64_t ft_run_linear(void* ex, int id, const float* x, float* out, int T, int64_t* ns) {
   int64_t h = ((ft::Executor*)ex)->submit_linear(id, x, out, T);
   return h < 0 ? h : ((ft::Executor*)ex)->wait(h, ns, nullptr);
+}
+
+// One decoder layer of CPU float32 decode (csrc/decode_layer.cpp): x (B, H) updated in place;
+// 0, or -1 when a pool job or a position is refused.
+FT_API int ft_decode_layer(void* ex, const ft::DecodeLayer* d, const ft::DecodeStep* st,
+                           float* x) {
+  return ft::decode_layer(*(ft::Executor*)ex, *d, *st, x);
 }
 
 // timing: null, or ft::TM_FIELDS int64s to fill (see ft::TimingField).

@@ -6,9 +6,16 @@
 #include <cstdint>
 
 namespace ft {
+namespace {
+
+// a ranks above b: NaN above everything, as torch.topk ranks it.
+inline bool above(float a, float b) { return a > b || (a != a && b == b); }
+
+}  // namespace
 
 // logits (T, E); ids (T, A) int64, weights (T, A) float32, largest logit first (ties: the
 // lower expert id). Softmax is monotonic, so choosing by logit is choosing by probability.
+// A <= E.
 void route_topk(const float* logits, int64_t T, int E, int A, bool renormalise, int64_t* ids,
                 float* weights) {
   for (int64_t t = 0; t < T; ++t) {
@@ -17,9 +24,9 @@ void route_topk(const float* logits, int64_t T, int E, int A, bool renormalise, 
     float* w = weights + t * A;
     int n = 0;  // chosen so far, kept sorted: insertion into a list of A (A is small)
     for (int e = 0; e < E; ++e) {
-      if (n == A && !(l[e] > l[id[A - 1]])) continue;
+      if (n == A && !above(l[e], l[id[A - 1]])) continue;
       int at = n < A ? n++ : A - 1;
-      while (at > 0 && l[e] > l[id[at - 1]]) {
+      while (at > 0 && above(l[e], l[id[at - 1]])) {
         id[at] = id[at - 1];
         --at;
       }

@@ -13,6 +13,7 @@ from freetoken.checkpoint import Checkpoint, open_checkpoint
 from freetoken.config import EngineConfig
 from freetoken.engine.context import ForwardContext, Segment
 from freetoken.engine.graph import DecodeGraphs
+from freetoken.engine.native_decode import attach_native_decode
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.pool_linear import PoolLinear, use_pool_linears
 from freetoken.models import build_model
@@ -62,6 +63,10 @@ class ModelRunner:
             check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)
         self.model.eval()
+        if cfg.cpu_dense == "pool" and self.device.type == "cpu" and self.dtype == torch.float32:
+            native = attach_native_decode(self.model)
+            log.info("CPU decode: %d of %d layers as one native call each", native,
+                     mc.num_layers)
         self.offload = attach_offload(self.model, cfg.moe_cache, self._cache_budget)
         if "hybrid" in _names(self.plan):
             attach_hybrid(self.model, shared_executor().threads,

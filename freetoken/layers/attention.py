@@ -33,10 +33,11 @@ def _decode_on_cpu(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     S = ctx.k_slots.shape[1]
     kc, vc = ctx.kv.k[layer], ctx.kv.v[layer]
     visible = ctx.masks[window].reshape(B, S).contiguous()
+    new_slots, slots = ctx.slots.long().contiguous(), ctx.k_slots.long().contiguous()
     out = torch.empty_like(q)
-    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), ctx.slots.contiguous().data_ptr(),
-       kc.data_ptr(), vc.data_ptr(), ctx.k_slots.contiguous().data_ptr(), visible.data_ptr(),
-       B, S, Hq, kc.shape[1], D, scale, out.data_ptr())
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), new_slots.data_ptr(), kc.data_ptr(),
+       vc.data_ptr(), slots.data_ptr(), visible.data_ptr(), B, S, Hq, kc.shape[1], D, scale,
+       out.data_ptr())
     return out
 
 
@@ -51,7 +52,8 @@ def attention(
     and with a window W only p - j < W.
     """
     if ctx.decode and q.device.type == "cpu" and q.dtype == ctx.kv.k.dtype == torch.float32 \
-            and k.dtype == v.dtype == torch.float32 and ctx.kv.k.is_contiguous():
+            and k.dtype == v.dtype == torch.float32 and ctx.kv.k.is_contiguous() \
+            and ctx.kv.v.is_contiguous():
         fn = _native_decode()
         if fn is not None:
             return _decode_on_cpu(fn, q, k, v, ctx, layer, scale, window)

@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype is torch.float32 and x.is_cpu and w.dtype is torch.float32:
+        if x.dtype is torch.float32 and x.is_cpu and w.dtype is torch.float32 and w.is_cpu \
+                and x.shape[-1] == w.numel():
             fn = _native()
             if fn is not None:
                 x = x.contiguous()

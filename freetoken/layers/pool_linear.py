@@ -63,6 +63,13 @@ class InputGroup:
             for m in self.members:
                 m.weight_q = None
 
+    def linear_id(self) -> int | None:
+        """The stacked matrix's id on the pool (registered now if it was not yet); None when
+        the members do not stack."""
+        if self.stacked is None:
+            self._stack()
+        return self._id
+
     def output(self, member: PoolLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for x from one job for the whole group; None when the group
         does not stack (the member then runs alone)."""
@@ -113,16 +120,21 @@ class PoolLinear(nn.Module):
         return self.weight_q is None and self._id is None and (
             self.group is None or not self.group.stacked)
 
+    def linear_id(self) -> int:
+        """This matrix's id on the pool, registered at the first call."""
+        if self._id is None:
+            assert self.weight_q is not None, "PoolLinear used before its weight was loaded"
+            self._id = _register(self.weight_q)
+            self.weight_q = None
+        return self._id
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         y = self.group.output(self, x) if self.group is not None else None
         if y is None:
-            if self._id is None:
-                assert self.weight_q is not None, "PoolLinear used before its weight was loaded"
-                self._id = _register(self.weight_q)
-                self.weight_q = None
-            y = _run(self._id, x, self.in_features)
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+            y = _run(self.linear_id(), x, self.in_features)
+        y = y.reshape(*lead, self.out_features)
+        return y if self.exact else y.to(x.dtype)  # a router's logits stay float32
 
 
 def use_pool_linears(model: nn.Module) -> int:

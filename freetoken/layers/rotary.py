@@ -34,7 +34,10 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` (T, heads, head_dim) at ``positions`` (T,). Float32 on the CPU is one
         native call (same bits as :meth:`reference`, its slow twin)."""
-        if x.dtype is torch.float32 and x.is_cpu and self.cos.dtype is torch.float32:
+        cos = self.cos
+        if x.dtype is torch.float32 and x.is_cpu and cos.dtype is torch.float32 and cos.is_cpu \
+                and x.dim() == 3 and x.shape[2] == cos.shape[-1] \
+                and positions.numel() == x.shape[0]:
             fn = _native()
             if fn is not None:
                 x = x.contiguous()

@@ -88,12 +88,14 @@ class MoEBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> top-k expert ids (T, A) and their weights (T, A) in x's dtype."""
         logits = self.gate(x)
-        if logits.is_cpu and logits.dtype is torch.float32:
+        if logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2 \
+                and self.top_k <= logits.shape[1]:
             fn = _native_route()
             if fn is not None:  # one call instead of five torch calls at decode
                 logits = logits.contiguous()
-                ids = torch.empty(logits.shape[0], self.top_k, dtype=torch.int64)
-                weights = torch.empty(logits.shape[0], self.top_k)
+                ids = torch.empty(logits.shape[0], self.top_k, dtype=torch.int64, device="cpu")
+                weights = torch.empty(logits.shape[0], self.top_k, dtype=torch.float32,
+                                      device="cpu")
                 fn(logits.data_ptr(), logits.shape[0], logits.shape[1], self.top_k,
                    self.norm_topk_prob, ids.data_ptr(), weights.data_ptr())
                 return ids, weights.to(x.dtype)
@@ -101,7 +103,9 @@ class MoEBlock(nn.Module):
 
     def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path of :meth:`route` from the router's logits (the native one's slow
-        twin): softmax over E, top-A, renormalised if the model says so."""
+        twin): softmax over E, top-A, renormalised if the model says so. On exactly equal
+        logits the two may pick different experts of the tie (the native one takes the lower
+        ids; torch.topk's order is its own)."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

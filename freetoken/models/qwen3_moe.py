@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
 from freetoken.models.blocks import MLP, Attention, MoEBlock
 from freetoken.moe.strategy import StrategyPlan
+
+if TYPE_CHECKING:
+    from freetoken.engine.native_decode import NativeDecodeLayer, StepCache
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -30,8 +35,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
             MoEBlock(cfg, layer, strategy) if cfg.moe_layers[layer]
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         )
+        # CPU float32 decode's whole layer as one native call, where attached
+        # (freetoken/engine/native_decode.py); these modules are its slow twin.
+        self.native: NativeDecodeLayer | None = None
+        self.steps: StepCache | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.native is not None and ctx.decode and self.steps is not None:
+            return self.native(x, self.steps.get(ctx), ctx)
         h = x + self.self_attn(self.input_layernorm(x), ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 

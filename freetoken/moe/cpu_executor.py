@@ -240,6 +240,8 @@ class CpuMoeExecutor:
         ids = _host(expert_ids, torch.int64)
         w = _host(weights, torch.float32)
         T, H = x.shape
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ValueError(f"layer {layer}: expert ids {tuple(ids.shape)} must be (T, A), A > 0")
         if ids.shape != w.shape or ids.shape[0] != T or H != self.layers[layer].hidden:
             raise ValueError(
                 f"layer {layer}: hidden {tuple(x.shape)}, ids {tuple(ids.shape)}, "
@@ -342,8 +344,10 @@ class CpuMoeExecutor:
         """(input, output) of dense matrix ``lid`` for x (T, cols), as the workers read them."""
         w = self._linears[lid]
         xf = _host(x, torch.float32)
-        if xf.dim() != 2 or xf.shape[1] != w.cols or xf.shape[0] == 0:
+        if xf.dim() != 2 or xf.shape[1] != w.cols:
             raise ValueError(f"dense {w.rows}x{w.cols}: input {tuple(x.shape)}")
+        if xf.shape[0] == 0:
+            raise ValueError(f"dense {w.rows}x{w.cols}: the input has no rows")
         return xf, torch.empty(xf.shape[0], w.rows, dtype=torch.float32)
 
     def submit_linear(self, x: torch.Tensor, lid: int) -> CpuMoeFuture:

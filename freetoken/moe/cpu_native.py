@@ -123,6 +123,7 @@ def native() -> ctypes.CDLL:
             c.c_int64,
             [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int, c.POINTER(c.c_int64)],
         ),
+        "ft_decode_layer": (c.c_int, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p]),
         "ft_wait": (
             c.c_int64, [c.c_void_p, c.c_int64, c.POINTER(c.c_int64), c.POINTER(c.c_int64)],
         ),

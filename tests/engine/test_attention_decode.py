@@ -41,7 +41,9 @@ def test_native_decode_matches_sdpa(monkeypatch, heads, kv_heads, window, D, sha
     q, k, v = (torch.randn(3, h, D) for h in (heads, kv_heads, kv_heads))
     q = q * sharp
     before = kv.k.clone(), kv.v.clone()
-    got = attn_mod.attention(q, k, v, ctx, 1, D**-0.5, window)  # stores k, v natively
+    with monkeypatch.context() as m:  # the native path must be the one that runs
+        m.setattr(attn_mod.F, "scaled_dot_product_attention", None)
+        got = attn_mod.attention(q, k, v, ctx, 1, D**-0.5, window)  # stores k, v natively
     stored = kv.k.clone(), kv.v.clone()
     kv.k.copy_(before[0])
     kv.v.copy_(before[1])

@@ -20,9 +20,16 @@ pytestmark = pytest.mark.skipif(norm_mod._native() is None,
                                 reason="the native library is not built")
 
 
+def _no_slow_twin(monkeypatch, cls, name):
+    """Make ``cls.name`` (a torch slow twin) raise, so a passing call ran the native path."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.{name} ran instead of the native path")
+    monkeypatch.setattr(cls, name, refuse)
+
+
 @pytest.mark.parametrize("shape", [(1, 2048), (3, 32, 128), (5, 37), (2, 2880)])
 @pytest.mark.parametrize("gemma", [False, True])
-def test_rms_norm_matches_transformers(shape, gemma):
+def test_rms_norm_matches_transformers(shape, gemma, monkeypatch):
     torch.manual_seed(0)
     dim, eps = shape[-1], 1e-6
     theirs = Gemma3RMSNorm(dim, eps) if gemma else Qwen3MoeRMSNorm(dim, eps)
@@ -31,9 +38,11 @@ def test_rms_norm_matches_transformers(shape, gemma):
         theirs.weight.normal_()
         ours.weight.copy_(theirs.weight)
     x = torch.randn(shape) * 3
+    slow = ours.reference(x)
+    _no_slow_twin(monkeypatch, RMSNorm, "reference")
     got = ours(x)
     torch.testing.assert_close(got, theirs(x), atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got, ours.reference(x), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, slow, atol=1e-6, rtol=1e-5)
 
 
 def test_rms_norm_reads_strided_input():
@@ -45,13 +54,15 @@ def test_rms_norm_reads_strided_input():
 
 
 @pytest.mark.parametrize(("T", "heads", "D"), [(1, 32, 128), (7, 4, 64), (3, 2, 10)])
-def test_rotary_matches_transformers_bit_for_bit(T, heads, D):
+def test_rotary_matches_transformers_bit_for_bit(T, heads, D, monkeypatch):
     torch.manual_seed(2)
     rot = Rotary(D, 1e6, 512)
     positions = torch.randint(0, 512, (T,))
     x = torch.randn(T, heads, D)
-    got = rot(x, positions)
-    assert torch.equal(got, rot.reference(x, positions))
+    slow = rot.reference(x, positions)
+    _no_slow_twin(monkeypatch, Rotary, "reference")
+    got = rot(x, positions.int())  # int32 positions are widened
+    assert torch.equal(got, slow)
     cos, sin = rot.cos[positions, 0][None], rot.sin[positions, 0][None]  # (1, T, D)
     q = x.transpose(0, 1)[None]  # (1, heads, T, D)
     want, _ = apply_rotary_pos_emb(q, q, cos, sin)
@@ -76,7 +87,7 @@ def test_slow_twins_run_without_the_library(monkeypatch):
 
 
 @pytest.mark.parametrize("renormalise", [True, False])
-def test_router_top_k_matches_torch(renormalise):
+def test_router_top_k_matches_torch(renormalise, monkeypatch):
     from freetoken.config import ModelConfig
     from freetoken.models.blocks import MoEBlock
 
@@ -89,6 +100,8 @@ def test_router_top_k_matches_torch(renormalise):
     torch.manual_seed(3)
     block.gate.weight.data.normal_()
     x = torch.randn(5, 64)
+    slow_ids, slow_w = block.choose(block.gate(x), x.dtype)
+    _no_slow_twin(monkeypatch, MoEBlock, "choose")
     ids, weights = block.route(x)
     # transformers' Qwen3-MoE router: softmax in float32, top-k, renormalised if configured
     probs = torch.softmax(x @ block.gate.weight.T, dim=-1, dtype=torch.float32)
@@ -97,7 +110,6 @@ def test_router_top_k_matches_torch(renormalise):
         want_w = want_w / want_w.sum(-1, keepdim=True)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, atol=1e-7, rtol=1e-5)
-    slow_ids, slow_w = block.choose(block.gate(x), x.dtype)
     assert torch.equal(ids, slow_ids)
     torch.testing.assert_close(weights, slow_w, atol=1e-7, rtol=1e-5)
 
@@ -111,3 +123,20 @@ def test_router_ties_go_to_the_lower_expert():
     assert ids.tolist() == [[1, 3, 2]]
     e = torch.tensor([2.0, 2.0, 1.0]).exp()
     torch.testing.assert_close(w, (e / e.sum())[None])
+
+
+def test_router_ranks_nan_first_as_torch_does():
+    from freetoken.models.blocks import _native_route
+
+    logits = torch.tensor([[1.0, 2.0, float("nan"), 3.0, 0.0]])
+    ids, w = torch.empty(1, 3, dtype=torch.int64), torch.empty(1, 3)
+    _native_route()(logits.data_ptr(), 1, 5, 3, True, ids.data_ptr(), w.data_ptr())
+    assert ids.tolist() == torch.topk(logits, 3).indices.tolist() == [[2, 3, 1]]
+
+
+def test_native_paths_refuse_shapes_they_do_not_fit():
+    """A wrong shape reaches the torch path, which raises, instead of reading past a table."""
+    with pytest.raises(RuntimeError):
+        Rotary(16, 1e4, 8)(torch.randn(1, 2, 32), torch.tensor([7]))
+    with pytest.raises(RuntimeError):
+        RMSNorm(8, 1e-6)(torch.randn(2, 16))

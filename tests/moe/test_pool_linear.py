@@ -130,3 +130,21 @@ def test_a_member_called_again_on_the_same_input_recomputes():
     assert torch.equal(grouped[0](x), alone[0](x))
     assert torch.equal(grouped[0](x), alone[0](x))  # its pending part was taken: a new job
     assert torch.equal(grouped[1](x), alone[1](x))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "f16"])
+def test_exact_router_keeps_its_weight_in_float32(fmt):
+    """A router in any checkpoint format goes to the pool as float32: its logits are torch's
+    matmul of the dequantised weight, in float32 whatever the input dtype."""
+    torch.manual_seed(4)
+    qt = get_format(fmt).quantize(torch.randn(8, 64))
+    layer = PoolLinear(64, 8, exact=True)
+    layer.load_weight_tensor(qt)
+    assert layer.weight_q is not None and layer.weight_q.fmt == "f32"
+    x = torch.randn(3, 64)
+    want = torch.nn.functional.linear(x, get_format(fmt).dequantize(qt).float())
+    got = layer(x.bfloat16())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.bfloat16().float(),
+                               get_format(fmt).dequantize(qt).float()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)

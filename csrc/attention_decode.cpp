@@ -152,7 +152,7 @@ inline __attribute__((always_inline)) void axpy(float w, const float* x, float* 
 // kc, vc (N, Hkv, D) the layer's cache; slots (B, S) cache rows of each sequence's keys;
 // visible (B, S) which of them each query sees; out (B, Hq, D). Hq % Hkv == 0. Compiled per
 // vector width, picked at load time by the CPU.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+FT_VECTOR_WIDTHS
 void attention_decode(const float* q, const float* k, const float* v, const int64_t* new_slots,
                       float* kc, float* vc, const int64_t* slots, const uint8_t* visible, int B,
                       int S, int Hq, int Hkv, int D, float scale, float* out) {

@@ -6,6 +6,16 @@
 #include <cstdint>
 #include <cstring>
 
+// The engine thread's single-thread steps (attention_decode.cpp, rms_norm.cpp, rotary.cpp)
+// are compiled once per vector width and picked by the CPU at load time. FT_ONE_TIER builds
+// only the width of the compiler flags: tests/engine/test_native_tiers.py builds each width
+// that way, since the CPU would otherwise always pick its widest.
+#ifdef FT_ONE_TIER
+#define FT_VECTOR_WIDTHS
+#else
+#define FT_VECTOR_WIDTHS __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+
 namespace ft {
 
 // Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/moe/cpu_native.py).

@@ -5,11 +5,13 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common.h"
+
 namespace ft {
 
 // x, y (rows, dim), may be the same buffer; w (dim). Compiled per vector width, picked at load
 // time by the CPU.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+FT_VECTOR_WIDTHS
 void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
               float* y) {
   constexpr int kLanes = 16;  // independent partial sums: the compiler keeps them in a vector

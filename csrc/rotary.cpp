@@ -5,11 +5,13 @@
 // are rounded as that path rounds them (built without fused multiply-adds), so the bits agree.
 #include <cstdint>
 
+#include "common.h"
+
 namespace ft {
 
 // x, y (T, heads, D), may be the same buffer; cos, sin (P, D) tables; positions (T). Returns
 // -1, writing nothing, when a position is outside the tables.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+FT_VECTOR_WIDTHS
 int rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
                 const int64_t* positions, int64_t T, int heads, int D, float* y) {
   for (int64_t t = 0; t < T; ++t)

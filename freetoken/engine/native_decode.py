@@ -90,6 +90,9 @@ class NativeDecodeLayer:
         layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
         experts = mlp.experts
         experts._executor or experts._register()
+        if not (_f32(ctx.kv.k) and _f32(ctx.kv.v)):
+            raise RuntimeError("the native decode layer writes a float32 KV cache on the CPU; "
+                               f"this one is {ctx.kv.k.dtype} on {ctx.kv.k.device}")
         kc, vc = ctx.kv.k[attn.layer], ctx.kv.v[attn.layer]
         self._kv = ctx.kv
         return LayerDesc(

@@ -8,26 +8,10 @@
 #include <cstring>
 #include <vector>
 
-#include "common.h"
+#include "decode_steps.h"
 
 namespace ft {
 namespace {
-
-constexpr int kLanes = 16;  // independent partial sums: the compiler keeps them in vectors
-
-inline __attribute__((always_inline)) float dot(const float* a, const float* b, int n) {
-  float acc[kLanes] = {};
-  int i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  // pairwise, so each level is one vector add: a chain of 16 scalar adds cost more than the
-  // products
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return s + acc[0];
-}
 
 // e^x for x <= 0 (scores less their max), within about an ulp of expf: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor series to r^7, 2^n through the exponent bits. Branch-free,
@@ -186,7 +170,7 @@ void attention_decode(const float* q, const float* k, const float* v, const int6
           }
         } else {
           for (int g = 0; g < G; ++g)
-            p[(size_t)g * S + j] = scale * dot(qg + (int64_t)g * D, kr, D);
+            p[(size_t)g * S + j] = scale * dot_f32(qg + (int64_t)g * D, kr, D);
         }
       }
       for (int g = 0; g < G; ++g) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "decode_layer.h"
+#include "decode_steps.h"
 #include "dispatch.h"
 #include "expert_op.h"
 
@@ -49,18 +50,6 @@ void copy_error(const std::string& s, char* buf, int len) {
 }
 
 }  // namespace
-
-namespace ft {
-void attention_decode(const float* q, const float* k, const float* v, const int64_t* new_slots,
-                      float* kc, float* vc, const int64_t* slots, const uint8_t* visible, int B,
-                      int S, int Hq, int Hkv, int D, float scale, float* out);
-void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
-              float* y);
-int rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
-                const int64_t* positions, int64_t T, int heads, int D, float* y);
-void route_topk(const float* logits, int64_t T, int E, int A, bool renormalise, int64_t* ids,
-                float* weights);
-}
 
 FT_API int ft_best_isa() { return ft::best_isa(); }
 

@@ -10,24 +10,17 @@
 #include <vector>
 
 #include "decode_layer.h"
+#include "decode_steps.h"
 
 namespace ft {
-
-void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
-              float* y);
-int rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
-                const int64_t* positions, int64_t T, int heads, int D, float* y);
-void attention_decode(const float* q, const float* k, const float* v, const int64_t* new_slots,
-                      float* kc, float* vc, const int64_t* slots, const uint8_t* visible, int B,
-                      int S, int Hq, int Hkv, int D, float scale, float* out);
-void route_topk(const float* logits, int64_t T, int E, int A, bool renormalise, int64_t* ids,
-                float* weights);
 
 namespace {
 
 int run_linear(Executor& ex, int id, const float* x, float* out, int T) {
   int64_t h = ex.submit_linear(id, x, out, T);
-  return h < 0 ? -1 : (ex.wait(h) < 0 ? -1 : 0);
+  if (h < 0) return -1;
+  ex.wait(h);
+  return 0;
 }
 
 }  // namespace
@@ -73,7 +66,8 @@ int decode_layer(Executor& ex, const DecodeLayer& d, const DecodeStep& st, float
   if (run_linear(ex, d.router, h.data(), logits.data(), B)) return -1;
   route_topk(logits.data(), B, d.E, d.A, d.renormalise != 0, ids.data(), w.data());
   int64_t job = ex.submit(d.moe, h.data(), ids.data(), w.data(), moe.data(), B, d.A);
-  if (job < 0 || ex.wait(job) < 0) return -1;
+  if (job < 0) return -1;
+  ex.wait(job);
   for (int64_t i = 0; i < (int64_t)B * H; ++i) x[i] = x[i] + moe[i];
   return 0;
 }

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common.h"
+#include "decode_steps.h"
 
 namespace ft {
 
@@ -14,18 +14,10 @@ namespace ft {
 FT_VECTOR_WIDTHS
 void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, bool unit_offset,
               float* y) {
-  constexpr int kLanes = 16;  // independent partial sums: the compiler keeps them in a vector
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
     float* yr = y + r * dim;
-    float acc[kLanes] = {};
-    int i = 0;
-    for (; i + kLanes <= dim; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) acc[l] += xr[i + l] * xr[i + l];
-    float ss = 0;
-    for (; i < dim; ++i) ss += xr[i] * xr[i];
-    for (int l = 0; l < kLanes; ++l) ss += acc[l];
-    const float inv = 1.0f / std::sqrt(ss / (float)dim + eps);
+    const float inv = 1.0f / std::sqrt(dot_f32(xr, xr, dim) / (float)dim + eps);
     // the torch path's order: the normalised value first, then the scale
     if (unit_offset)
       for (int j = 0; j < dim; ++j) yr[j] = (xr[j] * inv) * (1.0f + w[j]);

@@ -5,7 +5,7 @@
 // are rounded as that path rounds them (built without fused multiply-adds), so the bits agree.
 #include <cstdint>
 
-#include "common.h"
+#include "decode_steps.h"
 
 namespace ft {
 

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "decode_steps.h"
+
 namespace ft {
 namespace {
 

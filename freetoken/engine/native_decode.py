@@ -79,12 +79,15 @@ def why_not(layer: nn.Module) -> str | None:
 
 class NativeDecodeLayer:
     """One layer's descriptor for ``ft_decode_layer``; built at the first decode step (the
-    pool ids exist by then) and rebuilt if the KV cache changes."""
+    pool ids exist by then) and rebuilt if the KV cache changes. ``steps`` is shared by the
+    model's layers."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, steps: StepCache) -> None:
         self.layer = layer
+        self.steps = steps
         self.desc: LayerDesc | None = None
         self._kv: object = None
+        self._ex = shared_executor()
 
     def _build(self, ctx: ForwardContext) -> LayerDesc:
         layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
@@ -108,11 +111,12 @@ class NativeDecodeLayer:
             sin=attn.rotary.sin.data_ptr(), P=attn.rotary.cos.shape[0],
         )
 
-    def __call__(self, x: torch.Tensor, step: StepDesc, ctx: ForwardContext) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.desc is None or ctx.kv is not self._kv:
             self.desc = self._build(ctx)
-        y = x.contiguous().clone()
-        ex = shared_executor()
+        step = self.steps.get(ctx)
+        y = x.clone(memory_format=torch.contiguous_format)  # the library updates it in place
+        ex = self._ex
         if ex._lib.ft_decode_layer(ex._handle, c.addressof(self.desc), c.addressof(step),
                                    y.data_ptr()) != 0:
             raise RuntimeError(f"layer {self.layer.self_attn.layer}: the native decode layer "
@@ -154,7 +158,7 @@ def attach_native_decode(model: nn.Module) -> int:
     for layer in layers:
         reason = why_not(layer)
         if reason is None and hasattr(layer, "native"):
-            layer.native, layer.steps = NativeDecodeLayer(layer), steps
+            layer.native = NativeDecodeLayer(layer, steps)
             attached += 1
         elif reason is not None:
             log.debug("layer %s decodes through its modules: %s",

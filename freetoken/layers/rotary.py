@@ -43,7 +43,7 @@ class Rotary(nn.Module):
                 x = x.contiguous()
                 pos = positions.long().contiguous()
                 y = torch.empty_like(x)
-                if fn(x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
+                if fn(x.data_ptr(), cos.data_ptr(), self.sin.data_ptr(), cos.shape[0],
                       pos.data_ptr(), x.shape[0], x.shape[1], x.shape[2], y.data_ptr()) == 0:
                     return y
         return self.reference(x, positions)

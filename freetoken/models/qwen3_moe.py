@@ -21,7 +21,7 @@ from freetoken.models.blocks import MLP, Attention, MoEBlock
 from freetoken.moe.strategy import StrategyPlan
 
 if TYPE_CHECKING:
-    from freetoken.engine.native_decode import NativeDecodeLayer, StepCache
+    from freetoken.engine.native_decode import NativeDecodeLayer
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -38,11 +38,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
         # CPU float32 decode's whole layer as one native call, where attached
         # (freetoken/engine/native_decode.py); these modules are its slow twin.
         self.native: NativeDecodeLayer | None = None
-        self.steps: StepCache | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self.native is not None and ctx.decode and self.steps is not None:
-            return self.native(x, self.steps.get(ctx), ctx)
+        if self.native is not None and ctx.decode:
+            return self.native(x, ctx)
         h = x + self.self_attn(self.input_layernorm(x), ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 

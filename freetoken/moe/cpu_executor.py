@@ -17,10 +17,12 @@ import ctypes
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from freetoken.cpus import usable_cores
+from freetoken.cpus import describe_cores, plan_cores, usable_cores
+from freetoken.moe.cpu_jobs import CpuMoeFuture, JobTiming
 from freetoken.moe.cpu_native import (  # noqa: F401  (the executor's public names)
     ACT_KINDS,
     ACTIVATIONS,
@@ -47,27 +49,6 @@ from freetoken.moe.host_memory import HUGE_PAGE, host_buffer, to_host_bank  # no
 
 log = logging.getLogger(__name__)
 
-def plan_cores(usable: list[int], threads: int | None) -> list[int]:
-    """The core each worker is pinned to: one per usable core, the first left to the main thread.
-
-    With an explicit ``threads`` beyond that, workers wrap around the usable cores.
-    """
-    if not usable:
-        raise ValueError("no usable cores")
-    workers = usable[1:] or usable
-    n = threads if threads is not None else len(workers)
-    if n < 1:
-        raise ValueError(f"--moe-cpu-threads must be at least 1, got {n}")
-    order = workers + [c for c in usable if c not in workers]
-    return [order[i % len(order)] for i in range(n)]
-
-
-def _describe_cores(cores: list[int]) -> str:
-    if cores == list(range(cores[0], cores[0] + len(cores))):
-        return f"core {cores[0]}" if len(cores) == 1 else f"cores {cores[0]}..{cores[-1]}"
-    return "cores " + ",".join(map(str, cores))
-
-
 @dataclass(frozen=True)
 class LayerInfo:
     experts: int
@@ -86,59 +67,6 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 DOWN_SPLITS = {"auto": -1, "rows": 0, "experts": 1}  # csrc/expert_op.h DownSplit
-
-
-@dataclass(frozen=True)
-class JobTiming:
-    """Where one pool job's time went, in seconds from its submit (csrc TimingField).
-
-    ``start``: its first item began; ``ends[p]``: phase p's last item ended (0 for an empty
-    phase); ``busy[p]``: time inside phase p's items summed over workers; ``await_s``: time
-    down items waited for an expert's gate/up (inside ``busy[2]``).
-    """
-
-    start: float
-    ends: tuple[float, ...]
-    busy: tuple[float, ...]
-    await_s: float
-
-    @classmethod
-    def from_record(cls, rec: list[int]) -> JobTiming:
-        return cls(rec[0] / 1e9, tuple(v / 1e9 for v in rec[1:5]),
-                   tuple(v / 1e9 for v in rec[5:9]), rec[9] / 1e9)
-
-
-class CpuMoeFuture:
-    """A submitted layer; :meth:`wait` returns its (T, H) float32 result."""
-
-    def __init__(
-        self,
-        executor: CpuMoeExecutor,
-        ticket: int,
-        out: torch.Tensor,
-        keep: tuple[torch.Tensor, ...],
-    ) -> None:
-        self._executor = executor
-        self._ticket = ticket
-        self._out = out
-        self._keep = keep  # inputs the workers read until the job is done
-        self._done = False
-        self.weight_bytes = 0
-        self.seconds = 0.0  # the pool's time on the job, from submit to its last item
-        self.timing: JobTiming | None = None  # with CpuMoeExecutor.set_timing(True)
-
-    def wait(self) -> torch.Tensor:
-        if not self._done:
-            self.weight_bytes, self.seconds, self.timing = self._executor._wait(self._ticket)
-            self._done = True
-            self._keep = ()
-        return self._out
-
-    def __del__(self) -> None:
-        # a future dropped unwaited: the workers may still read its inputs and write its
-        # output, so those must outlive the job (and its slot must be handed back)
-        if not getattr(self, "_done", True) and getattr(self._executor, "_handle", None):
-            self.wait()
 
 
 class CpuMoeExecutor:
@@ -268,6 +196,14 @@ class CpuMoeExecutor:
         with self._lock:
             self._in_flight -= 1
 
+    def _run_in_slot(self, fn: Any, *args: Any) -> int:
+        """A library call that submits a job and waits for it, holding a slot meanwhile."""
+        self._take_slot()
+        try:
+            return int(fn(self._handle, *args))
+        finally:
+            self._give_slot()
+
     def submit(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int,
         out: torch.Tensor | None = None,
@@ -309,13 +245,9 @@ class CpuMoeExecutor:
         x, ids, w, out = self._check_moe(hidden, expert_ids, weights, layer, None)
         if x.shape[0] == 0:
             return out, 0
-        self._take_slot()
-        try:
-            done = self._lib.ft_run(self._handle, layer, x.data_ptr(), ids.data_ptr(),
-                                    w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1],
-                                    None if ns is None else ctypes.byref(ns))
-        finally:
-            self._give_slot()
+        done = self._run_in_slot(self._lib.ft_run, layer, x.data_ptr(), ids.data_ptr(),
+                                 w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1],
+                                 None if ns is None else ctypes.byref(ns))
         if done < 0:
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
         return out, int(done)
@@ -366,12 +298,8 @@ class CpuMoeExecutor:
         if self._timing:
             return self.submit_linear(x, lid).wait()
         xf, out = self._check_linear(x, lid)
-        self._take_slot()
-        try:
-            done = self._lib.ft_run_linear(self._handle, lid, xf.data_ptr(), out.data_ptr(),
-                                           xf.shape[0], None)
-        finally:
-            self._give_slot()
+        done = self._run_in_slot(self._lib.ft_run_linear, lid, xf.data_ptr(), out.data_ptr(),
+                                 xf.shape[0], None)
         if done < 0:
             raise ValueError(f"dense matrix {lid} is not registered")
         return out
@@ -429,7 +357,7 @@ class CpuMoeExecutor:
         first = infos[0] if infos else None
         shape = f"H={first.hidden} I={first.intermediate} experts={first.experts}" if first else ""
         return (
-            f"CPU MoE executor ready: threads={self.threads} ({_describe_cores(self.cores)}) "
+            f"CPU MoE executor ready: threads={self.threads} ({describe_cores(self.cores)}) "
             f"isa={self.isa} fmt={','.join(fmts) or '-'} {shape} layers={len(infos)} "
             f"top_k={top_k}"
         )

@@ -3,6 +3,8 @@
 // unsigned by +128 and the offset comes back out through the activation group sums).
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "common.h"
 #include "prefetch.h"
 #include "q8_blocks.h"
@@ -56,33 +58,68 @@ void q8_row_super(const uint8_t* row, int64_t nb, const int8_t* const* xq,
   for (int v = 0; v < NV; ++v) res[v] = _mm512_reduce_add_ps(acc[v]);
 }
 
+// q8_0 blocks b and b + 1 as one 512-bit vector: both f16 scales sit in the pair's first 64
+// bytes (words 0 and 17), spread to their 8 lanes each by one word permute; the quants are
+// inserted straight from memory. This keeps the shuffle port to two uops a pair.
+static inline void q8_0_pair(const uint8_t* p, __m512i& w, __m512& ws) {
+  const __m512i spread = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 17, 17,
+                                          17, 17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512i h = _mm512_permutexvar_epi16(spread, _mm512_loadu_si512(p));
+  ws = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(p + 2))),
+                         _mm256_loadu_si256((const __m256i*)(p + 36)), 1);
+  w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+}
+
+// Blocks b and b + 1 of a row into acc (one accumulator per vector).
 template <class D, int NV>
-void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
-            const int32_t* const* xgb, float* res, int64_t ahead, int level) {
-  __m512 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    prefetch((const char*)row + b * D::kBlockBytes + ahead, level);
-    if constexpr (2 * D::kBlockBytes > 64)
-      prefetch((const char*)row + b * D::kBlockBytes + ahead + 64, level);
+static inline void q8_pair_step(const uint8_t* row, int64_t b, const int8_t* const* xq,
+                                const float* const* xdl, const int32_t* const* xgb,
+                                __m512* acc) {
+  __m512i w;
+  __m512 ws, wm = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<D, q8::Q8_0>) {
+    q8_0_pair(row + b * D::kBlockBytes, w, ws);
+  } else {
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
     q8::pair<D>(row, b, w0, w1, s0, s1, m0, m1);
-    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(to_u8<D>(w0)), to_u8<D>(w1), 1);
-    __m512 ws = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
-    __m512 wm = _mm512_setzero_ps();
+    w = _mm512_inserti64x4(_mm512_castsi256_si512(to_u8<D>(w0)), to_u8<D>(w1), 1);
+    ws = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
     if (D::kMins)
       wm = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1),
                          _mm512_set1_ps(1.0f / 128));
-    for (int v = 0; v < NV; ++v) {
-      __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
-      __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w, x)), ws);
-      if (D::kMins) t = _mm512_fmadd_ps(wm, _mm512_cvtepi32_ps(gb), t);
-      acc[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xdl[v] + 8 * b), acc[v]);
-    }
   }
+  for (int v = 0; v < NV; ++v) {
+    __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
+    __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w, x)), ws);
+    if (D::kMins) t = _mm512_fmadd_ps(wm, _mm512_cvtepi32_ps(gb), t);
+    acc[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xdl[v] + 8 * b), acc[v]);
+  }
+}
+
+// Two accumulators per vector, alternating by pair, so the FMA latency chain is not the limit
+// at batch 1. L: the prefetch level (a template argument keeps its switch out of the loop).
+template <class D, int NV, int L>
+void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
+            const int32_t* const* xgb, float* res, int64_t ahead) {
+  __m512 acc[NV], acc2[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = acc2[v] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    const char* p = (const char*)row + b * D::kBlockBytes + ahead;
+    for (int off = 0; off < 4 * D::kBlockBytes; off += 64) prefetch(p + off, L);
+    q8_pair_step<D, NV>(row, b, xq, xdl, xgb, acc);
+    q8_pair_step<D, NV>(row, b + 2, xq, xdl, xgb, acc2);
+  }
+  if (b + 2 <= nb) {
+    const char* p = (const char*)row + b * D::kBlockBytes + ahead;
+    for (int off = 0; off < 2 * D::kBlockBytes; off += 64) prefetch(p + off, L);
+    q8_pair_step<D, NV>(row, b, xq, xdl, xgb, acc);
+    b += 2;
+  }
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_add_ps(acc[v], acc2[v]);
   float tail[NV] = {};
   if (b < nb) {  // an odd last block
     __m256i w;
@@ -121,10 +158,15 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
   for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = m.data + r * m.row_bytes;
     if constexpr (D::kSuper)
-      q8_row_super<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
+      q8_row_super<D, NV>(row, cols / 32, xq, xdl, xgb, res, ahead, level);
+    else if (level == 1)
+      q8_row<D, NV, 1>(row, cols / 32, xq, xdl, xgb, res, ahead);
+    else if (level == 0)
+      q8_row<D, NV, 0>(row, cols / 32, xq, xdl, xgb, res, ahead);
     else
-      q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
+      q8_row<D, NV, 2>(row, cols / 32, xq, xdl, xgb, res, ahead);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }
 }

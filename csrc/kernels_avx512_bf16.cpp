@@ -7,6 +7,69 @@
 namespace ft {
 namespace {
 
+// R consecutive rows at once, so each activation load serves R rows; two accumulators per
+// (row, vector), for the even and odd 32 columns of each 64, whatever R and NV are (the same
+// bits). The group is one region of R rows, prefetched linearly `ahead` of what has been
+// read of it; L: the prefetch level.
+template <int NV, int R, int L>
+void bf16_row_group(const uint16_t* w, int64_t row_elems, int64_t cols, const uint16_t* const* x,
+                    float* res, int64_t ahead) {
+  __m512 acc[R][NV][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v][0] = acc[r][v][1] = _mm512_setzero_ps();
+  const char* pf = (const char*)w + ahead;
+  const char* pf_to = pf;
+  int64_t i = 0;
+  for (; i + 64 <= cols; i += 64) {
+    for (pf_to += 128 * R; pf < pf_to; pf += 64) prefetch(pf, L);
+    __m512bh w0[R], w1[R];
+    for (int r = 0; r < R; ++r) {
+      w0[r] = (__m512bh)_mm512_loadu_si512(w + r * row_elems + i);
+      w1[r] = (__m512bh)_mm512_loadu_si512(w + r * row_elems + i + 32);
+    }
+    for (int v = 0; v < NV; ++v) {
+      __m512bh x0 = (__m512bh)_mm512_loadu_si512(x[v] + i);
+      __m512bh x1 = (__m512bh)_mm512_loadu_si512(x[v] + i + 32);
+      for (int r = 0; r < R; ++r) {
+        acc[r][v][0] = _mm512_dpbf16_ps(acc[r][v][0], w0[r], x0);
+        acc[r][v][1] = _mm512_dpbf16_ps(acc[r][v][1], w1[r], x1);
+      }
+    }
+  }
+  for (; i < cols; i += 32) {
+    __mmask32 k = cols - i >= 32 ? 0xFFFFFFFFu : (1u << (cols - i)) - 1;
+    for (int r = 0; r < R; ++r) {
+      __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(k, w + r * row_elems + i);
+      for (int v = 0; v < NV; ++v)
+        acc[r][v][0] =
+            _mm512_dpbf16_ps(acc[r][v][0], w0, (__m512bh)_mm512_maskz_loadu_epi16(k, x[v] + i));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v)
+      res[r * NV + v] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][v][0], acc[r][v][1]));
+}
+
+template <int NV, int L>
+void bf16_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const uint16_t* const* x,
+                  int v0, float* out, int64_t ldo, int64_t ahead) {
+  constexpr int R = NV <= 2 ? 4 : 2;
+  const int64_t row_elems = m.row_bytes / 2;
+  float res[R * NV];
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    bf16_row_group<NV, R, L>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
+                             res, ahead);
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r + i - r0)] = res[i * NV + v];
+  }
+  for (; r < r1; ++r) {
+    bf16_row_group<NV, 1, L>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
+                             res, ahead);
+    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
+  }
+}
+
 template <int NV>
 void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
                const int32_t* vidx, int v0, float* out, int64_t ldo) {
@@ -15,33 +78,12 @@ void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   const int64_t ahead = prefetch_bytes();
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* w = (const uint16_t*)(m.data + r * m.row_bytes);
-    __m512 acc[NV][2];
-    for (int v = 0; v < NV; ++v) acc[v][0] = acc[v][1] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 64 <= cols; i += 64) {
-      prefetch((const char*)(w + i) + ahead, level);
-      prefetch((const char*)(w + i) + ahead + 64, level);
-      __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + i);
-      __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + i + 32);
-      for (int v = 0; v < NV; ++v) {
-        acc[v][0] = _mm512_dpbf16_ps(acc[v][0], w0, (__m512bh)_mm512_loadu_si512(x[v] + i));
-        acc[v][1] =
-            _mm512_dpbf16_ps(acc[v][1], w1, (__m512bh)_mm512_loadu_si512(x[v] + i + 32));
-      }
-    }
-    for (; i < cols; i += 32) {
-      __mmask32 k = cols - i >= 32 ? 0xFFFFFFFFu : (1u << (cols - i)) - 1;
-      __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(k, w + i);
-      for (int v = 0; v < NV; ++v)
-        acc[v][0] =
-            _mm512_dpbf16_ps(acc[v][0], w0, (__m512bh)_mm512_maskz_loadu_epi16(k, x[v] + i));
-    }
-    for (int v = 0; v < NV; ++v)
-      out[(int64_t)(v0 + v) * ldo + (r - r0)] =
-          _mm512_reduce_add_ps(_mm512_add_ps(acc[v][0], acc[v][1]));
-  }
+  if (level == 1)
+    bf16_rows_at<NV, 1>(m, cols, r0, r1, x, v0, out, ldo, ahead);
+  else if (level == 0)
+    bf16_rows_at<NV, 0>(m, cols, r0, r1, x, v0, out, ldo, ahead);
+  else
+    bf16_rows_at<NV, 2>(m, cols, r0, r1, x, v0, out, ldo, ahead);
 }
 
 void gemv_bf16(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,

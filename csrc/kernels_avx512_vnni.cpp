@@ -71,13 +71,11 @@ static inline void q8_0_pair(const uint8_t* p, __m512i& w, __m512& ws) {
   w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
-// Blocks b and b + 1 of a row into acc (one accumulator per vector).
-template <class D, int NV>
-static inline void q8_pair_step(const uint8_t* row, int64_t b, const int8_t* const* xq,
-                                const float* const* xdl, const int32_t* const* xgb,
-                                __m512* acc) {
-  __m512i w;
-  __m512 ws, wm = _mm512_setzero_ps();
+// Blocks b and b + 1 of a row as one 512-bit vector of unsigned bytes, with their scales
+// (and mins) per lane.
+template <class D>
+static inline void q8_pair_weights(const uint8_t* row, int64_t b, __m512i& w, __m512& ws,
+                                   __m512& wm) {
   if constexpr (std::is_same_v<D, q8::Q8_0>) {
     q8_0_pair(row + b * D::kBlockBytes, w, ws);
   } else {
@@ -90,55 +88,85 @@ static inline void q8_pair_step(const uint8_t* row, int64_t b, const int8_t* con
       wm = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1),
                          _mm512_set1_ps(1.0f / 128));
   }
-  for (int v = 0; v < NV; ++v) {
-    __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
-    __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
-    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w, x)), ws);
-    if (D::kMins) t = _mm512_fmadd_ps(wm, _mm512_cvtepi32_ps(gb), t);
-    acc[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xdl[v] + 8 * b), acc[v]);
-  }
 }
 
-// Two accumulators per vector, alternating by pair, so the FMA latency chain is not the limit
-// at batch 1. L: the prefetch level (a template argument keeps its switch out of the loop).
-template <class D, int NV, int L>
-void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
-            const int32_t* const* xgb, float* res, int64_t ahead) {
-  __m512 acc[NV], acc2[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = acc2[v] = _mm512_setzero_ps();
+// R consecutive rows at once, so each activation load serves R rows (an activation's int8
+// values, group biases and scales are 9 bytes per weight, against about one byte of weight).
+// One accumulator per (row, vector), added to pair by pair in block order: a row's result
+// has the same bits whatever R and NV are. The group is one region of R rows, prefetched
+// linearly `ahead` of what has been read of it; L: the prefetch level.
+template <class D, int NV, int R, int L>
+void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* const* xq,
+                  const float* const* xdl, const int32_t* const* xgb, float* res,
+                  int64_t ahead) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const char* pf = (const char*)row + ahead;
+  const char* pf_to = pf;
   int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    const char* p = (const char*)row + b * D::kBlockBytes + ahead;
-    for (int off = 0; off < 4 * D::kBlockBytes; off += 64) prefetch(p + off, L);
-    q8_pair_step<D, NV>(row, b, xq, xdl, xgb, acc);
-    q8_pair_step<D, NV>(row, b + 2, xq, xdl, xgb, acc2);
-  }
-  if (b + 2 <= nb) {
-    const char* p = (const char*)row + b * D::kBlockBytes + ahead;
-    for (int off = 0; off < 2 * D::kBlockBytes; off += 64) prefetch(p + off, L);
-    q8_pair_step<D, NV>(row, b, xq, xdl, xgb, acc);
-    b += 2;
-  }
-  for (int v = 0; v < NV; ++v) acc[v] = _mm512_add_ps(acc[v], acc2[v]);
-  float tail[NV] = {};
-  if (b < nb) {  // an odd last block
-    __m256i w;
-    __m256 ws, wm = _mm256_setzero_ps();
-    D::block(row, b, w, ws, wm);
-    w = to_u8<D>(w);
-    wm = _mm256_mul_ps(wm, _mm256_set1_ps(1.0f / 128));
+  for (; b + 2 <= nb; b += 2) {
+    for (pf_to += 2 * D::kBlockBytes * R; pf < pf_to; pf += 64) prefetch(pf, L);
+    __m512i w[R];
+    __m512 ws[R], wm[R];
+    for (int r = 0; r < R; ++r) {
+      wm[r] = _mm512_setzero_ps();
+      q8_pair_weights<D>(row + r * row_bytes, b, w[r], ws[r], wm[r]);
+    }
     for (int v = 0; v < NV; ++v) {
-      __m256i x = _mm256_loadu_si256((const __m256i*)(xq[v] + 32 * b));
-      __m256i gb = _mm256_loadu_si256((const __m256i*)(xgb[v] + 8 * b));
-      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(gb, w, x)), ws);
-      if (D::kMins) t = _mm256_fmadd_ps(wm, _mm256_cvtepi32_ps(gb), t);
-      t = _mm256_mul_ps(t, _mm256_loadu_ps(xdl[v] + 8 * b));
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      tail[v] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+      __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
+      __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
+      __m512 dl = _mm512_loadu_ps(xdl[v] + 8 * b);
+      for (int r = 0; r < R; ++r) {
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w[r], x)), ws[r]);
+        if (D::kMins) t = _mm512_fmadd_ps(wm[r], _mm512_cvtepi32_ps(gb), t);
+        acc[r][v] = _mm512_fmadd_ps(t, dl, acc[r][v]);
+      }
     }
   }
-  for (int v = 0; v < NV; ++v) res[v] = _mm512_reduce_add_ps(acc[v]) + tail[v];
+  float tail[R][NV] = {};
+  if (b < nb) {  // an odd last block
+    for (int r = 0; r < R; ++r) {
+      __m256i w;
+      __m256 ws, wm = _mm256_setzero_ps();
+      D::block(row + r * row_bytes, b, w, ws, wm);
+      w = to_u8<D>(w);
+      wm = _mm256_mul_ps(wm, _mm256_set1_ps(1.0f / 128));
+      for (int v = 0; v < NV; ++v) {
+        __m256i x = _mm256_loadu_si256((const __m256i*)(xq[v] + 32 * b));
+        __m256i gb = _mm256_loadu_si256((const __m256i*)(xgb[v] + 8 * b));
+        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(gb, w, x)), ws);
+        if (D::kMins) t = _mm256_fmadd_ps(wm, _mm256_cvtepi32_ps(gb), t);
+        t = _mm256_mul_ps(t, _mm256_loadu_ps(xdl[v] + 8 * b));
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        tail[r][v] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) res[r * NV + v] = _mm512_reduce_add_ps(acc[r][v]) + tail[r][v];
+}
+
+// Rows [r0, r1) in groups of R, the last few one by one.
+template <class D, int NV, int L>
+void q8_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const int8_t* const* xq,
+                const float* const* xdl, const int32_t* const* xgb, int v0, float* out,
+                int64_t ldo, int64_t ahead) {
+  constexpr int R = NV <= 2 ? 4 : 2;
+  float res[R * NV];
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) {
+    q8_row_group<D, NV, R, L>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl, xgb,
+                              res, ahead);
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r + i - r0)] = res[i * NV + v];
+  }
+  for (; r < r1; ++r) {
+    q8_row_group<D, NV, 1, L>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl, xgb,
+                              res, ahead);
+    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
+  }
 }
 
 template <class D, int NV>
@@ -153,21 +181,21 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
     xdl[v] = a.dl + i * (a.K / 4);
     xgb[v] = a.gb + i * (a.K / 4);
   }
-  float res[NV];
   const int64_t ahead = prefetch_bytes();
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = m.data + r * m.row_bytes;
-    if constexpr (D::kSuper)
-      q8_row_super<D, NV>(row, cols / 32, xq, xdl, xgb, res, ahead, level);
-    else if (level == 1)
-      q8_row<D, NV, 1>(row, cols / 32, xq, xdl, xgb, res, ahead);
-    else if (level == 0)
-      q8_row<D, NV, 0>(row, cols / 32, xq, xdl, xgb, res, ahead);
-    else
-      q8_row<D, NV, 2>(row, cols / 32, xq, xdl, xgb, res, ahead);
-    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
+  if constexpr (D::kSuper) {
+    float res[NV];
+    for (int64_t r = r0; r < r1; ++r) {
+      q8_row_super<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
+      for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
+    }
+  } else if (level == 1) {
+    q8_rows_at<D, NV, 1>(m, cols, r0, r1, xq, xdl, xgb, v0, out, ldo, ahead);
+  } else if (level == 0) {
+    q8_rows_at<D, NV, 0>(m, cols, r0, r1, xq, xdl, xgb, v0, out, ldo, ahead);
+  } else {
+    q8_rows_at<D, NV, 2>(m, cols, r0, r1, xq, xdl, xgb, v0, out, ldo, ahead);
   }
 }
 

@@ -73,6 +73,36 @@ def ceiling_gbps(ex: cx.CpuMoeExecutor, buf: torch.Tensor, seconds: float) -> fl
             return best
 
 
+def stream_mean_gbps(ex: cx.CpuMoeExecutor, buf: torch.Tensor, seconds: float) -> float:
+    """Sustained stream-read GB/s of the pool: back-to-back reads of ``buf`` for ``seconds``,
+    total bytes over total time (the statistic the kernel's figure is)."""
+    n, spent = 0, 0.0
+    while spent < seconds or n == 0:
+        spent += ex.stream_read_seconds(buf, 1)
+        n += 1
+    return n * buf.numel() / spent / 1e9
+
+
+def paired(ex: cx.CpuMoeExecutor, buf: torch.Tensor, layers: list[int], args: argparse.Namespace,
+           T: int) -> dict[str, object]:
+    """``args.pairs`` alternations of a sustained stream read and the kernel, ``args.pair_seconds``
+    each, so that both see the same state of a shared host's memory system: the median of the
+    per-pair ratios, by wall time per call and by the pool's time per job."""
+    wall, pool, rows = [], [], []
+    for _ in range(args.pairs):
+        stream = stream_mean_gbps(ex, buf, args.pair_seconds)
+        gbps, us, _, where = kernel_gbps(ex, layers, args.experts, args.top_k, args.hidden, T,
+                                         args.pair_seconds)
+        pool_gbps = gbps * us / where["pool_us"]
+        wall.append(gbps / stream)
+        pool.append(pool_gbps / stream)
+        rows.append({"stream_gbps": round(stream, 2), "gbps": round(gbps, 2),
+                     "pool_gbps": round(pool_gbps, 2)})
+    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return {"ratio_median": round(median(wall), 3), "pool_ratio_median": round(median(pool), 3),
+            "pairs": rows}
+
+
 def kernel_gbps(ex: cx.CpuMoeExecutor, layers: list[int], experts: int, top_k: int, hidden: int,
                 T: int, seconds: float) -> tuple[float, float, int, dict[str, float]]:
     """Weight GB/s and µs per call of decode-like calls cycling over ``layers``, and where the
@@ -149,6 +179,9 @@ def main() -> None:
                    "item to compare (0: the executor's default)")
     p.add_argument("--row-streams", default="0", help="comma-separated row orders to sweep: 0 "
                    "reads R adjacent rows at once, 1 one row from each of R parts of a work item")
+    p.add_argument("--pairs", type=int, default=0, help="after each measurement, this many "
+                   "alternations of a sustained stream read and the kernel (the paired ratio)")
+    p.add_argument("--pair-seconds", type=float, default=0.3, help="per half of a pair")
     p.add_argument("--timing", action="store_true", help="time every work item and report "
                    "where each call's time went (phase ends, busy, idle, waits)")
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
@@ -193,18 +226,23 @@ def main() -> None:
                 gbps, us, calls, where = kernel_gbps(ex, list(range(n_layers)), args.experts,
                                                      args.top_k, args.hidden, T, args.seconds)
                 ceiling = max(before, ceiling_gbps(ex, buf, args.seconds / 2))
+                pairs = paired(ex, buf, list(range(n_layers)), args, T) if args.pairs else None
                 row = {"fmt": fmt, "threads": ex.threads, "cores": ex.cores, "isa": ex.isa,
                        "kernels": kernels, "batch": T, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceiling, 2), "ratio": round(gbps / ceiling, 3),
                        "us_per_call": round(us, 1), "calls": calls, "prefetch": ahead,
                        "down_split": split, "gate_up_rows": rows1, "row_streams": streams, "huge_pages": args.huge_pages,
-                       "spin_us": args.spin_us, "time_us": where}
+                       "spin_us": args.spin_us, "time_us": where, "paired": pairs}
                 rows.append(row)
                 print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T} "
                       f"prefetch={ahead} down={split} rows1={rows1} streams={streams} "
                       f"huge={int(args.huge_pages)}: "
                       f"{gbps:6.2f} GB/s of {ceiling:6.2f} ceiling ({gbps / ceiling:5.1%}), "
                       f"{us:8.1f} us/call", flush=True)
+                if pairs:
+                    print(f"    paired with sustained stream reads: {pairs['ratio_median']:.1%} "
+                          f"by wall time, {pairs['pool_ratio_median']:.1%} by the pool's time "
+                          f"(medians of {args.pairs})", flush=True)
                 if args.timing:
                     print("    " + " ".join(f"{k}={v}" for k, v in where.items()), flush=True)
             ex.close()

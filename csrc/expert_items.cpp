@@ -60,6 +60,11 @@ void gate_up(Job& j, int64_t item) {
   int64_t i0 = (item % j.chunks1) * j.c1, i1 = min64(I, i0 + j.c1), rows = i1 - i0;
   int e = j.active[ea];
   float g[kGroup * kMaxChunk], u[kGroup * kMaxChunk];
+  // up's first rows into L2 while gate runs, so up does not start from memory's latency
+  const Mat& um = L.up.experts[e];
+  const int64_t head = min64(rows * um.row_bytes, prefetch_bytes());
+  for (int64_t off = 0; off < head; off += 64)
+    __builtin_prefetch(um.data + i0 * um.row_bytes + off, 0, 2);
   for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
     int n = (int)min64(kGroup, j.start[ea + 1] - p0);
     L.gate.fn(L.gate.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, g, rows);

@@ -64,7 +64,7 @@ void f32_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   for (int v = 0; v < NV; ++v) x[v] = a.f + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
   const int64_t ahead = prefetch_bytes();
   const int level = prefetch_level();
-  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
+  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
     __m512 acc[NV][2];

@@ -91,7 +91,7 @@ void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   for (int v = 0; v < NV; ++v) x[v] = a.bf + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
   const int64_t ahead = prefetch_bytes();
   const int level = prefetch_level();
-  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
+  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
   if (level == 1)
     bf16_rows_at<NV, 1>(m, cols, r0, r1, x, v0, out, ldo, ahead);
   else if (level == 0)

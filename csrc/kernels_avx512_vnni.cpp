@@ -200,7 +200,7 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   }
   const int64_t ahead = prefetch_bytes();
   const int level = prefetch_level();
-  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead);
+  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
   if constexpr (D::kSuper) {
     float res[NV];
     for (int64_t r = r0; r < r1; ++r) {

@@ -177,8 +177,6 @@ def main() -> None:
                    "compare: auto, rows, experts (see CpuMoeExecutor.set_down_split)")
     p.add_argument("--gate-up-rows", default="0", help="comma-separated rows per gate/up work "
                    "item to compare (0: the executor's default)")
-    p.add_argument("--row-streams", default="0", help="comma-separated row orders to sweep: 0 "
-                   "reads R adjacent rows at once, 1 one row from each of R parts of a work item")
     p.add_argument("--pairs", type=int, default=0, help="after each measurement, this many "
                    "alternations of a sustained stream read and the kernel (the paired ratio)")
     p.add_argument("--pair-seconds", type=float, default=0.3, help="per half of a pair")
@@ -198,7 +196,6 @@ def main() -> None:
     prefetches = args.prefetch.split(",") if args.prefetch else [None]
     splits = args.down_split.split(",")
     gate_up_rows = [int(r) for r in args.gate_up_rows.split(",")]
-    row_streams = [int(s) for s in args.row_streams.split(",")]
     nbuf = max(GIB, 4 * l3)
     buf = cx.host_buffer(nbuf) if args.huge_pages else torch.empty(nbuf, dtype=torch.uint8)
     buf.fill_(1)
@@ -214,14 +211,13 @@ def main() -> None:
                 ex.add_layer(i, *s)
             kernels = ex.layers[0].kernels
             ex.set_timing(args.timing)
-            for ahead, split, rows1, streams, T in itertools.product(
-                    prefetches, splits, gate_up_rows, row_streams, batches):
+            for ahead, split, rows1, T in itertools.product(prefetches, splits, gate_up_rows,
+                                                            batches):
                 if ahead is not None:
                     nbytes, _, level = ahead.partition(":")
                     cx.set_prefetch(int(nbytes), int(level or 0))
                 ex.set_down_split(split)
                 ex.set_gate_up_rows(rows1)
-                cx.set_row_streams(bool(streams))
                 before = ceiling_gbps(ex, buf, args.seconds / 2)
                 gbps, us, calls, where = kernel_gbps(ex, list(range(n_layers)), args.experts,
                                                      args.top_k, args.hidden, T, args.seconds)
@@ -231,11 +227,11 @@ def main() -> None:
                        "kernels": kernels, "batch": T, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceiling, 2), "ratio": round(gbps / ceiling, 3),
                        "us_per_call": round(us, 1), "calls": calls, "prefetch": ahead,
-                       "down_split": split, "gate_up_rows": rows1, "row_streams": streams, "huge_pages": args.huge_pages,
+                       "down_split": split, "gate_up_rows": rows1, "huge_pages": args.huge_pages,
                        "spin_us": args.spin_us, "time_us": where, "paired": pairs}
                 rows.append(row)
                 print(f"{fmt:>9} threads={ex.threads:<3} isa={ex.isa:<12} T={T} "
-                      f"prefetch={ahead} down={split} rows1={rows1} streams={streams} "
+                      f"prefetch={ahead} down={split} rows1={rows1} "
                       f"huge={int(args.huge_pages)}: "
                       f"{gbps:6.2f} GB/s of {ceiling:6.2f} ceiling ({gbps / ceiling:5.1%}), "
                       f"{us:8.1f} us/call", flush=True)

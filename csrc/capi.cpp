@@ -90,10 +90,6 @@ FT_API int ft_kernel_isa(int fmt, int act, int cap) { return ft::pick_kernel(fmt
 // (0 = L1, 1 = L2, 2 = L3); process-wide.
 FT_API void ft_set_prefetch(int bytes, int level) { ft::set_prefetch(bytes, level); }
 
-// Tuning: whether the row kernels read R adjacent rows at once (0) or one row from each of R
-// parts of their rows (1); process-wide.
-FT_API void ft_set_row_streams(int split) { ft::set_row_streams(split); }
-
 // x (K floats, K % 32 == 0) as int8 activations with the quantiser at or below `cap`: q (K),
 // d (K / 32 block scales), gs (K / 4 sums of each group of four). Returns the tier used.
 FT_API int ft_quantize_q8(int cap, const float* x, int64_t K, int8_t* q, float* d, int32_t* gs) {

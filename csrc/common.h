@@ -104,11 +104,6 @@ int prefetch_bytes();
 // Which cache level the prefetches fill: 0 = L1 (T0), 1 = L2 (T1), 2 = L3 (T2).
 int prefetch_level();
 void set_prefetch(int bytes, int level);
-// How the row kernels that read several rows at once pick them: 0 = adjacent rows (one region
-// prefetched linearly), 1 = one row from each of R equal parts of the call's rows (R streams
-// with a prefetch each); a tuning knob for the memory system.
-int row_streams();
-void set_row_streams(int split);
 
 // Each ISA translation unit fills the entries it implements.
 void register_scalar(KernelTable& t);

@@ -7,7 +7,6 @@ namespace {
 
 std::atomic<int> g_prefetch{kDefaultPrefetch};
 std::atomic<int> g_prefetch_level{kDefaultPrefetchLevel};
-std::atomic<int> g_row_streams{0};
 
 KernelTable build_table() {
   KernelTable t;
@@ -52,10 +51,6 @@ void set_prefetch(int bytes, int level) {
   g_prefetch.store(bytes < 0 ? 0 : bytes);
   g_prefetch_level.store(level < 0 ? 0 : level > 2 ? 2 : level);
 }
-
-int row_streams() { return g_row_streams.load(std::memory_order_relaxed); }
-
-void set_row_streams(int split) { g_row_streams.store(split ? 1 : 0); }
 
 int best_isa() {
   static const int isa = detect();

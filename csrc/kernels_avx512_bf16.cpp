@@ -10,21 +10,18 @@ namespace {
 // R consecutive rows at once, so each activation load serves R rows; two accumulators per
 // (row, vector), for the even and odd 32 columns of each 64, whatever R and NV are (the same
 // bits). The group is one region of R rows, prefetched linearly `ahead` of what has been
-// read of it, or (Split: rows `row_elems` apart, each the head of its own run of rows) each
-// row `ahead` of itself; L: the prefetch level.
-template <int NV, int R, int L, bool Split>
+// read of it; L: the prefetch level.
+template <int NV, int R, int L>
 void bf16_row_group(const uint16_t* w, int64_t row_elems, int64_t cols, const uint16_t* const* x,
                     float* res, int64_t ahead) {
   __m512 acc[R][NV][2];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v][0] = acc[r][v][1] = _mm512_setzero_ps();
-  constexpr int kStreams = Split ? R : 1;
-  const char *pf[kStreams], *pf_to[kStreams];
-  for (int s = 0; s < kStreams; ++s) pf[s] = pf_to[s] = (const char*)(w + s * row_elems) + ahead;
+  const char* pf = (const char*)w + ahead;
+  const char* pf_to = pf;
   int64_t i = 0;
   for (; i + 64 <= cols; i += 64) {
-    for (int s = 0; s < kStreams; ++s)
-      for (pf_to[s] += 128 * (R / kStreams); pf[s] < pf_to[s]; pf[s] += 64) prefetch(pf[s], L);
+    for (pf_to += 128 * R; pf < pf_to; pf += 64) prefetch(pf, L);
     __m512bh w0[R], w1[R];
     for (int r = 0; r < R; ++r) {
       w0[r] = (__m512bh)_mm512_loadu_si512(w + r * row_elems + i);
@@ -60,25 +57,14 @@ void bf16_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const uint
   const int64_t row_elems = m.row_bytes / 2;
   float res[R * NV];
   int64_t r = r0;
-  if (row_streams()) {
-    const int64_t part = (r1 - r0) / R;
-    for (int64_t i = 0; i < part; ++i) {
-      bf16_row_group<NV, R, L, true>((const uint16_t*)(m.data + (r0 + i) * m.row_bytes),
-                                     part * row_elems, cols, x, res, ahead);
-      for (int k = 0; k < R; ++k)
-        for (int v = 0; v < NV; ++v)
-          out[(int64_t)(v0 + v) * ldo + (i + k * part)] = res[k * NV + v];
-    }
-    r = r0 + R * part;
-  }
   for (; r + R <= r1; r += R) {
-    bf16_row_group<NV, R, L, false>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
+    bf16_row_group<NV, R, L>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
                              res, ahead);
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r + i - r0)] = res[i * NV + v];
   }
   for (; r < r1; ++r) {
-    bf16_row_group<NV, 1, L, false>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
+    bf16_row_group<NV, 1, L>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
                              res, ahead);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }

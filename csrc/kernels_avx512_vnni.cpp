@@ -94,24 +94,19 @@ static inline void q8_pair_weights(const uint8_t* row, int64_t b, __m512i& w, __
 // values, group biases and scales are 9 bytes per weight, against about one byte of weight).
 // One accumulator per (row, vector), added to pair by pair in block order: a row's result
 // has the same bits whatever R and NV are. The group is one region of R rows, prefetched
-// linearly `ahead` of what has been read of it, or (Split: rows `stride` bytes apart, each
-// the head of its own run of rows) each row `ahead` of itself; L: the prefetch level.
-template <class D, int NV, int R, int L, bool Split>
-void q8_row_group(const uint8_t* row, int64_t stride, int64_t nb, const int8_t* const* xq,
+// linearly `ahead` of what has been read of it; L: the prefetch level.
+template <class D, int NV, int R, int L>
+void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* const* xq,
                   const float* const* xdl, const int32_t* const* xgb, float* res,
                   int64_t ahead) {
-  const int64_t row_bytes = stride;
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  constexpr int kStreams = Split ? R : 1;
-  const char *pf[kStreams], *pf_to[kStreams];
-  for (int s = 0; s < kStreams; ++s) pf[s] = pf_to[s] = (const char*)row + s * stride + ahead;
+  const char* pf = (const char*)row + ahead;
+  const char* pf_to = pf;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    for (int s = 0; s < kStreams; ++s)
-      for (pf_to[s] += 2 * D::kBlockBytes * (R / kStreams); pf[s] < pf_to[s]; pf[s] += 64)
-        prefetch(pf[s], L);
+    for (pf_to += 2 * D::kBlockBytes * R; pf < pf_to; pf += 64) prefetch(pf, L);
     __m512i w[R];
     __m512 ws[R], wm[R];
     for (int r = 0; r < R; ++r) {
@@ -153,8 +148,7 @@ void q8_row_group(const uint8_t* row, int64_t stride, int64_t nb, const int8_t* 
     for (int v = 0; v < NV; ++v) res[r * NV + v] = _mm512_reduce_add_ps(acc[r][v]) + tail[r][v];
 }
 
-// Rows [r0, r1) in groups of R (adjacent rows, or with row_streams() one from each of R
-// equal parts), the last few one by one.
+// Rows [r0, r1) in groups of R, the last few one by one.
 template <class D, int NV, int L>
 void q8_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const int8_t* const* xq,
                 const float* const* xdl, const int32_t* const* xgb, int v0, float* out,
@@ -162,26 +156,15 @@ void q8_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const int8_t
   constexpr int R = NV <= 2 ? 4 : 2;
   float res[R * NV];
   int64_t r = r0;
-  if (row_streams()) {
-    const int64_t part = (r1 - r0) / R;
-    for (int64_t i = 0; i < part; ++i) {
-      q8_row_group<D, NV, R, L, true>(m.data + (r0 + i) * m.row_bytes, part * m.row_bytes,
-                                      cols / 32, xq, xdl, xgb, res, ahead);
-      for (int k = 0; k < R; ++k)
-        for (int v = 0; v < NV; ++v)
-          out[(int64_t)(v0 + v) * ldo + (i + k * part)] = res[k * NV + v];
-    }
-    r = r0 + R * part;
-  }
   for (; r + R <= r1; r += R) {
-    q8_row_group<D, NV, R, L, false>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl,
-                                     xgb, res, ahead);
+    q8_row_group<D, NV, R, L>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl, xgb,
+                              res, ahead);
     for (int i = 0; i < R; ++i)
       for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r + i - r0)] = res[i * NV + v];
   }
   for (; r < r1; ++r) {
-    q8_row_group<D, NV, 1, L, false>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl,
-                                     xgb, res, ahead);
+    q8_row_group<D, NV, 1, L>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl, xgb,
+                              res, ahead);
     for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
   }
 }

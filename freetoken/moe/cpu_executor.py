@@ -43,7 +43,6 @@ from freetoken.moe.cpu_native import (  # noqa: F401  (the executor's public nam
     native,
     quantize_q8,
     set_prefetch,
-    set_row_streams,
 )
 from freetoken.moe.expert_stack import ExpertStack
 from freetoken.moe.host_memory import HUGE_PAGE, host_buffer, to_host_bank  # noqa: F401

@@ -159,7 +159,6 @@ def native() -> ctypes.CDLL:
         ),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
-        "ft_set_row_streams": (None, [c.c_int]),
         "ft_quantize_q8": (
             c.c_int, [c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p],
         ),
@@ -243,10 +242,3 @@ def set_prefetch(nbytes: int, level: int = 1) -> None:
     """How far ahead of the weight row being read the SIMD kernels prefetch, and into which
     cache level (0 = L1, 1 = L2, 2 = L3); process-wide, a tuning knob for benchmarks."""
     native().ft_set_prefetch(nbytes, level)
-
-
-def set_row_streams(split: bool) -> None:
-    """Whether the row kernels that read several rows at once take adjacent rows (False) or one
-    row from each of several equal parts of their rows (True, several memory streams per
-    worker); process-wide, a tuning knob for benchmarks."""
-    native().ft_set_row_streams(int(split))

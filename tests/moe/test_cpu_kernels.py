@@ -296,31 +296,6 @@ def test_down_splits_give_the_same_bits(fmt: str, T: int) -> None:
     assert rel_err(outs[0], reference(b, x, ids, w)) < TOLERANCE["q8"]
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
-def test_row_streams_give_the_same_bits(fmt: str) -> None:
-    """Rows read as R adjacent rows or as one row from each of R parts: the same bits, at
-    batch sizes that take every group size, and at item sizes that leave rows over."""
-    b = bank(fmt)
-    outs = []
-    ex = cx.CpuMoeExecutor(threads=2)
-    ex.add_layer(0, *stacks(b))
-    try:
-        for streams in (False, True):
-            cx.set_row_streams(streams)
-            for T, rows1 in ((1, 0), (2, 0), (3, 0), (5, 32), (1, 32)):
-                x, ids, w = inputs(fmt, T, seed=T)
-                ex.set_gate_up_rows(rows1)
-                outs.append(ex.run(x, ids, w, 0))
-    finally:
-        cx.set_row_streams(False)
-        ex.close()
-    half = len(outs) // 2
-    assert all(torch.equal(a, c) for a, c in zip(outs[:half], outs[half:]))
-    x, ids, w = inputs(fmt, 1, seed=1)
-    assert rel_err(outs[0], reference(b, x, ids, w)) < TOLERANCE[
-        "bf16" if fmt == "bf16" else "q8"]
-
-
 def test_bad_tuning_values_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="auto, rows, experts"):
         executor("scalar").set_down_split("columns")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU machine's CPU: the CPU MoE library built there and its tests, then benchmarks/cpu_moe.py
 # at 15 workers (one core left for the engine thread) with both down_proj splits and per-phase
-# timing (CPU_MOE_ARGS adds flags: a prefetch or item-size sweep). PEER=1 then runs benchmarks/cpu_peer.py at 16 threads against llama.cpp on a
+# timing (TIMING=0 leaves it out: the decode path's one call per job; CPU_MOE_ARGS adds flags:
+# a prefetch or item-size sweep, --pairs). PEER=1 then runs benchmarks/cpu_peer.py at 16 threads against llama.cpp on a
 # synthetic qwen3-30b-a3b GGUF of PEER_LAYERS (16) q8_0 layers; llama-cpp-python's package
 # (and diskcache) are carried in .peer/site, since the machine has no index to install from:
 # copy both package folders from a `pip install llama-cpp-python diskcache` here (the
@@ -18,7 +19,8 @@ if [ "${BENCH:-1}" = 1 ]; then
     tests/moe/test_cpu_executor.py tests/moe/test_pool_linear.py 2>&1 | tail -2 \
     | tee "$OUT/cpu_tests.log"
   python3 benchmarks/cpu_moe.py --fmt ${FMTS:-bf16,q8_0} --threads 15 --batch ${BATCH:-1,4} \
-    --down-split ${SPLITS:-rows,experts} --timing ${CPU_MOE_ARGS:-} --out "$OUT" 2>&1 \
+    --down-split ${SPLITS:-rows,experts} $([ "${TIMING:-1}" = 1 ] && echo --timing) \
+    ${CPU_MOE_ARGS:-} --out "$OUT" 2>&1 \
     | grep -v "pool_us=" | tail -40
 fi
 if [ "${PEER:-0}" = 1 ]; then

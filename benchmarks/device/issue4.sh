@@ -2,12 +2,12 @@
 # GPU machine's CPU: the CPU MoE library built there and its tests, then benchmarks/cpu_moe.py
 # at 15 workers (one core left for the engine thread) with both down_proj splits and per-phase
 # timing (TIMING=0 leaves it out: the decode path's one call per job; CPU_MOE_ARGS adds flags:
-# a prefetch or item-size sweep, --pairs). PEER=1 then runs benchmarks/cpu_peer.py at 16 threads against llama.cpp on a
-# synthetic qwen3-30b-a3b GGUF of PEER_LAYERS (16) q8_0 layers; llama-cpp-python's package
-# (and diskcache) are carried in .peer/site, since the machine has no index to install from:
-# copy both package folders from a `pip install llama-cpp-python diskcache` here (the
-# llama_cpp/lib/*.so and *.so.0 files, not the versioned duplicates; about 17 MB) and pass
-# carry [".whl", ".peer"].
+# a prefetch or item-size sweep, --pairs). PEER=1 then runs benchmarks/cpu_peer.py at 16
+# threads against llama.cpp on a synthetic qwen3-30b-a3b GGUF of PEER_LAYERS (16) q8_0 layers;
+# llama-cpp-python's package (and diskcache) are carried in .peer/site, since the machine has
+# no index to install from: copy both package folders from a `pip install llama-cpp-python
+# diskcache` here (the llama_cpp/lib/*.so and *.so.0 files, not the versioned duplicates; about
+# 17 MB) and pass carry [".whl", ".peer"].
 # Run as: GIT_SHA=<commit> bash benchmarks/device/issue4.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

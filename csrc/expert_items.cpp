@@ -1,6 +1,6 @@
 // The work items of the fused expert op (expert_op.h): phase 0 prepares x per token, phase 1
 // runs gate and up per expert and chunk of I rows, phase 2 runs down (per chunk of H rows of
-// every expert, or per chunk of one expert's rows), phase 3 sums the pairs (DOWN_EXPERTS).
+// every expert, or per chunk of one expert's rows, the last of which sums the pairs there).
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -133,26 +133,10 @@ void down_sum(Job& j, int64_t item) {
   }
 }
 
-// DOWN_EXPERTS: down for rows [r0, r1) of one active expert, per pair into y.
-void down_expert(Job& j, int64_t item) {
-  const Layer& L = *j.L;
-  const int64_t H = L.H, I = L.I;
-  int ea = (int)(item / j.chunks2);
-  int64_t r0 = (item % j.chunks2) * j.c2, r1 = min64(H, r0 + j.c2);
-  int e = j.active[ea];
-  await_expert(j, ea);
-  for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
-    int n = (int)min64(kGroup, j.start[ea + 1] - p0);
-    L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n,
-              j.y + p0 * H + r0, H);
-  }
-}
-
 // DOWN_EXPERTS: the weighted sum of the pairs' down outputs for rows [r0, r1) of H, in pair
 // order (experts ascending), as down_sum adds them.
-void sum_pairs(Job& j, int64_t item) {
-  const int64_t H = j.L->H;
-  int64_t r0 = item * kSumRows, r1 = min64(H, r0 + kSumRows), rows = r1 - r0;
+void sum_pairs(Job& j, int64_t r0, int64_t r1) {
+  const int64_t H = j.L->H, rows = r1 - r0;
   for (int64_t t = 0; t < j.T; ++t) std::memset(j.out + t * H + r0, 0, rows * sizeof(float));
   for (int64_t p = 0; p < j.P; ++p) {
     float wgt = j.pw[p];
@@ -160,6 +144,25 @@ void sum_pairs(Job& j, int64_t item) {
     float* o = j.out + (int64_t)j.ptok[p] * H + r0;
     for (int64_t r = 0; r < rows; ++r) o[r] += wgt * y[r];
   }
+}
+
+// DOWN_EXPERTS: down for rows [r0, r1) of one active expert, per pair into y; the item that
+// completes these rows for every expert sums them (its counter's acquire-release chain makes
+// the other items' y visible to it).
+void down_expert(Job& j, int64_t item) {
+  const Layer& L = *j.L;
+  const int64_t H = L.H, I = L.I;
+  int ea = (int)(item / j.chunks2);
+  int64_t c = item % j.chunks2, r0 = c * j.c2, r1 = min64(H, r0 + j.c2);
+  int e = j.active[ea];
+  await_expert(j, ea);
+  for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
+    int n = (int)min64(kGroup, j.start[ea + 1] - p0);
+    L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n,
+              j.y + p0 * H + r0, H);
+  }
+  if (__atomic_add_fetch(&j.rows_done[c], 1, __ATOMIC_ACQ_REL) == j.n_active)
+    sum_pairs(j, r0, r1);
 }
 
 }  // namespace
@@ -170,8 +173,6 @@ void run_expert_item(void* ctx, int phase, int64_t item, int) {
     prepare_x(j, item);
   else if (phase == 1)
     gate_up(j, item);
-  else if (phase == 3)
-    sum_pairs(j, item);
   else if (j.down == DOWN_ROWS)
     down_sum(j, item);
   else

@@ -154,10 +154,14 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
       (size_t)P * I * 4,                              // h f32
       0, 0, 0, 0, 0, 0,                               // h representations (13..18)
       0,                                              // y (DOWN_EXPERTS)
+      0,                                              // rows_done (DOWN_EXPERTS)
   };
   const int split = down_split_.load(std::memory_order_relaxed);
   j.down = split == DOWN_AUTO ? (P <= kExpertSplitPairs ? DOWN_EXPERTS : DOWN_ROWS) : split;
-  if (j.down == DOWN_EXPERTS) sizes[19] = (size_t)P * H * 4;
+  if (j.down == DOWN_EXPERTS) {
+    sizes[19] = (size_t)P * H * 4;
+    sizes[20] = (size_t)cdiv(H, 16) * 4;  // chunks2 is at most this (c2 >= 16)
+  }
   act_sizes(T, H, xbf, xq, sizes + 6);
   act_sizes(P, I, hbf, hq, sizes + 13);
   constexpr int kParts = sizeof sizes / sizeof sizes[0];
@@ -179,6 +183,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   j.hgb = (int32_t*)part[18];
   j.ha = act_view(I, j.hf, part + 13);
   j.y = (float*)part[19];
+  j.rows_done = (int32_t*)part[20];
   j.P = P;
   j.await_ns = 0;
 
@@ -228,10 +233,10 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
     while (j.c2 > 16 && j.n_active * cdiv(H, j.c2) < target) j.c2 /= 2;
     j.chunks2 = cdiv(H, j.c2);
     counts[2] = j.n_active * j.chunks2;
-    counts[3] = cdiv(H, kSumRows);
+    for (int64_t c = 0; c < j.chunks2; ++c) j.rows_done[c] = 0;
   }
   // Down items start as soon as the first experts' h is ready (no barrier).
-  pool_.publish(slot, counts, j.down == DOWN_ROWS ? 3 : 4, run_expert_item, &j, /*overlap=*/1u << 1);
+  pool_.publish(slot, counts, 3, run_expert_item, &j, /*overlap=*/1u << 1);
   return slot;
 }
 

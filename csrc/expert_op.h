@@ -28,13 +28,13 @@ enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
 //   DOWN_ROWS: an item is a chunk of H rows of every active expert, weighted and summed into
 //     out in place. Each item reads a short run of every expert's rows.
 //   DOWN_EXPERTS: an item is a chunk of rows of one expert, written per pair to a (P, H)
-//     buffer; phase 3 sums the pairs (per chunk of H). Longer runs of contiguous weights, one
-//     more barrier, P x H floats of scratch: the decode split.
+//     buffer; the item that completes a chunk of rows (the last of the experts to finish it)
+//     sums the pairs there. Longer runs of contiguous weights, P x H floats of scratch: the
+//     decode split.
 //   DOWN_AUTO: DOWN_EXPERTS up to kExpertSplitPairs pairs, else DOWN_ROWS.
 enum DownSplit : int { DOWN_AUTO = -1, DOWN_ROWS = 0, DOWN_EXPERTS = 1 };
 constexpr int64_t kExpertSplitPairs = 64;
 constexpr int kMaxGateUpRows = 128;
-constexpr int64_t kSumRows = 256;  // DOWN_EXPERTS: rows of H per phase-3 item
 
 // Executor::wait's timing record (nanoseconds from the job's publish): its first item's start,
 // each phase's end, each phase's time inside items summed over workers (with timing on, else
@@ -89,6 +89,7 @@ struct Job {
   int down = DOWN_ROWS;       // the phase-2 split (DownSplit)
   int64_t chunks2 = 0;        // DOWN_EXPERTS: down items per expert
   float* y = nullptr;         // DOWN_EXPERTS: (P, H) each pair's down output
+  int32_t* rows_done = nullptr;  // DOWN_EXPERTS: (chunks2) experts done per chunk (atomic)
   Act xa{}, ha{};             // x (T, H) and h (P, I) representations
   float* hf = nullptr;
   uint16_t* hbf = nullptr;

@@ -25,6 +25,6 @@ for round in $(seq ${ROUNDS:-2}); do
     echo "== round $round: $side"
     (cd $dir && GIT_SHA=$sha FREETOKEN_GIT_SHA=$sha python3 benchmarks/cpu_moe.py \
       --fmt ${FMTS:-bf16,q8_0} --threads 15 --batch ${BATCH:-1,4} --down-split experts \
-      ${CPU_MOE_ARGS:-} --out "$OUT/$side" 2>&1 | grep -v "pool_us=" | grep "GB/s")
+      ${CPU_MOE_ARGS:-} --out "$OUT/$side" 2>&1 | grep -E "GB/s|paired")
   done
 done

@@ -17,6 +17,7 @@ import itertools
 import math
 import os
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,8 +99,8 @@ def paired(ex: cx.CpuMoeExecutor, buf: torch.Tensor, layers: list[int], args: ar
         pool.append(pool_gbps / stream)
         rows.append({"stream_gbps": round(stream, 2), "gbps": round(gbps, 2),
                      "pool_gbps": round(pool_gbps, 2)})
-    median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return {"ratio_median": round(median(wall), 3), "pool_ratio_median": round(median(pool), 3),
+    return {"ratio_median": round(statistics.median(wall), 3),
+            "pool_ratio_median": round(statistics.median(pool), 3),
             "pairs": rows}
 
 
@@ -187,6 +188,8 @@ def main() -> None:
                    "cpu strategy keeps them")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
+    if args.pairs < 0 or args.pair_seconds <= 0:
+        p.error("--pairs must be >= 0 and --pair-seconds > 0")
 
     l3 = l3_bytes()
     ws = int(args.working_set_gib * GIB) or max(4 * l3, 2 * GIB)

@@ -31,6 +31,19 @@ inline float activate(int kind, float g) {
   }
 }
 
+// `bytes` from p on their way to cache level `level` (0 = L1, 1 = L2, else L3), as the row
+// kernels prefetch (portable: the kernels' own helper is x86's).
+void prefetch_head(const uint8_t* p, int64_t bytes, int level) {
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if (level == 0)
+      __builtin_prefetch(p + off, 0, 3);
+    else if (level == 1)
+      __builtin_prefetch(p + off, 0, 2);
+    else
+      __builtin_prefetch(p + off, 0, 1);
+  }
+}
+
 // Act views advanced to vector `first` of K-long vectors.
 Act offset_act(const Act& a, int64_t first) {
   Act o = a;
@@ -60,11 +73,10 @@ void gate_up(Job& j, int64_t item) {
   int64_t i0 = (item % j.chunks1) * j.c1, i1 = min64(I, i0 + j.c1), rows = i1 - i0;
   int e = j.active[ea];
   float g[kGroup * kMaxChunk], u[kGroup * kMaxChunk];
-  // up's first rows into L2 while gate runs, so up does not start from memory's latency
+  // up's first rows on their way while gate runs, so up does not start from memory's latency
   const Mat& um = L.up.experts[e];
-  const int64_t head = min64(rows * um.row_bytes, prefetch_bytes());
-  for (int64_t off = 0; off < head; off += 64)
-    __builtin_prefetch(um.data + i0 * um.row_bytes + off, 0, 2);
+  prefetch_head(um.data + i0 * um.row_bytes, min64(rows * um.row_bytes, prefetch_bytes()),
+                prefetch_level());
   for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
     int n = (int)min64(kGroup, j.start[ea + 1] - p0);
     L.gate.fn(L.gate.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, g, rows);

@@ -158,6 +158,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
   };
   const int split = down_split_.load(std::memory_order_relaxed);
   j.down = split == DOWN_AUTO ? (P <= kExpertSplitPairs ? DOWN_EXPERTS : DOWN_ROWS) : split;
+  if (P == 0) j.down = DOWN_ROWS;  // no expert to wait for: down_sum's items write the zeros
   if (j.down == DOWN_EXPERTS) {
     sizes[19] = (size_t)P * H * 4;
     sizes[20] = (size_t)cdiv(H, 16) * 4;  // chunks2 is at most this (c2 >= 16)

@@ -53,7 +53,7 @@ void bf16_row_group(const uint16_t* w, int64_t row_elems, int64_t cols, const ui
 template <int NV, int L>
 void bf16_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const uint16_t* const* x,
                   int v0, float* out, int64_t ldo, int64_t ahead) {
-  constexpr int R = NV <= 2 ? 4 : 2;
+  constexpr int R = group_rows(NV);
   const int64_t row_elems = m.row_bytes / 2;
   float res[R * NV];
   int64_t r = r0;
@@ -75,7 +75,7 @@ void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
                const int32_t* vidx, int v0, float* out, int64_t ldo) {
   const uint16_t* x[NV];
   for (int v = 0; v < NV; ++v) x[v] = a.bf + (vidx ? vidx[v0 + v] : v0 + v) * a.K;
-  const int64_t ahead = prefetch_bytes();
+  const int64_t ahead = group_lead(prefetch_bytes(), group_rows(NV) * m.row_bytes);
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
   if (level == 1)

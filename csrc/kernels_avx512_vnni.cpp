@@ -153,7 +153,7 @@ template <class D, int NV, int L>
 void q8_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const int8_t* const* xq,
                 const float* const* xdl, const int32_t* const* xgb, int v0, float* out,
                 int64_t ldo, int64_t ahead) {
-  constexpr int R = NV <= 2 ? 4 : 2;
+  constexpr int R = group_rows(NV);
   float res[R * NV];
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
@@ -181,7 +181,8 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
     xdl[v] = a.dl + i * (a.K / 4);
     xgb[v] = a.gb + i * (a.K / 4);
   }
-  const int64_t ahead = prefetch_bytes();
+  const int64_t ahead =
+      D::kSuper ? prefetch_bytes() : group_lead(prefetch_bytes(), group_rows(NV) * m.row_bytes);
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
   if constexpr (D::kSuper) {

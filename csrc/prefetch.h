@@ -22,4 +22,15 @@ static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead
   for (int64_t off = 0; off < ahead && off < bytes; off += 64) prefetch(p + off, level);
 }
 
+// Rows the grouped row kernels read at once for NV vectors (each activation load serves them
+// all; more vectors leave fewer registers).
+constexpr int group_rows(int nv) { return nv <= 2 ? 4 : 2; }
+
+// How far ahead such a kernel prefetches: at least one whole group of `group_bytes`, so that a
+// group's rows are all in flight before it starts (its R rows are read side by side, and a
+// lead shorter than the group would reach the last rows late). 0 leaves prefetching off.
+static inline int64_t group_lead(int64_t ahead, int64_t group_bytes) {
+  return ahead > 0 && group_bytes > ahead ? group_bytes : ahead;
+}
+
 }  // namespace ft

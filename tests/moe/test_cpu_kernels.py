@@ -208,6 +208,20 @@ def test_skipped_pairs_and_repeated_experts() -> None:
     assert rel_err(got, reference(b, x, ids, w)) < TOLERANCE["bf16"]
 
 
+@pytest.mark.parametrize("split", ["auto", "rows", "experts"])
+def test_no_routed_pair_gives_zeros(split: str) -> None:
+    """Every id < 0: the output is zeros, also in a caller's buffer that held other data."""
+    ex = cx.CpuMoeExecutor(threads=2)
+    ex.add_layer(0, *stacks(bank("q8_0")))
+    ex.set_down_split(split)
+    x, ids, w = inputs("q8_0", 3)
+    ids[:] = -1
+    out = torch.full((3, SHAPES["q8_0"][0]), float("nan"))
+    ex.submit(x, ids, w, 0, out=out).wait()
+    assert torch.equal(out, torch.zeros_like(out))
+    ex.close()
+
+
 def test_per_expert_tensors_equal_stacked() -> None:
     b = bank("q4_k")
     per = [cx.ExpertStack.from_quant([QuantTensor(t.fmt, t.shape[1:], t.data[e])

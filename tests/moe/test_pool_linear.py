@@ -45,6 +45,30 @@ def test_dense_matrix_matches_reference(executor, fmt, tokens):
     assert fut.weight_bytes == stack.expert_bytes  # every row read once, for all tokens
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
+def test_each_row_has_the_same_bits_in_every_batch_and_row_group(tier, fmt):
+    """The row kernels read several rows at once (four for one or two vectors, two for more,
+    the last rows one by one): a row's result for a vector has the same bits whatever the batch
+    it comes in, the row count's remainder and the thread count (which sets the chunks)."""
+    cols = SHAPES[fmt][0]
+    for rows in (37, 38, 39, 40):
+        torch.manual_seed(rows)
+        lid_stack = _one(get_format(fmt).quantize(torch.randn(rows, cols) / cols**0.5))
+        x = torch.randn(5, cols)
+        outs = []
+        for threads in (1, 3):
+            ex = cx.CpuMoeExecutor(threads=threads, isa=tier)
+            lid = ex.add_linear(lid_stack)
+            outs.append([ex.run_linear(x[t:t + 1], lid)[0] for t in range(5)])
+            for n in (2, 3, 5):
+                outs.append(list(ex.run_linear(x[:n], lid)))
+            ex.close()
+        for batch in outs[1:]:
+            for t, row in enumerate(batch):
+                assert torch.equal(row, outs[0][t]), (fmt, rows, t)
+
+
 @pytest.mark.parametrize("act", ["auto", "q8"])
 @pytest.mark.parametrize("tier", TIERS)
 def test_f32_router_is_float32_linear(monkeypatch, tier, act):

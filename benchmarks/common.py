@@ -13,15 +13,21 @@ from typing import Any
 
 
 def git_state(sha: str | None = None) -> dict[str, object]:
-    """Commit and dirty flag; ``sha`` given where the tree was copied without .git."""
+    """Commit and dirty flag of this checkout. Where the tree was copied without .git, the
+    commit comes from ``sha`` or FREETOKEN_GIT_SHA, else it is "unknown" (git is not asked
+    from another folder, which would name some other repository's commit)."""
+    sha = sha or os.environ.get("FREETOKEN_GIT_SHA")
     if sha:
         return {"sha": sha, "dirty": None}
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return {"sha": "unknown", "dirty": None}
 
     def run(*cmd: str) -> str:
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else ""
 
-    return {"sha": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "-s"))}
+    return {"sha": run("rev-parse", "HEAD"), "dirty": bool(run("status", "-s"))}
 
 
 def cpu_model() -> str:

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "expert_op.h"
+#include "prefetch.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -28,19 +29,6 @@ inline float activate(int kind, float g) {
       return 0.5f * g * (1.0f + std::erf(g * 0.7071067811865476f));
     default:
       return g / (1.0f + std::exp(-g));
-  }
-}
-
-// `bytes` from p on their way to cache level `level` (0 = L1, 1 = L2, else L3), as the row
-// kernels prefetch (portable: the kernels' own helper is x86's).
-void prefetch_head(const uint8_t* p, int64_t bytes, int level) {
-  for (int64_t off = 0; off < bytes; off += 64) {
-    if (level == 0)
-      __builtin_prefetch(p + off, 0, 3);
-    else if (level == 1)
-      __builtin_prefetch(p + off, 0, 2);
-    else
-      __builtin_prefetch(p + off, 0, 1);
   }
 }
 
@@ -75,8 +63,8 @@ void gate_up(Job& j, int64_t item) {
   float g[kGroup * kMaxChunk], u[kGroup * kMaxChunk];
   // up's first rows on their way while gate runs, so up does not start from memory's latency
   const Mat& um = L.up.experts[e];
-  prefetch_head(um.data + i0 * um.row_bytes, min64(rows * um.row_bytes, prefetch_bytes()),
-                prefetch_level());
+  prefetch_start(um.data + i0 * um.row_bytes, rows * um.row_bytes, prefetch_bytes(),
+                 prefetch_level());
   for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
     int n = (int)min64(kGroup, j.start[ea + 1] - p0);
     L.gate.fn(L.gate.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, g, rows);

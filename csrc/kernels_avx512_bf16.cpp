@@ -2,7 +2,7 @@
 #include <immintrin.h>
 
 #include "common.h"
-#include "prefetch.h"
+#include "row_groups.h"
 
 namespace ft {
 namespace {
@@ -50,26 +50,6 @@ void bf16_row_group(const uint16_t* w, int64_t row_elems, int64_t cols, const ui
       res[r * NV + v] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][v][0], acc[r][v][1]));
 }
 
-template <int NV, int L>
-void bf16_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const uint16_t* const* x,
-                  int v0, float* out, int64_t ldo, int64_t ahead) {
-  constexpr int R = group_rows(NV);
-  const int64_t row_elems = m.row_bytes / 2;
-  float res[R * NV];
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    bf16_row_group<NV, R, L>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
-                             res, ahead);
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r + i - r0)] = res[i * NV + v];
-  }
-  for (; r < r1; ++r) {
-    bf16_row_group<NV, 1, L>((const uint16_t*)(m.data + r * m.row_bytes), row_elems, cols, x,
-                             res, ahead);
-    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
-  }
-}
-
 template <int NV>
 void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
                const int32_t* vidx, int v0, float* out, int64_t ldo) {
@@ -78,12 +58,12 @@ void bf16_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   const int64_t ahead = group_lead(prefetch_bytes(), group_rows(NV) * m.row_bytes);
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
-  if (level == 1)
-    bf16_rows_at<NV, 1>(m, cols, r0, r1, x, v0, out, ldo, ahead);
-  else if (level == 0)
-    bf16_rows_at<NV, 0>(m, cols, r0, r1, x, v0, out, ldo, ahead);
-  else
-    bf16_rows_at<NV, 2>(m, cols, r0, r1, x, v0, out, ldo, ahead);
+  const int64_t row_elems = m.row_bytes / 2;
+  with_level(level, [&](auto L) {
+    for_row_groups<NV>(m, r0, r1, v0, out, ldo, [&](const uint8_t* row, auto R, float* res) {
+      bf16_row_group<NV, R, L>((const uint16_t*)row, row_elems, cols, x, res, ahead);
+    });
+  });
 }
 
 void gemv_bf16(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,

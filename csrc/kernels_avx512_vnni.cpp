@@ -6,8 +6,8 @@
 #include <type_traits>
 
 #include "common.h"
-#include "prefetch.h"
 #include "q8_blocks.h"
+#include "row_groups.h"
 
 namespace ft {
 namespace {
@@ -148,27 +148,6 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
     for (int v = 0; v < NV; ++v) res[r * NV + v] = _mm512_reduce_add_ps(acc[r][v]) + tail[r][v];
 }
 
-// Rows [r0, r1) in groups of R, the last few one by one.
-template <class D, int NV, int L>
-void q8_rows_at(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const int8_t* const* xq,
-                const float* const* xdl, const int32_t* const* xgb, int v0, float* out,
-                int64_t ldo, int64_t ahead) {
-  constexpr int R = group_rows(NV);
-  float res[R * NV];
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    q8_row_group<D, NV, R, L>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl, xgb,
-                              res, ahead);
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r + i - r0)] = res[i * NV + v];
-  }
-  for (; r < r1; ++r) {
-    q8_row_group<D, NV, 1, L>(m.data + r * m.row_bytes, m.row_bytes, cols / 32, xq, xdl, xgb,
-                              res, ahead);
-    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
-  }
-}
-
 template <class D, int NV>
 void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
              const int32_t* vidx, int v0, float* out, int64_t ldo) {
@@ -191,12 +170,12 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
       q8_row_super<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
       for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
     }
-  } else if (level == 1) {
-    q8_rows_at<D, NV, 1>(m, cols, r0, r1, xq, xdl, xgb, v0, out, ldo, ahead);
-  } else if (level == 0) {
-    q8_rows_at<D, NV, 0>(m, cols, r0, r1, xq, xdl, xgb, v0, out, ldo, ahead);
   } else {
-    q8_rows_at<D, NV, 2>(m, cols, r0, r1, xq, xdl, xgb, v0, out, ldo, ahead);
+    with_level(level, [&](auto L) {
+      for_row_groups<NV>(m, r0, r1, v0, out, ldo, [&](const uint8_t* row, auto R, float* res) {
+        q8_row_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
+      });
+    });
   }
 }
 

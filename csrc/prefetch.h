@@ -1,6 +1,6 @@
-// Software prefetch helpers shared by the SIMD tiers (SSE's prefetch exists on every x86 tier).
+// Software prefetch helpers shared by the row kernels and the expert op's work items
+// (__builtin_prefetch: prefetcht0/t1/t2 on x86, whatever the target has elsewhere).
 #pragma once
-#include <immintrin.h>
 
 #include <cstdint>
 
@@ -9,9 +9,9 @@ namespace ft {
 // One line into cache level `level` (0 = L1, 1 = L2, else L3).
 static inline void prefetch(const void* p, int level) {
   switch (level) {
-    case 0: _mm_prefetch((const char*)p, _MM_HINT_T0); break;
-    case 1: _mm_prefetch((const char*)p, _MM_HINT_T1); break;
-    default: _mm_prefetch((const char*)p, _MM_HINT_T2); break;
+    case 0: __builtin_prefetch(p, 0, 3); break;
+    case 1: __builtin_prefetch(p, 0, 2); break;
+    default: __builtin_prefetch(p, 0, 1); break;
   }
 }
 
@@ -20,17 +20,6 @@ static inline void prefetch(const void* p, int level) {
 // regions here are often short.
 static inline void prefetch_start(const uint8_t* p, int64_t bytes, int64_t ahead, int level) {
   for (int64_t off = 0; off < ahead && off < bytes; off += 64) prefetch(p + off, level);
-}
-
-// Rows the grouped row kernels read at once for NV vectors (each activation load serves them
-// all; more vectors leave fewer registers).
-constexpr int group_rows(int nv) { return nv <= 2 ? 4 : 2; }
-
-// How far ahead such a kernel prefetches: at least one whole group of `group_bytes`, so that a
-// group's rows are all in flight before it starts (its R rows are read side by side, and a
-// lead shorter than the group would reach the last rows late). 0 leaves prefetching off.
-static inline int64_t group_lead(int64_t ahead, int64_t group_bytes) {
-  return ahead > 0 && group_bytes > ahead ? group_bytes : ahead;
 }
 
 }  // namespace ft

@@ -29,9 +29,7 @@ INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def _register(qt: QuantTensor) -> int:
     """Put a dense matrix on the shared pool; its linear id."""
-    stacked = QuantTensor(qt.fmt, (1, *qt.shape), qt.data.unsqueeze(0),
-                          {k: v.unsqueeze(0) for k, v in qt.scales.items()})
-    return shared_executor().add_linear(ExpertStack.from_quant(stacked, copy=True))
+    return shared_executor().add_linear(ExpertStack.from_quant(qt, copy=True))
 
 
 def _run(lid: int, x: torch.Tensor, cols: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, git_state, save_result  # noqa: E402
-from freetoken.moe import cpu_executor as cx  # noqa: E402
+from freetoken.config import MOE_CPU_SPIN_US  # noqa: E402
+from freetoken.cpu import executor as cx  # noqa: E402
 from freetoken.quant import QuantTensor, get_format  # noqa: E402
 
 GIB = 1 << 30
@@ -169,7 +170,7 @@ def main() -> None:
                    help="expert bytes to cycle over (default: max(4 x L3, 2 GiB))")
     p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     p.add_argument("--isa", default=None, help="cap the ISA tier (default: the best)")
-    p.add_argument("--spin-us", type=int, default=cx.DEFAULT_SPIN_US,
+    p.add_argument("--spin-us", type=int, default=MOE_CPU_SPIN_US,
                    help="worker spin before sleeping")
     p.add_argument("--prefetch", default="", help="comma-separated prefetch distances in bytes "
                    "to compare, each optionally :LEVEL (0 = L1, 1 = L2), e.g. 2048,4096:1 "

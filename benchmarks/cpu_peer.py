@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.cpu.executor import CpuMoeExecutor  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
+from freetoken.engine.resolve import configure_threads  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
-from freetoken.resolve import configure_threads  # noqa: E402
 
 
 class LlamaCpp:
@@ -79,6 +81,14 @@ def _time_waits(ex: object) -> None:
     lib._waits_timed = True
 
 
+@cache
+def _pool(threads: int) -> CpuMoeExecutor:
+    """One pool per process, shared by our engines (two would pin workers to the same cores)."""
+    pool = CpuMoeExecutor(threads=threads)
+    _time_waits(pool)
+    return pool
+
+
 class Ours:
     """Our engine on the file, CPU only; it records how a token's time splits between the
     engine thread's own work and its waits for pool jobs (in which it joins the workers).
@@ -93,17 +103,14 @@ class Ours:
                            max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
                            cpu_dense=cpu_dense)
         configure_threads(cfg)
-        self.engine = Engine(cfg, progress=False)
+        self.executor = None
+        if strategy == "cpu" or cpu_dense == "pool":
+            self.executor = _pool(cfg.moe_cpu_threads)
+        self.engine = Engine(cfg, progress=False, pool=self.executor)
         if not native:  # decode every layer through its modules (the native layers' twin)
             for layer in self.engine.model.model.layers:
                 layer.native = None
         self.join = join
-        self.executor = None
-        if strategy == "cpu" or cpu_dense == "pool":
-            from freetoken.moe.cpu import shared_executor
-
-            self.executor = shared_executor()  # one per process, shared by our engines
-            _time_waits(self.executor)
 
     def decode(self, ids: list[int], tokens: int) -> dict[str, object]:
         if self.executor is not None:

@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
+from freetoken.engine.resolve import parse_bytes  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
-from freetoken.resolve import parse_bytes  # noqa: E402
 
 COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
             "cpu_experts", "cpu_s", "plan_s")
@@ -99,10 +99,10 @@ def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> di
 
 
 VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online, graphs)
-    "offload-eager": ("offload", 0, True, False),
+    "offload-eager": ("offload", "auto", True, False),
     "hybrid-cap1": ("hybrid", 1, False, True),
-    "hybrid-profile": ("hybrid", 0, False, True),
-    "hybrid-online": ("hybrid", 0, True, True),
+    "hybrid-profile": ("hybrid", "auto", False, True),
+    "hybrid-online": ("hybrid", "auto", True, True),
 }
 
 
@@ -137,7 +137,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels."""
     base, _, kernel = name.partition("+")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = kernel or "auto"
-    strategy, max_fetch, online, capture = VARIANTS.get(base, (base, 0, True, True))
+    strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     capture = capture and strategy != "cpu" and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine  # noqa: E402
+from freetoken.engine.resolve import parse_bytes  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
-from freetoken.resolve import parse_bytes  # noqa: E402
 
 TOTALS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
 
@@ -60,11 +60,11 @@ def main() -> None:
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
-    from freetoken.engine.graph import HostStep, LateStep
-    from freetoken.moe import cpu_executor as cx
+    from freetoken.cpu import executor as cx
     from freetoken.moe.expert_cache import SlotPool
     from freetoken.moe.hybrid import HybridExperts
     from freetoken.moe.offload import OffloadExperts, OffloadRuntime
+    from freetoken.moe.pieces import HostStep, LateStep
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype="bfloat16",
                        moe_strategy=args.strategy, max_seq_len=args.tokens + 256,

@@ -1,5 +1,6 @@
-// The C ABI that freetoken/moe/cpu_executor.py loads with ctypes: the one binding file.
-// Pointers are raw host addresses of contiguous tensors the caller keeps alive.
+// The C ABI that freetoken/cpu/library.py loads with ctypes: the one binding file.
+// Pointers are raw host addresses of contiguous tensors the caller keeps alive. The first
+// group of functions describes the ABI itself; freetoken/cpu/abi.py checks it at load.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -50,6 +51,38 @@ void copy_error(const std::string& s, char* buf, int len) {
 }
 
 }  // namespace
+
+// What the Python side checks before it calls anything else: the ABI version, the names
+// behind each enum's numbers, each format's block, and the sizes of the structs it mirrors.
+FT_API int ft_abi_version() { return ft::ABI_VERSION; }
+
+FT_API int ft_format_count() { return ft::F_COUNT; }
+
+// Format `fmt`'s name (null past the last), and its block: weights and bytes.
+FT_API const char* ft_format_info(int fmt, int* block, int* block_bytes) {
+  if (fmt < 0 || fmt >= ft::F_COUNT) return nullptr;
+  *block = ft::FMT_INFO[fmt].block;
+  *block_bytes = ft::FMT_INFO[fmt].block_bytes;
+  return ft::FMT_INFO[fmt].name;
+}
+
+FT_API int ft_isa_count() { return ft::ISA_COUNT; }
+
+FT_API const char* ft_act_name(int act) {
+  static const char* names[ft::ACT_COUNT] = {"f32", "q8", "bf16"};
+  return act >= 0 && act < ft::ACT_COUNT ? names[act] : nullptr;
+}
+
+FT_API int ft_act_count() { return ft::ACT_COUNT; }
+
+// sizeof a struct the caller fills ("ProjDesc", "DecodeLayer", "DecodeStep"); -1 for another.
+FT_API int64_t ft_struct_size(const char* name) {
+  std::string n(name ? name : "");
+  if (n == "ProjDesc") return sizeof(ProjDesc);
+  if (n == "DecodeLayer") return sizeof(ft::DecodeLayer);
+  if (n == "DecodeStep") return sizeof(ft::DecodeStep);
+  return -1;
+}
 
 FT_API int ft_best_isa() { return ft::best_isa(); }
 

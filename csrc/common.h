@@ -18,7 +18,11 @@
 
 namespace ft {
 
-// Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/moe/cpu_native.py).
+// The C ABI's version: bump it with any change to a signature, struct or enum the Python side
+// mirrors (freetoken/cpu/abi.py checks it, and the tables below, when it loads the library).
+constexpr int ABI_VERSION = 1;
+
+// Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/cpu/abi.py).
 enum Fmt : int {
   F_BF16 = 0,
   F_Q8_0 = 1,
@@ -31,6 +35,19 @@ enum Fmt : int {
   F_FP8_BLOCK = 8,
   F_F32 = 9,
   F_COUNT = 10,
+};
+
+// Each format's name and block: weights per block along a row, and the block's bytes (the
+// scales of nvfp4 and fp8_block live apart). The one table the kernels size rows by.
+struct FmtInfo {
+  const char* name;
+  int block;
+  int block_bytes;
+};
+constexpr FmtInfo FMT_INFO[F_COUNT] = {
+    {"bf16", 1, 2},   {"q8_0", 32, 34},  {"q4_0", 32, 18},  {"q5_0", 32, 22},
+    {"q4_k", 256, 144}, {"q6_k", 256, 210}, {"mxfp4", 32, 17}, {"nvfp4", 16, 8},
+    {"fp8_block", 1, 1}, {"f32", 1, 4},
 };
 
 // ISA tiers, lowest first; a tier may use every instruction of the tiers below it.

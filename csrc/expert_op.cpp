@@ -18,28 +18,9 @@ void Scratch::carve(const size_t* sizes, int n, uint8_t** part) {
   for (int i = 0; i < n; off += align64(sizes[i]), ++i) part[i] = sizes[i] ? base + off : nullptr;
 }
 
-int64_t block_of(int fmt) {
-  switch (fmt) {
-    case F_BF16:
-    case F_FP8_BLOCK:
-    case F_F32:
-      return 1;
-    case F_NVFP4:
-      return 16;
-    case F_Q4_K:
-    case F_Q6_K:
-      return 256;
-    default:
-      return 32;
-  }
-}
+int64_t block_of(int fmt) { return fmt >= 0 && fmt < F_COUNT ? FMT_INFO[fmt].block : 1; }
 
-const char* fmt_name(int fmt) {
-  static const char* names[F_COUNT] = {"bf16", "q8_0",  "q4_0",  "q5_0",      "q4_k",
-                                       "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32"};
-  return fmt >= 0 && fmt < F_COUNT ? names[fmt] : "unknown";
-}
-
+const char* fmt_name(int fmt) { return fmt >= 0 && fmt < F_COUNT ? FMT_INFO[fmt].name : "unknown"; }
 
 Executor::Executor(const std::vector<int>& cores, int isa_cap, int spin_us)
     : pool_(cores, spin_us), isa_(isa_cap < best_isa() ? isa_cap : best_isa()) {

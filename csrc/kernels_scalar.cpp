@@ -8,18 +8,16 @@ namespace {
 
 constexpr int kMaxUnit = 256;
 
-// Elements per decoding unit of each format (the last unit of a bf16/f32/fp8 row may be
-// partial).
-constexpr int unit_of(int fmt) {
-  return fmt == F_Q4_K || fmt == F_Q6_K ? 256 : fmt == F_NVFP4 ? 16 : 32;
-}
+// Elements per decoding unit of each format: its block, and 32 for the plain floats (the last
+// unit of a bf16/f32/fp8 row may be partial).
+constexpr int unit_of(int fmt) { return FMT_INFO[fmt].block > 1 ? FMT_INFO[fmt].block : 32; }
 
 // Integer decoding of unit u of row r: q[i] (offset removed) and per-16 s[g], m[g].
 void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* s, float* mn) {
   const uint8_t* row = m.data + r * m.row_bytes;
   switch (fmt) {
     case F_Q8_0: {
-      const uint8_t* b = row + u * 34;
+      const uint8_t* b = row + u * FMT_INFO[F_Q8_0].block_bytes;
       float d = fp16_to_f32(load_u16(b));
       for (int i = 0; i < 32; ++i) q[i] = (int8_t)b[2 + i];
       s[0] = s[1] = d;
@@ -27,7 +25,7 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
     }
     case F_Q4_0: {
-      const uint8_t* b = row + u * 18;
+      const uint8_t* b = row + u * FMT_INFO[F_Q4_0].block_bytes;
       float d = fp16_to_f32(load_u16(b));
       for (int i = 0; i < 16; ++i) {
         q[i] = (int16_t)((b[2 + i] & 15) - 8);
@@ -38,7 +36,7 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
     }
     case F_Q5_0: {
-      const uint8_t* b = row + u * 22;
+      const uint8_t* b = row + u * FMT_INFO[F_Q5_0].block_bytes;
       float d = fp16_to_f32(load_u16(b));
       uint32_t qh = load_u32(b + 2);
       for (int i = 0; i < 16; ++i) {
@@ -50,7 +48,7 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
     }
     case F_MXFP4: {
-      const uint8_t* b = row + u * 17;
+      const uint8_t* b = row + u * FMT_INFO[F_MXFP4].block_bytes;
       float d = e8m0_half(b[0]);
       for (int i = 0; i < 16; ++i) {
         q[i] = kE2M1Doubled[b[1 + i] & 15];
@@ -61,7 +59,7 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
     }
     case F_Q4_K: {
-      const uint8_t* b = row + u * 144;
+      const uint8_t* b = row + u * FMT_INFO[F_Q4_K].block_bytes;
       float d = fp16_to_f32(load_u16(b)), dmin = fp16_to_f32(load_u16(b + 2));
       for (int j = 0; j < 8; ++j) {
         uint8_t sc, mv;
@@ -74,7 +72,7 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
     }
     case F_Q6_K: {
-      const uint8_t* b = row + u * 210;
+      const uint8_t* b = row + u * FMT_INFO[F_Q6_K].block_bytes;
       const uint8_t *ql = b, *qh = b + 128;
       const int8_t* sc = (const int8_t*)(b + 192);
       float d = fp16_to_f32(load_u16(b + 208));
@@ -92,7 +90,7 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
     }
     case F_NVFP4: {
-      const uint8_t* b = row + u * 8;
+      const uint8_t* b = row + u * FMT_INFO[F_NVFP4].block_bytes;
       s[0] = e4m3_to_f32(m.scale[r * m.scale_row_bytes + u]) * 0.5f;
       mn[0] = 0;
       for (int i = 0; i < 8; ++i) {

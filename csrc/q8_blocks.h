@@ -34,12 +34,12 @@ static inline __m256i bits_to_bytes(uint32_t x) {
 
 struct Q8_0 {
   static constexpr bool kSuper = false;
-  static constexpr int kBlockBytes = 34;  // per 32 weights
+  static constexpr int kBlockBytes = FMT_INFO[F_Q8_0].block_bytes;  // per 32 weights
   static constexpr int kOff = 0, kBlocks = 1;
   static constexpr bool kSigned = true, kMins = false;
   static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + 34 * b;
+    const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
     w = _mm256_loadu_si256((const __m256i*)(p + 2));
   }
@@ -47,12 +47,12 @@ struct Q8_0 {
 
 struct Q4_0 {
   static constexpr bool kSuper = false;
-  static constexpr int kBlockBytes = 18;  // per 32 weights
+  static constexpr int kBlockBytes = FMT_INFO[F_Q4_0].block_bytes;  // per 32 weights
   static constexpr int kOff = 8, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
   static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + 18 * b;
+    const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
     w = nibbles32(p + 2);
   }
@@ -60,12 +60,12 @@ struct Q4_0 {
 
 struct Q5_0 {
   static constexpr bool kSuper = false;
-  static constexpr int kBlockBytes = 22;  // per 32 weights
+  static constexpr int kBlockBytes = FMT_INFO[F_Q5_0].block_bytes;  // per 32 weights
   static constexpr int kOff = 16, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
   static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + 22 * b;
+    const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
     __m256i hi = _mm256_and_si256(bits_to_bytes(load_u32(p + 2)), _mm256_set1_epi8(0x10));
     w = _mm256_or_si256(nibbles32(p + 6), hi);
@@ -74,12 +74,12 @@ struct Q5_0 {
 
 struct MXFP4 {
   static constexpr bool kSuper = false;
-  static constexpr int kBlockBytes = 17;  // per 32 weights
+  static constexpr int kBlockBytes = FMT_INFO[F_MXFP4].block_bytes;  // per 32 weights
   static constexpr int kOff = 12, kBlocks = 1;
   static constexpr bool kSigned = false, kMins = false;
   static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + 17 * b;
+    const uint8_t* p = row + kBlockBytes * b;
     // twice the e2m1 value of each code, plus 12
     const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4,
                                          0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6,
@@ -90,12 +90,12 @@ struct MXFP4 {
 };
 
 struct Q4_K {
-  static constexpr int kBlockBytes = 18;  // per 32 weights
+  static constexpr int kBlockBytes = FMT_INFO[F_Q4_K].block_bytes / 8;  // per 32 weights
   static constexpr int kOff = 0, kBlocks = 8;
   static constexpr bool kSigned = false, kMins = true;
   static constexpr bool kHasPair = true;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256& wm) {
-    const uint8_t* p = row + 144 * (b / 8);
+    const uint8_t* p = row + FMT_INFO[F_Q4_K].block_bytes * (b / 8);
     int j = (int)(b % 8);
     uint8_t sc, mn;
     q4k_scale_min(p + 4, j, &sc, &mn);
@@ -127,7 +127,7 @@ struct Q4_K {
   // Sub-blocks 2k and 2k + 1 are the low and high nibbles of one 32-byte chunk.
   static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
                           __m256& s1, __m256& m0, __m256& m1) {
-    const uint8_t* p = row + 144 * (b / 8);
+    const uint8_t* p = row + FMT_INFO[F_Q4_K].block_bytes * (b / 8);
     int j = (int)(b % 8);
     uint8_t sc0, mn0, sc1, mn1;
     q4k_scale_min(p + 4, j, &sc0, &mn0);
@@ -145,12 +145,12 @@ struct Q4_K {
 };
 
 struct Q6_K {
-  static constexpr int kBlockBytes = 26;  // per 32 weights (rounded down)
+  static constexpr int kBlockBytes = FMT_INFO[F_Q6_K].block_bytes / 8;  // per 32 weights (rounded down)
   static constexpr int kOff = 32, kBlocks = 8;
   static constexpr bool kSigned = false, kMins = false;
   static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + 210 * (b / 8);
+    const uint8_t* p = row + FMT_INFO[F_Q6_K].block_bytes * (b / 8);
     int j = (int)(b % 8), h = j / 4, k = j % 4;
     __m256i lo = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32 * (k & 1)));
     if (k >> 1) lo = _mm256_srli_epi16(lo, 4);

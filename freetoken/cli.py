@@ -7,15 +7,16 @@ import logging
 import sys
 
 from freetoken import __version__, env
+from freetoken.config import MOE_CPU_SPIN_US
+from freetoken.engine.resolve import DEVICES, DTYPES
 from freetoken.errors import FreeTokenError
-from freetoken.resolve import DEVICES, DTYPES
 
 log = logging.getLogger("freetoken")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every command that loads a model."""
-    from freetoken.moe.strategy import strategy_names
+    from freetoken.moe.registry import strategy_names
 
     g = p.add_argument_group("engine")
     g.add_argument(
@@ -60,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--moe-cpu-spin-us",
         type=int,
-        default=1000,
+        default=MOE_CPU_SPIN_US,
         metavar="US",
         help="how long an idle CPU worker spins for the next job before it sleeps (bounded; "
         "0: sleep at once). Decode hands the pool one job per layer, a fraction of a "
@@ -119,8 +120,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     from freetoken.engine.detok import Detokenizer
     from freetoken.engine.engine import Engine, GenerationStats
+    from freetoken.engine.resolve import resolve_engine
     from freetoken.engine.sample import SamplingParams
-    from freetoken.resolve import resolve_engine
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -190,7 +191,7 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _bench_bw(args: argparse.Namespace) -> int:
-    from freetoken.moe.benchbw import bench_bw_main
+    from freetoken.bench.bw import bench_bw_main
 
     return bench_bw_main(args)
 
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_synth_args(y)
     y.set_defaults(func=_synth)
 
-    from freetoken.moe.benchbw import add_bench_bw_args
+    from freetoken.bench.bw import add_bench_bw_args
 
     b = sub.add_parser(
         "bench",

@@ -16,8 +16,8 @@ cp ${AB_DIR:-.peer/ab}/* $BASE/csrc/
 (cd $BASE && cmake -S . -B /tmp/build_base -G Ninja -DCMAKE_BUILD_TYPE=Release > "$OUT/build_base.log" 2>&1 \
   && cmake --build /tmp/build_base >> "$OUT/build_base.log" 2>&1 \
   && cp /tmp/build_base/libfreetoken_cpu.so freetoken/) || { tail -20 "$OUT/build_base.log"; exit 1; }
-[ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/moe/test_cpu_kernels.py \
-  tests/moe/test_pool_linear.py 2>&1 | tail -2 | tee "$OUT/cpu_tests.log"
+[ "${TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider tests/cpu/test_kernels.py \
+  tests/layers/test_pool_linear.py 2>&1 | tail -2 | tee "$OUT/cpu_tests.log"
 for round in $(seq ${ROUNDS:-2}); do
   for side in base new; do
     dir=$PWD; sha=${GIT_SHA:-}

@@ -1,1 +1,1 @@
-"""The engine: forward context, model runner, sampling, the generate loop."""
+"""The engine: flags resolved, the model runner, scheduling, CUDA graphs, sampling."""

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.config import EngineConfig
-from freetoken.engine.context import Segment
+from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sample import SamplingParams, sample
+from freetoken.layers.context import Segment
 
 
 @dataclass
@@ -33,8 +34,9 @@ class GenerationStats:
 class Engine:
     """A runner with a KV pool of ``cfg.max_seq_len`` tokens, and the model's tokenizer."""
 
-    def __init__(self, cfg: EngineConfig, progress: bool = True) -> None:
-        self.runner = ModelRunner(cfg, kv_tokens=cfg.max_seq_len, progress=progress)
+    def __init__(self, cfg: EngineConfig, progress: bool = True,
+                 pool: CpuMoeExecutor | None = None) -> None:
+        self.runner = ModelRunner(cfg, kv_tokens=cfg.max_seq_len, progress=progress, pool=pool)
         self.model_config = self.runner.model_config
         self.model = self.runner.model
         self.max_len = self.runner.max_len

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from freetoken.engine.context import Segment
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sample import SamplingParams, apply_penalties, sample
 from freetoken.kvcache.radix import PrefixCache
+from freetoken.layers.context import Segment
 
 
 @dataclass

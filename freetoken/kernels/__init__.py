@@ -1,1 +1,2 @@
-"""GPU kernels (Triton) for the hot paths of decode; each has a slow twin in torch."""
+"""Compute kernels below the MoE strategies: the fused GPU gather-GEMV (Triton) with its torch
+twin, the torch expert paths every strategy shares, activations by name."""

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.moe.resident import gathered, weigh_pairs
-from freetoken.quant import QuantTensor, dequantize_as
+from freetoken.kernels.expert_matmul import gathered, weigh_pairs
+from freetoken.quant import QuantTensor, dequantize_as, get_format
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 BLOCK_ROWS = 16  # output rows per program: enough programs to fill the GPU at one token
@@ -32,12 +32,19 @@ BLOCK_ROWS = 16  # output rows per program: enough programs to fill the GPU at o
 
 @dataclass(frozen=True)
 class FusedKernel:
-    """A format's gather-GEMV: the kernel of that name in :mod:`.triton_gemv`, its block (weights
-    and bytes), and blocks per loop step."""
+    """A format's gather-GEMV: the kernel of that name in :mod:`.triton_gemv` and blocks per
+    loop step; its block (weights and bytes) is the quant format's."""
 
-    block: int
-    block_bytes: int
+    fmt: str
     step: int = 1
+
+    @property
+    def block(self) -> int:
+        return get_format(self.fmt).block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return get_format(self.fmt).block_bytes
 
 
 def unavailable() -> str | None:
@@ -50,10 +57,10 @@ def unavailable() -> str | None:
 
 
 KERNELS: dict[str, FusedKernel] = {
-    "q8_0": FusedKernel(32, 34, step=4),
-    "q5_0": FusedKernel(32, 22, step=4),
-    "q4_k": FusedKernel(256, 144),
-    "q6_k": FusedKernel(256, 210),
+    "q8_0": FusedKernel("q8_0", step=4),
+    "q5_0": FusedKernel("q5_0", step=4),
+    "q4_k": FusedKernel("q4_k"),
+    "q6_k": FusedKernel("q6_k"),
 }
 
 
@@ -102,7 +109,7 @@ def fused(formats: tuple[str, ...]) -> bool:
 
 def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,
                    up: QuantTensor, down: QuantTensor, act: Act) -> torch.Tensor:
-    """Pairs at once, as ``resident.gathered``, with pair p's expert ``index[p]`` read from the
+    """Pairs at once, as ``expert_matmul.gathered``, with pair p's expert ``index[p]`` read from the
     stacks gate/up (S, I, H) and down (S, H, I). x (T, H), w (T, A) -> (T, H)."""
     A = w.shape[1]
     g = gather_gemv(gate.fmt, gate.data, index, x, A)
@@ -115,7 +122,7 @@ def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
                        gate: QuantTensor, up: QuantTensor, down: QuantTensor,
                        act: Act) -> torch.Tensor:
     """Slow twin, and the path of layers without a fused kernel: the pairs' experts copied
-    out, dequantised to ``x``'s dtype, batched matmuls (``resident.gathered``, so resident's
+    out, dequantised to ``x``'s dtype, batched matmuls (``expert_matmul.gathered``, so resident's
     bits)."""
 
     def picked(qt: QuantTensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from freetoken.engine.context import ForwardContext
-from freetoken.moe.cpu_native import optional
+from freetoken.cpu.library import optional
+from freetoken.layers.context import ForwardContext
 
 
 def _gather(table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

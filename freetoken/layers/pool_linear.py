@@ -17,23 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from freetoken.moe.cpu import shared_executor
-from freetoken.moe.expert_stack import ExpertStack
+from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.cpu.expert_stack import ExpertStack
 from freetoken.quant import QuantTensor, get_format
 
 # Formats the pool's kernels read; f32 and f16 weights are kept as bf16.
 _AS_BF16 = ("f32", "f16")
 # Sibling layers that read one input, by attribute name in their parent module.
 INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _register(qt: QuantTensor) -> int:
-    """Put a dense matrix on the shared pool; its linear id."""
-    return shared_executor().add_linear(ExpertStack.from_quant(qt, copy=True))
-
-
-def _run(lid: int, x: torch.Tensor, cols: int) -> torch.Tensor:
-    return shared_executor().run_linear(x.reshape(-1, cols), lid)
 
 
 class InputGroup:
@@ -56,8 +47,9 @@ class InputGroup:
         if self.stacked:
             first = qts[0]
             rows = sum(qt.shape[0] for qt in qts)
-            self._id = _register(QuantTensor(first.fmt, (rows, *first.shape[1:]),
-                                             torch.cat([qt.data for qt in qts])))
+            stacked = QuantTensor(first.fmt, (rows, *first.shape[1:]),
+                                  torch.cat([qt.data for qt in qts]))
+            self._id = self.members[0].pool.add_linear(ExpertStack.from_quant(stacked, copy=True))
             for m in self.members:
                 m.weight_q = None
 
@@ -77,7 +69,7 @@ class InputGroup:
             return None
         i = self.members.index(member)
         if x is not self._x or i not in self._pending:
-            y = _run(self._id, x, member.in_features)
+            y = member.pool.run_linear(x.reshape(-1, member.in_features), self._id)
             parts = y.split([m.out_features for m in self.members], dim=-1)
             self._x, self._pending = x, dict(enumerate(parts))
         y = self._pending.pop(i)
@@ -89,11 +81,13 @@ class InputGroup:
 class PoolLinear(nn.Module):
     """``y = x @ W^T``, W (out_features, in_features) in its own format on the CPU pool; with
     ``exact`` (routers) W is kept in float32 and the input is not quantised, so the products are
-    the torch path's up to the order of the sums."""
+    the torch path's up to the order of the sums. ``pool``: the CPU pool that holds W."""
 
-    def __init__(self, in_features: int, out_features: int, exact: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, pool: CpuMoeExecutor,
+                 exact: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.pool = pool
         self.exact = exact
         self.weight_q: QuantTensor | None = None
         self._id: int | None = None
@@ -122,7 +116,7 @@ class PoolLinear(nn.Module):
         """This matrix's id on the pool, registered at the first call."""
         if self._id is None:
             assert self.weight_q is not None, "PoolLinear used before its weight was loaded"
-            self._id = _register(self.weight_q)
+            self._id = self.pool.add_linear(ExpertStack.from_quant(self.weight_q, copy=True))
             self.weight_q = None
         return self._id
 
@@ -130,15 +124,15 @@ class PoolLinear(nn.Module):
         lead = x.shape[:-1]
         y = self.group.output(self, x) if self.group is not None else None
         if y is None:
-            y = _run(self.linear_id(), x, self.in_features)
+            y = self.pool.run_linear(x.reshape(-1, self.in_features), self.linear_id())
         y = y.reshape(*lead, self.out_features)
         return y if self.exact else y.to(x.dtype)  # a router's logits stay float32
 
 
-def use_pool_linears(model: nn.Module) -> int:
-    """Swap the model's dense ``Linear`` layers for :class:`PoolLinear`, except a head tied to
-    the embedding, and group siblings that read one input (:data:`INPUT_GROUPS`). Routers
-    (``mlp.gate``) stay float32 (``exact``): top-k choices stay as exact as the resident
+def use_pool_linears(model: nn.Module, pool: CpuMoeExecutor) -> int:
+    """Swap the model's dense ``Linear`` layers for :class:`PoolLinear` on ``pool``, except a
+    head tied to the embedding, and group siblings that read one input (:data:`INPUT_GROUPS`).
+    Routers (``mlp.gate``) stay float32 (``exact``): top-k choices stay as exact as the resident
     path's, and the pool reads their megabyte in a fraction of the engine thread's time.
     Returns how many were swapped; call before loading the weights."""
     from freetoken.layers.linear import Linear
@@ -153,7 +147,7 @@ def use_pool_linears(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_f, in_f = module.weight.shape
-        setattr(parent, attr, PoolLinear(in_f, out_f, exact=name.endswith("mlp.gate")))
+        setattr(parent, attr, PoolLinear(in_f, out_f, pool, exact=name.endswith("mlp.gate")))
         swapped += 1
     for module in model.modules():
         for names in INPUT_GROUPS:

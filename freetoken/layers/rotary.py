@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freetoken.moe.cpu_native import optional
+from freetoken.cpu.library import optional
 
 
 def _native() -> Any:

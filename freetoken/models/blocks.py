@@ -11,14 +11,15 @@ import torch
 from torch import nn
 
 from freetoken.config import ModelConfig
-from freetoken.engine.context import ForwardContext
-from freetoken.layers.activation import ACTIVATIONS
+from freetoken.cpu.library import optional
+from freetoken.kernels.activation import ACTIVATIONS
 from freetoken.layers.attention import attention
+from freetoken.layers.context import ForwardContext
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.moe.cpu_native import optional
-from freetoken.moe.strategy import ExpertShape, StrategyPlan, make_experts
+from freetoken.moe.registry import make_experts
+from freetoken.moe.strategy import ExpertShape, StrategyPlan
 
 
 def _native_route() -> Any:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from freetoken.config import ModelConfig
-from freetoken.engine.context import ForwardContext
+from freetoken.layers.context import ForwardContext
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm

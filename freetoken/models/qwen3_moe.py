@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from freetoken.config import ModelConfig
-from freetoken.engine.context import ForwardContext
+from freetoken.layers.context import ForwardContext
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
@@ -21,7 +21,7 @@ from freetoken.models.blocks import MLP, Attention, MoEBlock
 from freetoken.moe.strategy import StrategyPlan
 
 if TYPE_CHECKING:
-    from freetoken.engine.native_decode import NativeDecodeLayer
+    from freetoken.models.native_decode import NativeDecodeLayer
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -36,7 +36,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         )
         # CPU float32 decode's whole layer as one native call, where attached
-        # (freetoken/engine/native_decode.py); these modules are its slow twin.
+        # (freetoken/models/native_decode.py); these modules are its slow twin.
         self.native: NativeDecodeLayer | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

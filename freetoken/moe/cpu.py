@@ -2,40 +2,25 @@
 executor computes the routed ones; the result goes back to the model's device.
 
 The loader hands expert tensors over undequantised through :meth:`CpuExperts.load_expert_tensor`
-(stacked ``E x out x in``, fused ``gate_up_proj``, or one expert at a time). All layers share one
-executor (one pool of pinned workers), made on first use by :func:`shared_executor`.
+(stacked ``E x out x in``, fused ``gate_up_proj``, or one expert at a time). All layers share the
+one pool of pinned workers the runner made and :meth:`CpuExperts.attach` hands over.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from freetoken.cpu import executor as cx
 from freetoken.errors import ConfigError
-from freetoken.moe import cpu_executor as cx
 from freetoken.moe.host_banks import BankBuilder
-from freetoken.moe.strategy import Experts, ExpertShape, register
+from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
 
-_EXECUTOR: cx.CpuMoeExecutor | None = None
-_EXECUTOR_LOCK = threading.Lock()
 
-
-def shared_executor(threads: int | None = None, isa: str | None = None,
-                    spin_us: int = cx.DEFAULT_SPIN_US) -> cx.CpuMoeExecutor:
-    """The process's CPU MoE executor; the first call's arguments make it (``--moe-cpu-threads``,
-    the ISA cap, ``--moe-cpu-spin-us``), later calls return it as it is."""
-    global _EXECUTOR
-    with _EXECUTOR_LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = cx.CpuMoeExecutor(threads=threads, isa=isa, spin_us=spin_us)
-        return _EXECUTOR
-
-
-@register("cpu")
 class CpuExperts(Experts):
     """One MoE layer's experts in host memory; forward runs them on the CPU executor."""
+
+    NEEDS = Needs(cpu_pool=True, host_banks=True, eager_decode=True)
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
@@ -45,7 +30,8 @@ class CpuExperts(Experts):
         self.shape = shape
         self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
                                    shape.intermediate)
-        self._executor: cx.CpuMoeExecutor | None = None
+        self._pool: cx.CpuMoeExecutor | None = None  # given by attach
+        self._executor: cx.CpuMoeExecutor | None = None  # the pool, once the banks are on it
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -57,6 +43,13 @@ class CpuExperts(Experts):
     def missing_expert_tensors(self) -> list[str]:
         """What the checkpoint has not provided yet, e.g. ``['down_proj', 'up_proj[3]']``."""
         return [] if self._executor is not None else self.builder.missing()
+
+    def attach(self, plan: LayerPlan, shared: Shared) -> None:
+        """Run on the model's CPU pool; the banks go there at the first forward."""
+        if shared.pool is None:
+            raise RuntimeError(f"layer {self.shape.layer}: cpu experts need the CPU pool, "
+                               "and none was made")
+        self._pool = shared.pool
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -77,7 +70,10 @@ class CpuExperts(Experts):
             b = self.builder
             src = b.stacked.get(proj) or [t for t in b.per_expert[proj] if t is not None]
             stacks.append(cx.ExpertStack.from_quant(src, copy=True))
-        ex = shared_executor()
+        ex = self._pool
+        if ex is None:
+            raise RuntimeError(f"layer {self.shape.layer}: cpu experts used before attach() "
+                               "gave them the CPU pool")
         ex.add_layer(self.shape.layer, *stacks, activation=self.shape.activation)
         self.builder.stacked.clear()
         self.builder.per_expert.clear()

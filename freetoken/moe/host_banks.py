@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.checkpoint.base import Checkpoint
+from freetoken.cpu.host_memory import host_buffer
 from freetoken.errors import ConfigError
-from freetoken.moe.host_memory import host_buffer
 from freetoken.quant import QuantTensor, dequantize_as
 
 log = logging.getLogger(__name__)

@@ -21,23 +21,21 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from freetoken.engine.graph import HostCopies
+from freetoken.cpu import executor as cx
+from freetoken.cpu.jobs import CpuMoeFuture
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS
-from freetoken.moe.offload import OffloadExperts, OffloadRuntime
-from freetoken.moe.profile import LayerKind, Match, cpu_format, load_profile_or_empty, lookup
+from freetoken.moe.layer_kind import LayerKind, cpu_format
+from freetoken.moe.offload import OffloadExperts
+from freetoken.moe.pieces import HostCopies
+from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.stats import Span
-from freetoken.moe.strategy import ExpertShape, register
+from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
-
-if TYPE_CHECKING:
-    from freetoken.moe.cpu_executor import CpuMoeFuture
 
 log = logging.getLogger(__name__)
 
@@ -158,16 +156,14 @@ class _Calls:
         self.staged: torch.Tensor | None = None
 
 
-@register("hybrid")
 class HybridExperts(OffloadExperts):
     """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
 
+    NEEDS = Needs(cpu_pool=True, host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = True  # the CPU's share reads the hidden states and weights
     FINISHES_LATE = True  # the CPU's share is collected after the device's is queued
 
     def __init__(self, shape: ExpertShape) -> None:
-        from freetoken.moe import cpu_executor as cx
-
         reason = cx.available()
         if reason is not None:
             raise ConfigError(f"--moe-strategy hybrid needs the CPU MoE library, but {reason}")
@@ -183,29 +179,31 @@ class HybridExperts(OffloadExperts):
         return super().load_expert_tensor(proj, qt, expert)
 
     def kind(self) -> LayerKind:
+        """The layer's kind as the bandwidth profile keys it (from its bank's formats)."""
         assert self.bank is not None
         fmt, options = cpu_format(*self.bank.layout.formats)
         s = self.shape
         return LayerKind(fmt, s.hidden, s.intermediate, s.top_k, options)
 
-    def attach_executor(self) -> None:
-        """Hand the bank (read in place) to the process's CPU executor."""
-        from freetoken.moe import cpu_executor as cx
-        from freetoken.moe.cpu import shared_executor
-
+    def attach(self, plan: LayerPlan, shared: Shared) -> None:
+        """Offload's cache, the bank handed to the CPU pool (read in place) and the split."""
+        super().attach(plan, shared)
         bank = self.bank
-        assert bank is not None
+        if shared.pool is None or bank is None:
+            raise RuntimeError(f"layer {self.shape.layer}: hybrid experts need the CPU pool "
+                               "and their loaded bank")
         gate, up, down = (cx.ExpertStack.from_quant([bank.layout.quant(bank.rows[e], p)
                                                      for e in range(bank.num_experts)])
                           for p in PROJECTIONS)
-        self.executor = shared_executor()
+        self.executor = shared.pool
         self.executor.add_layer(self.shape.layer, gate, up, down,
                                 activation=self.shape.activation)
+        self.policy = SplitPolicy(plan.fetch_fraction, plan.max_fetch, plan.online)
 
     def _runtime(self) -> OffloadRuntime:
         if self.executor is None:
             raise RuntimeError(f"layer {self.shape.layer}: hybrid experts used before "
-                               "attach_hybrid() gave them the CPU executor")
+                               "attach() gave them the CPU pool")
         return super()._runtime()
 
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -330,32 +328,3 @@ class HybridExperts(OffloadExperts):
         if t_pcie is not None:
             self.policy.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead)
         self.calls.last = None
-
-
-def attach_hybrid(model: nn.Module, threads: int, max_fetch: int | None = None,
-                  online: bool = True, checkpoint: str | None = None) -> list[HybridExperts]:
-    """Give every hybrid layer the CPU executor and its split from the bandwidth profile.
-
-    ``max_fetch`` (``--moe-hybrid-max-fetch N``) caps fetched experts per call; None (auto)
-    caps only layers without a profile row, at 1. Logs one line per distinct plan.
-    """
-    layers = [m for m in model.modules() if isinstance(m, HybridExperts)]
-    if not layers:
-        return []
-    profile = load_profile_or_empty()
-    by_kind: dict[LayerKind, list[HybridExperts]] = {}
-    for m in layers:
-        m.attach_executor()
-        by_kind.setdefault(m.kind(), []).append(m)
-    for kind, ms in by_kind.items():
-        ids = [m.shape.layer for m in ms]
-        match: Match = lookup(profile, kind, threads, ids, checkpoint)
-        for m in ms:
-            m.policy = SplitPolicy(match.fraction, max_fetch if match.row else
-                                   (max_fetch or match.max_fetch), online)
-        assert ms[0].bank is not None
-        what = (f"at {100 * match.fraction:.1f} % (row {match.used})"
-                if match.fraction is not None else f"at a fetch cap of {ms[0].policy.max_fetch}")
-        log.info("MoE plan: hybrid on %d %s layer%s %s%s", len(ms), ms[0].bank.layout.kind,
-                 "" if len(ms) == 1 else "s", what, ", corrected online" if online else "")
-    return layers

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
-from freetoken.quant import get_format
+from freetoken.quant import format_for_gguf_type, get_format
 
 if TYPE_CHECKING:
     from freetoken.checkpoint import Checkpoint
@@ -179,3 +179,24 @@ def layer_span(layers: Iterable[int]) -> str:
         else:
             runs.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def kind_words(kind: LayerKind) -> str:
+    """The expert formats of a kind in words, as a bank names them (``q8_0``, ``gate/up q4_k,
+    down q6_k``)."""
+    opts = dict(kind.options)
+    if kind.fmt == "gguf":
+        def name(t: str) -> str:
+            return format_for_gguf_type(int(t)).name
+
+        gate = name(opts.get("gate_up_type", opts.get("gate_type", "0")))
+        up = name(opts.get("gate_up_type", opts.get("up_type", "0")))
+        down = name(opts["down_type"])
+    elif kind.fmt == "mixed":
+        gate, up, down = opts["gate"], opts["up"], opts["down"]
+    else:
+        return kind.fmt
+    if gate == up == down:
+        return gate
+    return f"gate/up {gate}, down {down}" if gate == up else f"{gate}/{up}/{down}"
+

@@ -15,8 +15,8 @@ Decode-sized calls on a GPU (pairs few enough to gather) are split: the host's p
 ids, hits and misses, copies, the layer's slot table published to the device), the device's
 compute (:meth:`OffloadExperts._from_table`, which reads slots through that table and so needs
 nothing from the host), then what the plan left running on the host (:meth:`_finish`: hybrid's
-CPU share). Decode CUDA graphs (:mod:`freetoken.engine.graph`) run the plan and the finish
-between pieces and capture the compute; larger calls run between pieces whole. On
+CPU share). Decode CUDA graphs (``engine/graph.py``, through :mod:`.pieces`) run the plan and
+the finish between pieces and capture the compute; larger calls run between pieces whole. On
 ``--device cpu`` the same code runs with host memory as the "device" and memcpy as the link.
 """
 
@@ -24,22 +24,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from freetoken.config import CacheSizing, human_bytes
-from freetoken.engine.graph import HostCopies, PiecewiseCapture
+from freetoken.kernels.activation import ACTIVATIONS
+from freetoken.kernels.expert_matmul import grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference, raised_by_triton
-from freetoken.layers.activation import ACTIVATIONS
-from freetoken.moe.expert_cache import ExpertCache, SlotPool
+from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
-from freetoken.moe.prefill_stream import STREAM_CHUNK, PrefillStream
-from freetoken.moe.resident import grouped, use_gather
-from freetoken.moe.stats import MoEStats, Span
-from freetoken.moe.strategy import Experts, ExpertShape, register
+from freetoken.moe.pieces import HostCopies
+from freetoken.moe.prefill_stream import PrefillStream
+from freetoken.moe.runtime import OffloadRuntime
+from freetoken.moe.stats import Span
+from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor
 
 log = logging.getLogger(__name__)
@@ -49,54 +48,10 @@ STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a lay
 Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class OffloadRuntime:
-    """What all offloaded layers of one model share: the cache, the copy stream, the stats and
-    the staging buffers of the prefill stream. Made by :func:`attach_offload`."""
-
-    def __init__(self, cache: ExpertCache, stats: MoEStats, device: torch.device) -> None:
-        self.cache, self.stats, self.device = cache, stats, device
-        self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._staging: dict[int, list[torch.Tensor]] = {}
-        self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
-
-    def staging(self, row_bytes: int) -> list[torch.Tensor]:
-        if row_bytes not in self._staging:
-            self._staging[row_bytes] = [
-                torch.empty(STREAM_CHUNK, row_bytes, dtype=torch.uint8, device=self.device)
-                for _ in range(2)]
-        return self._staging[row_bytes]
-
-    def copy(self, dst: torch.Tensor, dst_rows: list[int], bank: HostBank,
-             experts: list[int], after: torch.cuda.Event | None = None,
-             ) -> tuple[Span, torch.cuda.Event | None]:
-        """Copy bank rows ``experts`` into ``dst`` rows ``dst_rows``. On CUDA the copies run on
-        the copy stream after the compute stream's work so far (and ``after``); the returned
-        event marks their end, for the compute stream to wait on."""
-        if self.copy_stream is None:
-            span = self.stats.span()
-            for r, e in zip(dst_rows, experts, strict=True):
-                dst[r].copy_(bank.rows[e])
-            return span.stop(), None
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
-        if after is not None:
-            self.copy_stream.wait_event(after)
-        with torch.cuda.stream(self.copy_stream):
-            span = self.stats.span(self.copy_stream)
-            for r, e in zip(dst_rows, experts, strict=True):
-                dst[r].copy_(bank.rows[e], non_blocking=True)
-            span.stop()
-        return span, span.end  # the span's end event marks the copies' end
-
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-
-@register("offload")
 class OffloadExperts(Experts):
     """One MoE layer's experts in a host bank, computed from cache slots on the model's device."""
 
+    NEEDS = Needs(host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
     FINISHES_LATE = False  # the plan leaves host work for :meth:`_finish` (graph step after it)
 
@@ -122,6 +77,13 @@ class OffloadExperts(Experts):
 
     def missing_expert_tensors(self) -> list[str]:
         return [] if self.bank is not None else self.builder.missing()
+
+    def attach(self, plan: LayerPlan, shared: Shared) -> None:
+        """Serve misses through the model's shared expert cache."""
+        if shared.runtime is None:
+            raise RuntimeError(f"layer {self.shape.layer}: {plan.strategy} experts need the "
+                               "device expert cache, and none was made")
+        self.runtime, self._pool_views = shared.runtime, {}
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -225,7 +187,7 @@ class OffloadExperts(Experts):
     def _runtime(self) -> OffloadRuntime:
         if self.runtime is None or self.bank is None:
             raise RuntimeError(f"layer {self.shape.layer}: offloaded experts used before "
-                               "attach_offload() gave them a cache")
+                               "attach() gave them a cache")
         return self.runtime
 
     def _serve(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
@@ -291,44 +253,6 @@ class OffloadExperts(Experts):
                         len(misses) * bank.expert_bytes, streamed=len(misses),
                         fetch=stream.finish(), compute=compute.stop())
         return out
-
-
-def attach_offload(model: nn.Module, sizing: CacheSizing,
-                   free_bytes: Callable[[], int] | None = None) -> OffloadRuntime | None:
-    """Give every offloaded layer of ``model`` one shared expert cache sized by ``sizing``
-    (``free_bytes()`` is asked only for ``auto``) and log the per-layer plan. None if the model
-    has no offloaded layer."""
-    from freetoken.resolve import ExpertGroup, plan_moe_cache
-
-    layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
-    if not layers:
-        return None
-    by_size: dict[int, list[OffloadExperts]] = {}
-    for m in layers:
-        assert m.bank is not None, f"layer {m.shape.layer} has no bank"
-        by_size.setdefault(m.bank.expert_bytes, []).append(m)
-    groups = [ExpertGroup(size, tuple(m.shape.layer for m in ms), ms[0].shape.num_experts)
-              for size, ms in by_size.items()]
-    plans = plan_moe_cache(sizing, groups, free_bytes() if sizing.kind == "auto" and
-                           free_bytes else None)
-    device = layers[0].device
-    cache = ExpertCache(plans, {m.shape.layer: m.shape.num_experts for m in layers}, device)
-    stats = MoEStats([m.shape.layer for m in layers], device.type == "cuda")
-    runtime = OffloadRuntime(cache, stats, device)
-    for m in layers:
-        m.runtime, m._pool_views = runtime, {}
-    choose_gpu_kernels(layers, device)
-    for size, ms in by_size.items():
-        pool = cache.pool(ms[0].shape.layer)
-        kind = ms[0].bank.layout.kind if ms[0].bank else "?"
-        plain = [m for m in ms if type(m) is OffloadExperts]
-        if plain:
-            log.info("MoE plan: offload on %d %s layer%s (%s per expert, %d experts each)",
-                     len(plain), kind, "" if len(plain) == 1 else "s", human_bytes(size),
-                     ms[0].shape.num_experts)
-        log.info("expert cache: %d slots of %s shared by %d %s layer%s", pool.num_slots,
-                 human_bytes(size), len(ms), kind, "" if len(ms) == 1 else "s")
-    return runtime
 
 
 def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:

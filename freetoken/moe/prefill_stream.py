@@ -4,17 +4,11 @@ alone. The copy of chunk k+1 overlaps the compute of chunk k."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from freetoken.moe.host_banks import HostBank
+from freetoken.moe.runtime import STREAM_CHUNK, OffloadRuntime
 from freetoken.moe.stats import Span
-
-if TYPE_CHECKING:
-    from freetoken.moe.offload import OffloadRuntime
-
-STREAM_CHUNK = 8  # experts per staging buffer
 
 
 class PrefillStream:

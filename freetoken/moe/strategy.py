@@ -3,18 +3,24 @@
 A model's MoE block routes tokens and hands ``(x, topk_ids, topk_weights)`` to its layer's
 :class:`Experts`; the strategy decides where the expert weights live (GPU, host banks, a GPU
 cache) and how a miss is served. Model files never name a strategy.
+
+The strategies are listed in ``moe/registry.py``. Each declares what it needs
+(:class:`Needs`); the runner makes what the model's layers need, once (the CPU pool, the
+device expert cache), and each layer takes its share in :meth:`Experts.attach` after the
+weights are loaded (``moe/attach.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
-from freetoken.errors import ConfigError
-
+if TYPE_CHECKING:
+    from freetoken.cpu.executor import CpuMoeExecutor
+    from freetoken.moe.runtime import OffloadRuntime
 
 @dataclass(frozen=True)
 class ExpertShape:
@@ -28,13 +34,57 @@ class ExpertShape:
     activation: str
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a strategy's layers need besides their own weights."""
+
+    cpu_pool: bool = False  # the CPU pool computes (some of) their experts
+    host_banks: bool = False  # their experts live in host memory (there must be room)
+    device_cache: bool = False  # a device expert cache of slots, shared by all such layers
+    eager_decode: bool = False  # their decode steps cannot be captured in CUDA graphs
+
+    def __or__(self, other: Needs) -> Needs:
+        return Needs(*(getattr(self, f.name) or getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the plan decided for one layer (``moe/plan.py``); dense layers are resident.
+
+    ``fetch_fraction`` and ``max_fetch`` are hybrid's split: the share of misses fetched
+    (None: measured online before it is known) and the fetched experts per call at most (None:
+    no cap); ``split_from`` names the bandwidth-profile row they came from ("" for none).
+    """
+
+    strategy: str = "resident"
+    fetch_fraction: float | None = None
+    max_fetch: int | None = None
+    online: bool = True
+    split_from: str = ""
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the runner made for the model's layers, by the union of their needs: the CPU pool
+    (``pool``) and the device expert cache with its copy stream and stats (``runtime``)."""
+
+    pool: CpuMoeExecutor | None = None
+    runtime: OffloadRuntime | None = None
+
+
 class Experts(nn.Module):
     """The experts of one MoE layer.
 
     Invariants: ``forward`` is called from the engine's main thread only; it returns
     ``sum_a w[t, a] * expert_{ids[t, a]}(x[t])`` for every token t, in x's dtype.
     ``load`` receives each projection once (stacked E x out x in) or once per expert.
+    :meth:`attach` is called once, after loading and before the first forward.
     """
+
+    NEEDS: ClassVar[Needs] = Needs()
+
+    def attach(self, plan: LayerPlan, shared: Shared) -> None:
+        """Take this layer's plan and what :attr:`NEEDS` asked for from ``shared``."""
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -42,33 +92,5 @@ class Experts(nn.Module):
         raise NotImplementedError
 
 
-ExpertsFactory = Callable[[ExpertShape], Experts]
-# One strategy for every MoE layer, or one per layer (``--moe-strategy auto`` resolved)
+# What a model is built with: one strategy for every MoE layer, or one per layer
 StrategyPlan = str | tuple[str, ...]
-STRATEGIES: dict[str, ExpertsFactory] = {}
-
-
-def register(name: str) -> Callable[[ExpertsFactory], ExpertsFactory]:
-    def wrap(factory: ExpertsFactory) -> ExpertsFactory:
-        STRATEGIES[name] = factory
-        return factory
-
-    return wrap
-
-
-def strategy_names() -> list[str]:
-    """Registered strategy names (importing the modules that register themselves)."""
-    import freetoken.moe.cpu  # noqa: F401
-    import freetoken.moe.hybrid  # noqa: F401
-    import freetoken.moe.offload  # noqa: F401
-    import freetoken.moe.resident  # noqa: F401
-
-    return sorted(STRATEGIES)
-
-
-def make_experts(strategy: str, shape: ExpertShape) -> Experts:
-    if strategy not in strategy_names():
-        raise ConfigError(
-            f"unknown --moe-strategy {strategy!r} (choose from {', '.join(sorted(STRATEGIES))})"
-        )
-    return STRATEGIES[strategy](shape)

@@ -54,8 +54,8 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any]) -> str:
 
 def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None:
     """Entry point of the engine process."""
+    from freetoken.engine.resolve import configure_threads
     from freetoken.engine.runner import ModelRunner
-    from freetoken.resolve import configure_threads
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")

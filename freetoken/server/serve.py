@@ -17,7 +17,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from freetoken.checkpoint import open_checkpoint
-    from freetoken.resolve import resolve_engine
+    from freetoken.engine.resolve import resolve_engine
     from freetoken.server.app import ServerState, create_app
     from freetoken.server.process import EngineClient, ServeConfig
 

@@ -21,11 +21,11 @@ import torch
 from freetoken.checkpoint import default_model_path
 from freetoken.checkpoint.moeify import moeify_gguf
 from freetoken.config import CacheSizing, EngineConfig
-from freetoken.engine.context import Segment
 from freetoken.engine.runner import ModelRunner
+from freetoken.layers.context import Segment
 from freetoken.models.blocks import MoEBlock
+from freetoken.moe.registry import strategy_names
 from freetoken.moe.resident import ResidentExperts
-from freetoken.moe.strategy import strategy_names
 
 NUM_EXPERTS, TOP_K = 4, 2
 CACHE_SLOTS = 8  # of 18 layers x 4 experts: offloaded experts are evicted and fetched again

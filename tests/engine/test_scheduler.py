@@ -96,7 +96,7 @@ def test_abort_frees_pages(tiny_qwen3_moe):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3"])
 def test_graph_decode_matches_eager(fixture, request):
-    from freetoken.engine.context import Segment
+    from freetoken.layers.context import Segment
 
     path = request.getfixturevalue(fixture)
     eager = _runner(path, device="cuda")

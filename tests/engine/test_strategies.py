@@ -15,7 +15,7 @@ IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180]
 @pytest.mark.parametrize("expert_fmt", ["hf", "bf16", "q8_0"])
 def test_cpu_strategy_matches_resident(tiny_qwen3_moe, tmp_path, expert_fmt):
     pytest.importorskip("freetoken.moe.cpu")
-    from freetoken.moe.cpu_executor import native
+    from freetoken.cpu.executor import native
 
     native()  # the C++ library must be built: a missing build fails here, it is not skipped
     path = tiny_qwen3_moe

@@ -7,27 +7,37 @@ from pathlib import Path
 import torch
 
 from freetoken.checkpoint import open_checkpoint
-from freetoken.config import CacheSizing
-from freetoken.engine.context import ForwardContext, Segment
+from freetoken.config import CacheSizing, EngineConfig
+from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.kvcache.paged import PagedKV
+from freetoken.layers.context import ForwardContext, Segment
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
-from freetoken.moe.offload import attach_offload
+from freetoken.moe.attach import attach_moe
+from freetoken.moe.plan import plan_moe
 
 
 def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              strategy: str = "resident", cache: CacheSizing | None = None) -> torch.nn.Module:
-    """Our model on ``device``; offloaded layers get an expert cache sized by ``cache``."""
+              strategy: str = "resident", cache: CacheSizing | None = None, threads: int = 1,
+              max_fetch: int | str = "auto") -> torch.nn.Module:
+    """Our model on ``device`` as the runner builds it, without a KV pool: the MoE plan for
+    ``strategy``, offloaded layers with an expert cache sized by ``cache``, a CPU pool of one
+    worker (planned as ``threads``, the count a profile row is looked up for) where needed."""
     ckpt = open_checkpoint(path)
+    cfg = EngineConfig(model=str(path), device=device, dtype=str(dtype).split(".")[1],
+                       moe_strategy=strategy, max_seq_len=64, moe_cpu_threads=threads,
+                       moe_cache=cache or CacheSizing("rate", 1.0), moe_hybrid_max_fetch=max_fetch)
+    plan = plan_moe(cfg, ckpt, torch.device(device))
+    pool = CpuMoeExecutor(threads=1) if plan.pool_threads else None
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(ckpt.config, strategy)
+            model = build_model(ckpt.config, plan.strategies)
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, ckpt, torch.device(device), progress=False)
-    attach_offload(model, cache or CacheSizing("rate", 1.0))
+    attach_moe(model, plan, pool)
     return model
 
 

@@ -6,17 +6,29 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken.cpu import executor as cx
 from freetoken.errors import ConfigError
-from freetoken.moe import cpu_executor as cx
 from freetoken.moe.cpu import CpuExperts
+from freetoken.moe.registry import make_experts, strategy_names
 from freetoken.moe.resident import ResidentExperts, reference_experts
-from freetoken.moe.strategy import ExpertShape, make_experts, strategy_names
+from freetoken.moe.strategy import ExpertShape, LayerPlan, Shared
 from freetoken.quant import QuantTensor, get_format
 
 pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
 
 SHAPE = ExpertShape(layer=7, num_experts=8, hidden=64, intermediate=96, top_k=2,
                     activation="silu")
+
+
+@pytest.fixture(scope="module")
+def pool() -> cx.CpuMoeExecutor:
+    return cx.CpuMoeExecutor(threads=1)
+
+
+def _attached(pool: cx.CpuMoeExecutor) -> CpuExperts:
+    experts = CpuExperts(SHAPE)
+    experts.attach(LayerPlan("cpu"), Shared(pool=pool))
+    return experts
 
 
 def _weights(fmt: str) -> dict[str, QuantTensor]:
@@ -50,9 +62,9 @@ def test_cpu_is_a_registered_strategy() -> None:
 
 @pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("how", ["stacked", "per_expert", "fused"])
-def test_matches_resident_twin(fmt: str, how: str) -> None:
+def test_matches_resident_twin(fmt: str, how: str, pool: cx.CpuMoeExecutor) -> None:
     weights = _weights(fmt)
-    experts = CpuExperts(SHAPE)
+    experts = _attached(pool)
     if how == "stacked":
         for name, qt in weights.items():
             assert experts.load_expert_tensor(name, qt)
@@ -74,8 +86,8 @@ def test_matches_resident_twin(fmt: str, how: str) -> None:
     assert float((got.float() - want).abs().max() / want.abs().max()) < 3e-2
 
 
-def test_missing_weights_are_named() -> None:
-    experts = CpuExperts(SHAPE)
+def test_missing_weights_are_named(pool: cx.CpuMoeExecutor) -> None:
+    experts = _attached(pool)
     experts.load_expert_tensor("gate_proj", _weights("bf16")["gate_proj"])
     qt = _weights("bf16")["up_proj"]
     experts.load_expert_tensor("up_proj", QuantTensor("bf16", qt.shape[1:], qt.data[0]), 0)

@@ -12,7 +12,7 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
-from freetoken.moe.hybrid import REMEASURE_EVERY, HybridExperts, SplitPolicy, attach_hybrid
+from freetoken.moe.hybrid import REMEASURE_EVERY, HybridExperts, SplitPolicy
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.profile import VERSION, Row, save_rows
 from tests.models.helpers import load_ours, our_logits
@@ -112,13 +112,10 @@ def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
                            lambda n, s: "q8_0" if ".experts." in n else "f32")
 
 
-def _hybrid(path, threads: int = 1, max_fetch: int | None = None):
-    from freetoken.moe.cpu import shared_executor
-
-    shared_executor(threads=1)
-    model = load_ours(path, strategy="hybrid", cache=CacheSizing("size", 3))
-    layers = attach_hybrid(model, threads, max_fetch, online=True, checkpoint=str(path))
-    return model, layers
+def _hybrid(path, threads: int = 1, max_fetch: int | str = "auto"):
+    model = load_ours(path, strategy="hybrid", cache=CacheSizing("size", 3), threads=threads,
+                      max_fetch=max_fetch)
+    return model, [m for m in model.modules() if isinstance(m, HybridExperts)]
 
 
 def test_each_layer_finds_its_row(q8_gguf, tmp_path, monkeypatch, caplog):
@@ -185,8 +182,8 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
     """Between graph pieces a plan reads host copies of its inputs and the CPU pool writes its
     share into the pinned buffer the next piece copies in: the same numbers as the eager plan,
     with the same fetches."""
-    from freetoken.engine.graph import HostCopies
     from freetoken.moe.hybrid import SplitPolicy
+    from freetoken.moe.pieces import HostCopies
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
@@ -250,8 +247,8 @@ def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatc
 
 
 def test_auto_plan_per_layer(caplog):
+    from freetoken.moe.plan import plan_auto
     from freetoken.moe.profile import LayerKind
-    from freetoken.resolve import plan_auto
 
     q8 = LayerKind("gguf", 2816, 704, 8, (("down_type", "8"), ("gate_up_type", "8")))
     bf = LayerKind("bf16", 2816, 704, 8)
@@ -270,13 +267,9 @@ def test_auto_plan_per_layer(caplog):
 
 @pytest.mark.cuda
 def test_hybrid_on_cuda_close_to_resident(q8_gguf, tmp_path, monkeypatch):
-    from freetoken.moe.cpu import shared_executor
-
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
-    shared_executor(threads=1)
     resident = our_logits(load_ours(q8_gguf, torch.bfloat16, "cuda"), IDS, 4, "cuda")
     model = load_ours(q8_gguf, torch.bfloat16, "cuda", "hybrid", CacheSizing("size", 3))
-    attach_hybrid(model, 1, None, online=True)
     hybrid = our_logits(model, IDS, 4, "cuda")
     torch.testing.assert_close(hybrid, resident, atol=5e-2, rtol=5e-2)
     stats = offload_stats(model)

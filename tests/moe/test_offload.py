@@ -13,12 +13,13 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
+from freetoken.engine.resolve import parse_bytes
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import BankBuilder, check_host_memory
 from freetoken.moe.offload import offload_stats
+from freetoken.moe.plan import ExpertGroup, plan_moe_cache
 from freetoken.quant import QuantTensor, get_format
-from freetoken.resolve import ExpertGroup, parse_bytes, plan_moe_cache
 from tests.models.helpers import load_ours, our_logits
 
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8, 19, 240,
@@ -156,12 +157,12 @@ def test_cache_plans_split_mixed_formats_by_bytes():
 def test_auto_cache_uses_the_budget_and_caps_at_all_experts(caplog):
     g = ExpertGroup(slot_bytes=1_000_000, layers=(0, 1), experts_per_layer=64)
     with caplog.at_level("INFO"):
-        plans = plan_moe_cache(CacheSizing("auto"), [g], free_bytes=50_500_000)
+        plans = plan_moe_cache(CacheSizing.resolved(50_500_000), [g])
     assert plans[0].num_slots == 50
     assert "resolved moe_cache_size=50 " in caplog.text
-    assert plan_moe_cache(CacheSizing("auto"), [g], free_bytes=10**12)[0].num_slots == 128
+    assert plan_moe_cache(CacheSizing.resolved(10**12), [g])[0].num_slots == 128
     with pytest.raises(ConfigError, match="free device memory leaves no room.*kv-reserve"):
-        plan_moe_cache(CacheSizing("auto"), [g], free_bytes=999_999)
+        plan_moe_cache(CacheSizing.resolved(999_999), [g])
     with pytest.raises(ConfigError, match="cache-mem 500KB leaves no room for one 1MB expert"):
         plan_moe_cache(CacheSizing("mem", 500_000), [g])
 
@@ -359,8 +360,8 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
     matmul kernel gives eager resident's logits bit for bit; with the fused kernel, and hybrid,
     within tolerance."""
     from freetoken.config import EngineConfig
-    from freetoken.engine.context import Segment
     from freetoken.engine.runner import ModelRunner
+    from freetoken.layers.context import Segment
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)

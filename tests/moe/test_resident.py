@@ -6,14 +6,10 @@ import pytest
 import torch
 
 from freetoken.errors import ConfigError
-from freetoken.moe.resident import (
-    GATHER_MAX_PAIRS,
-    ResidentExperts,
-    gathered,
-    grouped,
-    reference_experts,
-)
-from freetoken.moe.strategy import ExpertShape, make_experts
+from freetoken.kernels.expert_matmul import GATHER_MAX_PAIRS, gathered, grouped
+from freetoken.moe.registry import make_experts
+from freetoken.moe.resident import ResidentExperts, reference_experts
+from freetoken.moe.strategy import ExpertShape
 
 
 def _experts(dtype: torch.dtype, act: str = "silu") -> ResidentExperts:

@@ -1,0 +1,160 @@
+"""Where host-planned experts break a decode CUDA graph into pieces.
+
+Layers whose experts the host must plan (offload, hybrid: which slot, fetch or CPU) cannot run
+inside one captured graph. While decode graphs are captured (``engine/graph.py``), their
+experts call :class:`PiecewiseCapture` instead of running: it ends the current piece and
+records the host's part, which the graph runner calls between replays of the pieces
+(:class:`HostStep`: the plan, with its inputs in pinned memory after one sync;
+:class:`LateStep`: work the plan left running, collected without a sync; :class:`Break`: a
+whole experts call). What each puts in its static ``out`` buffer the next piece reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T", "Break", "HostStep", "LateStep")
+
+
+class Break:
+    """Host-planned experts between two captured pieces: their inputs and static output."""
+
+    def __init__(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                 w: torch.Tensor) -> None:
+        self.experts, self.x, self.ids, self.w = experts, x, ids, w
+        self.out = torch.zeros_like(x)
+
+    def run(self, n: int) -> None:
+        """The experts for the first ``n`` rows (padded rows keep a stale, finite output)."""
+        self.out[:n].copy_(self.experts(self.x[:n], self.ids[:n], self.w[:n]))
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
+    one sync) and ``cpu_out``, a pinned float32 buffer for the CPU's share."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    w: torch.Tensor
+    cpu_out: torch.Tensor
+
+
+class _Landing:
+    """A static buffer ``out`` (shaped like ``like``) that the next piece adds, and what a host
+    step puts there: a result (copied in without a wait: it is pinned or on the device) or
+    zeros (cleared again only after a result)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.out = torch.zeros_like(like)
+        self.dirty = False
+
+    def land(self, extra: torch.Tensor | None, n: int) -> None:
+        if extra is not None:
+            self.out[:n].copy_(extra, non_blocking=True)
+            self.dirty = True
+        elif self.dirty:
+            self.out.zero_()
+            self.dirty = False
+
+
+class HostStep(_Landing):
+    """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
+    and their :class:`HostCopies`; it returns None or a device tensor, which lands in ``out``.
+    Work it leaves running (hybrid's CPU share, written into ``host.cpu_out``) is collected by
+    a :class:`LateStep` after the next piece.
+
+    The pinned buffers are rewritten only after :meth:`run`'s sync, which comes after every
+    copy that read them at the previous replay (this step's and its LateStep's, both queued
+    earlier on the same stream)."""
+
+    def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
+                 ids: torch.Tensor, w: torch.Tensor, inputs: bool) -> None:
+        super().__init__(x)
+        self.plan, self.x, self.ids, self.w = plan, x, ids, w
+        self.inputs = inputs  # the plan reads x and w on the host, not only the ids
+
+        def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
+                   needed: bool = True) -> torch.Tensor:
+            shape = t.shape if needed else (0, *t.shape[1:])
+            return torch.zeros(shape, dtype=dtype or t.dtype, pin_memory=True)
+
+        self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
+                               pinned(x, torch.float32, needed=inputs))
+
+    def run(self, n: int) -> None:
+        h = self.host
+        pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
+        for src, dst in pairs if self.inputs else pairs[:1]:
+            dst[:n].copy_(src[:n], non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
+        self.land(self.plan(self.x[:n], self.ids[:n], self.w[:n], host), n)
+
+
+class LateStep(_Landing):
+    """Host work a plan left running, finished between the next two pieces without a sync
+    (the device goes on with what was queued): ``finish()`` returns None or a pinned or
+    device tensor with the step's rows, which lands in ``out``."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor) -> None:
+        super().__init__(like)
+        self.finish = finish
+
+    def run(self, n: int) -> None:
+        self.land(self.finish(), n)
+
+
+class PiecewiseCapture:
+    """Capture state while a model forward is being recorded in pieces.
+
+    Host-planned experts call :meth:`host` (or :meth:`split`) instead of running: it ends the
+    current piece, records a :class:`HostStep` (or :class:`Break`) and begins the next piece,
+    all in one memory pool. :meth:`after` does the same for a :class:`LateStep`.
+    """
+
+    def __init__(self, pool: tuple[int, int]) -> None:
+        self.pool = pool
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[Break | HostStep | LateStep] = []
+        self.current = torch.cuda.CUDAGraph()
+
+    def begin(self) -> None:
+        self.current.capture_begin(pool=self.pool)
+
+    def split(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+              w: torch.Tensor) -> torch.Tensor:
+        """The whole experts call between two pieces; returns its static output buffer."""
+        return self._between(lambda: Break(experts, x, ids, w)).out
+
+    def host(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor, ids: torch.Tensor,
+             w: torch.Tensor, inputs: bool = True) -> torch.Tensor:
+        """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
+        ids); returns the static buffer of its extra output, for the captured compute that
+        follows to add."""
+        return self._between(lambda: HostStep(plan, x, ids, w, inputs)).out
+
+    def after(self, finish: Callable[[], torch.Tensor | None],
+              like: torch.Tensor) -> torch.Tensor:
+        """``finish`` between two pieces, after the device work queued so far (no sync);
+        returns the static buffer (shaped like ``like``) of its result."""
+        return self._between(lambda: LateStep(finish, like)).out
+
+    def _between(self, make: Callable[[], T]) -> T:
+        """End the current piece, make the break (outside any capture: its buffers must not
+        be written by a replay), begin the next piece."""
+        self.current.capture_end()
+        self.pieces.append(self.current)
+        item = make()
+        self.breaks.append(item)
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+        return item
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.pieces.append(self.current)

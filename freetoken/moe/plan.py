@@ -1,0 +1,258 @@
+"""The MoE plan: every ``auto`` of the MoE flags made concrete, once, before the model is built.
+
+``--moe-strategy auto`` becomes a strategy per layer, ``--moe-cache-auto`` a byte budget,
+``--moe-hybrid-max-fetch auto`` and the bandwidth profile a split per hybrid layer, and
+``--moe-cpu-threads 0`` a worker count. The result (:class:`MoEPlan`) is frozen and logged;
+the runner builds the model from it, makes what its layers need (:attr:`MoEPlan.needs`) and
+hands each layer its :class:`~freetoken.moe.strategy.LayerPlan` (``moe/attach.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.checkpoint import Checkpoint
+from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig, human_bytes
+from freetoken.cpu import executor as cx
+from freetoken.cpu.cores import plan_cores, usable_cores
+from freetoken.errors import ConfigError
+from freetoken.moe.expert_cache import PoolPlan
+from freetoken.moe.host_banks import available_host_bytes, expert_bytes
+from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span
+from freetoken.moe.profile import Match, load_profile_or_empty, lookup, plan_fractions
+from freetoken.moe.registry import AUTO, needs_of
+from freetoken.moe.strategy import LayerPlan, Needs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """What every layer runs and what the model's layers share, nothing left to ``auto``.
+
+    ``layers``: one :class:`LayerPlan` per decoder layer (dense layers: resident).
+    ``cache``: the expert cache flag with an ``auto`` budget resolved to bytes (None when no
+    layer keeps a device cache). ``pool_threads``: CPU pool workers (0: no pool).
+    """
+
+    layers: tuple[LayerPlan, ...]
+    cache: CacheSizing | None = None
+    pool_threads: int = 0
+    pool_spin_us: int = MOE_CPU_SPIN_US
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return tuple(p.strategy for p in self.layers)
+
+    @property
+    def needs(self) -> Needs:
+        out = Needs()
+        for name in set(self.strategies):
+            out = out | needs_of(name)
+        return out
+
+
+def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
+             kv_floor_bytes: int = 0) -> MoEPlan:
+    """The plan for ``cfg`` on this machine. ``kv_floor_bytes``: KV memory the experts must
+    leave free (``--kv-reserve-tokens``)."""
+    mc = ckpt.config
+    moe = [i for i, m in enumerate(mc.moe_layers) if m and mc.num_experts]
+    wants_pool = needs_of(cfg.moe_strategy).cpu_pool or cfg.cpu_dense == "pool"
+    threads = len(plan_cores(usable_cores(), cfg.moe_cpu_threads or None)) if wants_pool else 0
+    if cfg.moe_strategy == AUTO:
+        strategies = _auto_strategies(cfg, ckpt, device, threads, kv_floor_bytes)
+    else:
+        strategies = tuple(cfg.moe_strategy if i in moe else "resident"
+                           for i in range(mc.num_layers))
+    layers = [LayerPlan(s) for s in strategies]
+    hybrid = [i for i in moe if strategies[i] == "hybrid"]
+    if hybrid:
+        _split_hybrid(cfg, ckpt, layers, hybrid, threads)
+    plan = MoEPlan(tuple(layers), pool_spin_us=cfg.moe_cpu_spin_us)
+    needs = plan.needs
+    cache = None
+    if needs.device_cache:
+        cache = cfg.moe_cache
+        if cache.kind == "auto":
+            cache = CacheSizing.resolved(_cache_budget(ckpt, plan, device, kv_floor_bytes))
+    pool = threads if needs.cpu_pool or cfg.cpu_dense == "pool" else 0
+    plan = MoEPlan(plan.layers, cache, pool, cfg.moe_cpu_spin_us)
+    _log(plan, moe)
+    return plan
+
+
+def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,
+                     kv_floor_bytes: int) -> tuple[str, ...]:
+    """Resident layers while they fit on the device, then hybrid or offload per layer kind
+    from the bandwidth profile; on the CPU every MoE layer runs on the CPU pool."""
+    mc = ckpt.config
+    kinds = layer_kinds(ckpt)
+    if device.type != "cuda":
+        name = "cpu" if cx.available() is None else "resident"
+        return tuple(name if moe else "resident" for moe in mc.moe_layers)
+    size = getattr(torch, cfg.dtype).itemsize
+    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+    layer_bytes = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
+    sizing = cfg.moe_cache
+    cache = {"mem": sizing.value, "rate": sizing.value * layer_bytes * sum(mc.moe_layers),
+             "size": sizing.value * layer_bytes / max(1, mc.num_experts)}.get(sizing.kind, 0)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(free - dense * size - kv_floor_bytes - cache - 0.05 * total)
+    profile = load_profile_or_empty()
+
+    def recommend(kind: LayerKind) -> str | None:
+        match = lookup(profile, kind, threads)
+        return match.row.recommended if match.row is not None else None
+
+    return plan_auto(kinds, mc.num_layers, layer_bytes, budget, recommend)
+
+
+def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
+                  hybrid: list[int], threads: int) -> None:
+    """Each hybrid layer's split from its kind's profile row: the fetched share, and the cap
+    (``--moe-hybrid-max-fetch``; auto caps only layers without a row)."""
+    kinds = {k: [i for i in ids if i in hybrid] for k, ids in layer_kinds(ckpt).items()}
+    kinds = {k: ids for k, ids in kinds.items() if ids}
+    matches: dict[int, Match] = plan_fractions(load_profile_or_empty(), kinds, threads,
+                                               str(ckpt.path))
+    cap = None if cfg.moe_hybrid_max_fetch == AUTO else int(cfg.moe_hybrid_max_fetch)
+    for i in hybrid:
+        m = matches[i]
+        layers[i] = LayerPlan("hybrid", m.fraction, cap if m.row else (cap or m.max_fetch),
+                              cfg.moe_hybrid_online, m.used or "")
+    for kind, ids in kinds.items():
+        p = layers[ids[0]]
+        what = (f"at {100 * p.fetch_fraction:.1f} % (row {p.split_from})"
+                if p.fetch_fraction is not None else f"at a fetch cap of {p.max_fetch}")
+        log.info("MoE plan: hybrid on %d %s layer%s %s%s", len(ids), kind_words(kind),
+                 "" if len(ids) == 1 else "s", what,
+                 ", corrected online" if cfg.moe_hybrid_online else "")
+
+
+def _cache_budget(ckpt: Checkpoint, plan: MoEPlan, device: torch.device, kv_floor_bytes: int,
+                  margin: float = 0.05) -> int:
+    """Bytes ``--moe-cache-auto`` gives the expert cache: the device memory the weights will
+    leave, less ``--kv-reserve-tokens`` of KV and a margin for activations (on the CPU, a
+    quarter of the host memory the weights will leave stands in for the device's)."""
+    mc = ckpt.config
+    experts = expert_bytes(ckpt)
+    if device.type == "cuda":
+        resident = sum(1 for s, m in zip(plan.strategies, mc.moe_layers, strict=True)
+                       if m and s == "resident")
+        dense = sum(qt.nbytes for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+        free, total = torch.cuda.mem_get_info(device)
+        moe_layers = max(1, sum(mc.moe_layers))
+        budget = free - dense - experts * resident / moe_layers - kv_floor_bytes - margin * total
+    else:
+        budget = (available_host_bytes() - experts) // 4 - kv_floor_bytes
+    log.info("expert cache budget: %.2f GB free after the weights and the KV floor (%.2f GB)",
+             budget / 1e9, kv_floor_bytes / 1e9)
+    return int(max(1, budget))
+
+
+def _log(plan: MoEPlan, moe: list[int]) -> None:
+    if not moe:
+        return
+    counts: dict[str, list[int]] = {}
+    for i in moe:
+        counts.setdefault(plan.layers[i].strategy, []).append(i)
+    parts = [f"{s} on layers {layer_span(ids)}" for s, ids in counts.items()]
+    if plan.cache is not None:
+        parts.append(f"expert cache {plan.cache.describe()}")
+    if plan.pool_threads:
+        parts.append(f"CPU pool {plan.pool_threads} workers")
+    log.info("MoE plan: %s", "; ".join(parts))
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Offloaded layers whose experts take the same bytes (they share one slot pool)."""
+
+    slot_bytes: int
+    layers: tuple[int, ...]
+    experts_per_layer: int
+
+    @property
+    def experts(self) -> int:
+        return len(self.layers) * self.experts_per_layer
+
+
+def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup]) -> list[PoolPlan]:
+    """Slots per pool from the cache flag (``auto`` resolved to bytes by :func:`plan_moe`).
+    Each pool gets at most one slot per expert of its layers and at least one; a flag too
+    small for that is an error."""
+    total_bytes = sum(g.slot_bytes * g.experts for g in groups)
+    total_experts = sum(g.experts for g in groups)
+    if sizing.kind == "mem":
+        budget = sizing.value
+        slots = [int(budget * g.slot_bytes * g.experts / total_bytes) // g.slot_bytes
+                 for g in groups]
+    elif sizing.kind == "rate":
+        slots = [math.ceil(sizing.value * g.experts) for g in groups]
+    elif sizing.kind == "size":
+        shares = [sizing.value * g.experts / total_experts for g in groups]
+        slots = [int(s) for s in shares]
+        by_remainder = sorted(range(len(groups)), key=lambda i: slots[i] - shares[i])
+        for i in by_remainder[: int(sizing.value) - sum(slots)]:
+            slots[i] += 1
+    else:
+        raise ConfigError(f"unknown expert cache sizing {sizing.kind!r}")
+    plans = []
+    for g, n in zip(groups, slots, strict=True):
+        if n < 1:
+            where = f"one {human_bytes(g.slot_bytes)} expert of layers {layer_span(g.layers)}"
+            if sizing.kind == "size":
+                least = f"{len(groups)} slots, one per expert size"
+            else:  # the budget that gives every pool its first slot
+                least = human_bytes(max(total_bytes / h.experts for h in groups))
+            what = "the free device memory" if sizing.from_auto else sizing.describe()
+            raise ConfigError(
+                f"{what} leaves no room for {where}; the expert cache needs at least {least} "
+                "(give a larger --moe-cache-mem, --moe-cache-rate or --moe-cache-size, or "
+                "lower --kv-reserve-tokens)")
+        plans.append(PoolPlan(g.slot_bytes, min(n, g.experts), g.layers))
+    n_slots = sum(p.num_slots for p in plans)
+    log.info("resolved moe_cache_size=%d (%s, %.1f %% of %d experts) from %s%s", n_slots,
+             human_bytes(sum(p.num_slots * p.slot_bytes for p in plans)),
+             100 * n_slots / total_experts,
+             total_experts, sizing.describe(),
+             "" if len(plans) == 1 else "; pools: " + ", ".join(
+                 f"{p.num_slots} x {human_bytes(p.slot_bytes)} for layers "
+                 f"{layer_span(p.layers)}" for p in plans))
+    return plans
+
+
+def plan_auto(kinds: dict[LayerKind, list[int]], num_layers: int, layer_bytes: int,
+              budget: int, recommend: Callable[[LayerKind], str | None]) -> tuple[str, ...]:
+    """``--moe-strategy auto`` per layer: resident while ``layer_bytes`` per layer fit in
+    ``budget`` (device memory left after the dense weights, the KV floor and the expert cache),
+    then per layer kind what its profile row recommends (``hybrid`` or ``offload``), else offload.
+    ``recommend(kind)`` returns the row's recommendation or None when the kind has no row."""
+    plan = ["resident"] * num_layers
+    moe = sorted(layer for layers in kinds.values() for layer in layers)
+    fit = max(0, min(len(moe), budget // layer_bytes)) if layer_bytes else len(moe)
+    rest = set(moe[fit:])
+    unbenched = []
+    for kind, layers in kinds.items():
+        rec = recommend(kind) if rest & set(layers) else None
+        if rest & set(layers) and rec is None:
+            unbenched.append(kind)
+        for layer in layers:
+            if layer in rest:
+                plan[layer] = rec or "offload"
+    if unbenched:
+        log.info("--moe-strategy auto: no bandwidth profile row for %s; those layers offload. "
+                 "Run `ft bench bw --model <checkpoint>` to let auto choose hybrid where it is "
+                 "faster", ", ".join(k.key(0)[:-3] for k in unbenched))
+    counts: dict[str, int] = {}
+    for layer in moe:
+        counts[plan[layer]] = counts.get(plan[layer], 0) + 1
+    log.info("--moe-strategy auto: %s", ", ".join(f"{s} on {n} layer{'s' * (n != 1)}"
+                                                  for s, n in counts.items()))
+    return tuple(plan)

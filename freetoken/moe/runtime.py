@@ -1,0 +1,61 @@
+"""What all offloaded layers of one model share: the expert cache, the copy stream that fills
+it over the link, the stats, and the prefill stream's staging buffers.
+
+Threads: the engine's main thread only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.moe.expert_cache import ExpertCache
+from freetoken.moe.host_banks import HostBank
+from freetoken.moe.pieces import PiecewiseCapture
+from freetoken.moe.stats import MoEStats, Span
+
+STREAM_CHUNK = 8  # experts per staging buffer of the prefill stream
+
+
+class OffloadRuntime:
+    """What all offloaded layers of one model share: the cache, the copy stream, the stats and
+    the staging buffers of the prefill stream. Made by ``moe/attach.py`` when a layer needs a
+    device cache."""
+
+    def __init__(self, cache: ExpertCache, stats: MoEStats, device: torch.device) -> None:
+        self.cache, self.stats, self.device = cache, stats, device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._staging: dict[int, list[torch.Tensor]] = {}
+        self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
+
+    def staging(self, row_bytes: int) -> list[torch.Tensor]:
+        if row_bytes not in self._staging:
+            self._staging[row_bytes] = [
+                torch.empty(STREAM_CHUNK, row_bytes, dtype=torch.uint8, device=self.device)
+                for _ in range(2)]
+        return self._staging[row_bytes]
+
+    def copy(self, dst: torch.Tensor, dst_rows: list[int], bank: HostBank,
+             experts: list[int], after: torch.cuda.Event | None = None,
+             ) -> tuple[Span, torch.cuda.Event | None]:
+        """Copy bank rows ``experts`` into ``dst`` rows ``dst_rows``. On CUDA the copies run on
+        the copy stream after the compute stream's work so far (and ``after``); the returned
+        event marks their end, for the compute stream to wait on."""
+        if self.copy_stream is None:
+            span = self.stats.span()
+            for r, e in zip(dst_rows, experts, strict=True):
+                dst[r].copy_(bank.rows[e])
+            return span.stop(), None
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        if after is not None:
+            self.copy_stream.wait_event(after)
+        with torch.cuda.stream(self.copy_stream):
+            span = self.stats.span(self.copy_stream)
+            for r, e in zip(dst_rows, experts, strict=True):
+                dst[r].copy_(bank.rows[e], non_blocking=True)
+            span.stop()
+        return span, span.end  # the span's end event marks the copies' end
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)

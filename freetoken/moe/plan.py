@@ -74,15 +74,17 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
     hybrid = [i for i in moe if strategies[i] == "hybrid"]
     if hybrid:
         _split_hybrid(cfg, ckpt, layers, hybrid, threads)
-    plan = MoEPlan(tuple(layers), pool_spin_us=cfg.moe_cpu_spin_us)
-    needs = plan.needs
+    needs = MoEPlan(tuple(layers)).needs
     cache = None
     if needs.device_cache:
         cache = cfg.moe_cache
         if cache.kind == "auto":
-            cache = CacheSizing.resolved(_cache_budget(ckpt, plan, device, kv_floor_bytes))
+            budget = _cache_budget(cfg, ckpt, strategies, device, kv_floor_bytes)
+            log.info("expert cache budget: %.2f GB free after the weights and %d KV tokens",
+                     budget / 1e9, cfg.kv_reserve_tokens)
+            cache = CacheSizing.resolved(budget)
     pool = threads if needs.cpu_pool or cfg.cpu_dense == "pool" else 0
-    plan = MoEPlan(plan.layers, cache, pool, cfg.moe_cpu_spin_us)
+    plan = MoEPlan(tuple(layers), cache, pool, cfg.moe_cpu_spin_us)
     _log(plan, moe)
     return plan
 
@@ -135,24 +137,22 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
                  ", corrected online" if cfg.moe_hybrid_online else "")
 
 
-def _cache_budget(ckpt: Checkpoint, plan: MoEPlan, device: torch.device, kv_floor_bytes: int,
-                  margin: float = 0.05) -> int:
+def _cache_budget(cfg: EngineConfig, ckpt: Checkpoint, strategies: tuple[str, ...],
+                  device: torch.device, kv_floor_bytes: int, margin: float = 0.05) -> int:
     """Bytes ``--moe-cache-auto`` gives the expert cache: the device memory the weights will
-    leave, less ``--kv-reserve-tokens`` of KV and a margin for activations (on the CPU, a
-    quarter of the host memory the weights will leave stands in for the device's)."""
+    leave (dense weights and resident experts at the compute dtype), less
+    ``--kv-reserve-tokens`` of KV and a margin for activations; on the CPU, a quarter of the
+    host memory the expert banks will leave stands in for the device's."""
     mc = ckpt.config
-    experts = expert_bytes(ckpt)
-    if device.type == "cuda":
-        resident = sum(1 for s, m in zip(plan.strategies, mc.moe_layers, strict=True)
-                       if m and s == "resident")
-        dense = sum(qt.nbytes for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
-        free, total = torch.cuda.mem_get_info(device)
-        moe_layers = max(1, sum(mc.moe_layers))
-        budget = free - dense - experts * resident / moe_layers - kv_floor_bytes - margin * total
-    else:
-        budget = (available_host_bytes() - experts) // 4 - kv_floor_bytes
-    log.info("expert cache budget: %.2f GB free after the weights and the KV floor (%.2f GB)",
-             budget / 1e9, kv_floor_bytes / 1e9)
+    if device.type != "cuda":
+        return int(max(1, (available_host_bytes() - expert_bytes(ckpt)) // 4 - kv_floor_bytes))
+    size = getattr(torch, cfg.dtype).itemsize
+    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+    resident = sum(1 for s, m in zip(strategies, mc.moe_layers, strict=True)
+                   if m and s == "resident")
+    layer = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - (dense + resident * layer) * size - kv_floor_bytes - margin * total
     return int(max(1, budget))
 
 

@@ -1,0 +1,105 @@
+"""The MoE plan: each strategy's declared needs, every ``auto`` resolved into one frozen plan
+before the model is built, and the runner's one CPU pool handed to everything that uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing, EngineConfig
+from freetoken.cpu import executor as cx
+from freetoken.cpu.cores import plan_cores, usable_cores
+from freetoken.moe.plan import MoEPlan, plan_moe
+from freetoken.moe.registry import STRATEGIES, needs_of
+from freetoken.moe.strategy import LayerPlan, Needs
+
+needs_pool = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "q8.gguf"
+    return convert_to_gguf(open_checkpoint(tiny_qwen3_moe), out,
+                           lambda n, s: "q8_0" if ".experts." in n or "proj" in n else "f32")
+
+
+def _cfg(path, strategy: str, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), device="cpu", dtype="float32", moe_strategy=strategy,
+                        max_seq_len=64, **kw)
+
+
+def test_each_strategy_declares_its_needs():
+    assert needs_of("resident") == Needs()
+    assert needs_of("offload") == Needs(host_banks=True, device_cache=True)
+    assert needs_of("hybrid") == Needs(cpu_pool=True, host_banks=True, device_cache=True)
+    assert needs_of("cpu") == Needs(cpu_pool=True, host_banks=True, eager_decode=True)
+    union = Needs()
+    for cls in STRATEGIES.values():
+        union = union | cls.NEEDS
+    assert needs_of("auto") == union == Needs(True, True, True, True)
+
+
+@pytest.mark.parametrize("strategy, cache, pool", [
+    ("resident", None, False), ("offload", "from_auto", False), ("cpu", None, True),
+    ("hybrid", "given", True),
+])
+def test_the_plan_resolves_every_auto(q8_gguf, strategy, cache, pool, monkeypatch, tmp_path):
+    if pool and cx.available() is not None:
+        pytest.skip(str(cx.available()))
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    sizing = CacheSizing("size", 3) if cache == "given" else CacheSizing()
+    plan = plan_moe(_cfg(q8_gguf, strategy, moe_cache=sizing), open_checkpoint(q8_gguf),
+                    torch.device("cpu"))
+    assert plan.strategies == (strategy, "resident", strategy)  # layer 1 is a dense MLP
+    assert plan.needs == needs_of(strategy)
+    if cache is None:
+        assert plan.cache is None
+    elif cache == "from_auto":  # --moe-cache-auto is a byte budget now, still named as given
+        assert plan.cache.kind == "mem" and plan.cache.from_auto and plan.cache.value > 0
+        assert plan.cache.describe() == "--moe-cache-auto"
+    else:
+        assert plan.cache == sizing
+    assert plan.pool_threads == (len(plan_cores(usable_cores(), None)) if pool else 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.pool_threads = 3  # type: ignore[misc]
+
+
+@needs_pool
+@pytest.mark.parametrize("max_fetch, cap", [("auto", 1), (3, 3)])
+def test_hybrid_split_without_a_profile_row(q8_gguf, monkeypatch, tmp_path, caplog, max_fetch,
+                                            cap):
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    cfg = _cfg(q8_gguf, "hybrid", moe_cpu_threads=2, moe_hybrid_max_fetch=max_fetch,
+               moe_hybrid_online=False, moe_cache=CacheSizing("size", 3))
+    with caplog.at_level("INFO"):
+        plan = plan_moe(cfg, open_checkpoint(q8_gguf), torch.device("cpu"))
+    assert plan.layers[0] == plan.layers[2] == LayerPlan("hybrid", None, cap, False, "")
+    assert plan.pool_threads == 2
+    assert f"MoE plan: hybrid on 2 q8_0 layers at a fetch cap of {cap}" in caplog.text
+    assert "MoE plan: hybrid on layers 0, 2; expert cache --moe-cache-size 3; CPU pool 2 " \
+           "workers" in caplog.text
+
+
+@needs_pool
+def test_the_runner_makes_one_pool_and_hands_it_down(q8_gguf):
+    from freetoken.engine.runner import ModelRunner
+    from freetoken.layers.pool_linear import PoolLinear
+    from freetoken.moe.cpu import CpuExperts
+
+    cfg = _cfg(q8_gguf, "cpu", moe_cpu_threads=1, cpu_dense="pool")
+    runner = ModelRunner(cfg, kv_tokens=64, progress=False)
+    assert isinstance(runner.moe, MoEPlan) and runner.moe.pool_threads == 1
+    assert runner.pool is not None and runner.pool.threads == 1
+    experts = [m for m in runner.model.modules() if isinstance(m, CpuExperts)]
+    linears = [m for m in runner.model.modules() if isinstance(m, PoolLinear)]
+    assert len(experts) == 2 and linears
+    assert all(m._pool is runner.pool for m in experts)
+    assert all(m.pool is runner.pool for m in linears)
+    natives = [layer.native for layer in runner.model.model.layers if layer.native is not None]
+    assert natives and all(n._ex is runner.pool for n in natives)
+    other = ModelRunner(cfg, kv_tokens=64, progress=False, pool=runner.pool)
+    assert other.pool is runner.pool  # a second runner in the process shares it

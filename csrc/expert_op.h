@@ -41,7 +41,7 @@ constexpr int kMaxGateUpRows = 128;
 // 0), and the time down items waited for an expert's gate/up.
 enum TimingField : int { TM_START = 0, TM_END = 1, TM_BUSY = 5, TM_AWAIT = 9, TM_FIELDS = 10 };
 static_assert(TM_BUSY == TM_END + kMaxPhases && TM_AWAIT == TM_BUSY + kMaxPhases,
-              "cpu_executor.JobTiming reads the record in this layout");
+              "cpu/jobs.py JobTiming reads the record in this layout");
 
 // One projection of all experts of a layer.
 struct Proj {

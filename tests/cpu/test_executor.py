@@ -209,9 +209,9 @@ def test_two_threads_submitting_for_five_seconds_lose_nothing(spin_us: int) -> N
 
 
 def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from freetoken.cpu import library as cpu_native
+    from freetoken.cpu import library
 
-    monkeypatch.setattr(cpu_native, "_library_path", lambda: tmp_path / cx.LIBRARY)
+    monkeypatch.setattr(library, "_library_path", lambda: tmp_path / cx.LIBRARY)
     cx.native.cache_clear()
     try:
         with pytest.raises(cx.NativeUnavailable, match=r"was not built.*pip install -e \."):

@@ -71,7 +71,7 @@ class NativeDecodeLayer:
     def _build(self, ctx: ForwardContext) -> DecodeLayer:
         layer, attn, mlp = self.layer, self.layer.self_attn, self.layer.mlp
         experts = mlp.experts
-        experts._executor or experts._register()
+        experts.registered or experts.register()
         if not (_f32(ctx.kv.k) and _f32(ctx.kv.v)):
             raise RuntimeError("the native decode layer writes a float32 KV cache on the CPU; "
                                f"this one is {ctx.kv.k.dtype} on {ctx.kv.k.device}")

@@ -31,7 +31,7 @@ class CpuExperts(Experts):
         self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
                                    shape.intermediate)
         self._pool: cx.CpuMoeExecutor | None = None  # given by attach
-        self._executor: cx.CpuMoeExecutor | None = None  # the pool, once the banks are on it
+        self.registered = False  # the banks are on the pool (at the first forward)
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -42,7 +42,7 @@ class CpuExperts(Experts):
 
     def missing_expert_tensors(self) -> list[str]:
         """What the checkpoint has not provided yet, e.g. ``['down_proj', 'up_proj[3]']``."""
-        return [] if self._executor is not None else self.builder.missing()
+        return [] if self.registered else self.builder.missing()
 
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
         """Run on the model's CPU pool; the banks go there at the first forward."""
@@ -54,11 +54,12 @@ class CpuExperts(Experts):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
-        ex = self._executor or self._register()
+        ex = self._pool if self.registered else self.register()
+        assert ex is not None
         out = ex.run(x, topk_ids, topk_weights, self.shape.layer)
         return out.to(device=x.device, dtype=x.dtype)
 
-    def _register(self) -> cx.CpuMoeExecutor:
+    def register(self) -> cx.CpuMoeExecutor:
         """Copy the banks to huge-page host memory and hand them to the executor."""
         missing = self.missing_expert_tensors()
         if missing:
@@ -77,6 +78,6 @@ class CpuExperts(Experts):
         ex.add_layer(self.shape.layer, *stacks, activation=self.shape.activation)
         self.builder.stacked.clear()
         self.builder.per_expert.clear()
-        self._executor = ex
+        self.registered = True
         return ex
 

@@ -20,7 +20,7 @@ from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
 from freetoken.moe.plan import ExpertGroup, MoEPlan, plan_moe_cache
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.stats import MoEStats
-from freetoken.moe.strategy import Experts, LayerPlan, Shared
+from freetoken.moe.strategy import Experts, Shared
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
         runtime = _expert_cache(cached, plan.cache)
     shared = Shared(pool, runtime)
     for m in layers:
-        layer = getattr(getattr(m, "shape", None), "layer", None)
-        m.attach(plan.layers[layer] if layer is not None else LayerPlan(), shared)
+        m.attach(plan.layers[m.shape.layer], shared)
     if cached:
         offloaded = [m for m in cached if isinstance(m, OffloadExperts)]
         choose_gpu_kernels(offloaded, offloaded[0].device)
@@ -51,7 +50,7 @@ def _expert_cache(layers: list[Experts], sizing: CacheSizing) -> OffloadRuntime:
     by_size: dict[int, list[OffloadExperts]] = {}
     for m in layers:
         assert isinstance(m, OffloadExperts) and m.bank is not None, \
-            f"layer {getattr(m, 'shape', '?')} keeps a device cache without a loaded bank"
+            f"layer {m.shape.layer} keeps a device cache without a loaded bank"
         by_size.setdefault(m.bank.expert_bytes, []).append(m)
     groups = [ExpertGroup(size, tuple(m.shape.layer for m in ms), ms[0].shape.num_experts)
               for size, ms in by_size.items()]

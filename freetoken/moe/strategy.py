@@ -82,6 +82,7 @@ class Experts(nn.Module):
     """
 
     NEEDS: ClassVar[Needs] = Needs()
+    shape: ExpertShape  # set by each strategy's constructor
 
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
         """Take this layer's plan and what :attr:`NEEDS` asked for from ``shared``."""

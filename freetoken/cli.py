@@ -7,7 +7,7 @@ import logging
 import sys
 
 from freetoken import __version__, env
-from freetoken.config import MOE_CPU_SPIN_US
+from freetoken.config import KV_RESERVE_TOKENS, MOE_CPU_SPIN_US
 from freetoken.engine.resolve import DEVICES, DTYPES
 from freetoken.errors import FreeTokenError
 
@@ -79,7 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-reserve-tokens",
         type=int,
-        default=8192,
+        default=KV_RESERVE_TOKENS,
         help="KV tokens --moe-cache-auto leaves room for",
     )
     g.add_argument(

@@ -270,6 +270,7 @@ class CacheSizing:
 # decode hands the pool one job per layer a fraction of a millisecond apart, and a futex
 # wake-up costs tens of microseconds in a VM.
 MOE_CPU_SPIN_US = 1000
+KV_RESERVE_TOKENS = 8192  # KV tokens --moe-cache-auto leaves room for (--kv-reserve-tokens)
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ class EngineConfig:
     moe_cpu_threads: int = 0  # CPU expert workers (0: one per usable core but the first)
     moe_cpu_spin_us: int = MOE_CPU_SPIN_US  # how long idle CPU workers spin, then sleep
     moe_cache: CacheSizing = CacheSizing()  # the expert cache of offloaded layers
-    kv_reserve_tokens: int = 8192  # KV tokens --moe-cache-auto leaves room for
+    kv_reserve_tokens: int = KV_RESERVE_TOKENS
     # hybrid: experts fetched per layer call at most, or "auto" (from the profile row)
     moe_hybrid_max_fetch: int | str = "auto"
     moe_hybrid_online: bool = True  # hybrid corrects its fetch fraction from measured times

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from freetoken.checkpoint import default_model_path
-from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig
+from freetoken.config import KV_RESERVE_TOKENS, MOE_CPU_SPIN_US, CacheSizing, EngineConfig
 from freetoken.cpu.cores import usable_cores
 from freetoken.errors import ConfigError
 from freetoken.moe.registry import AUTO, needs_of
@@ -76,7 +76,7 @@ def resolve_engine(args: Any) -> EngineConfig:
         model=model, device=device, dtype=dtype, moe_strategy=args.moe_strategy,
         max_seq_len=args.max_seq_len, cuda_graph_max_bs=graphs,
         moe_cpu_threads=args.moe_cpu_threads, moe_cpu_spin_us=spin, moe_cache=cache,
-        kv_reserve_tokens=getattr(args, "kv_reserve_tokens", 8192),
+        kv_reserve_tokens=getattr(args, "kv_reserve_tokens", KV_RESERVE_TOKENS),
         moe_hybrid_max_fetch=max_fetch,
         moe_hybrid_online=getattr(args, "moe_hybrid_online", "on") == "on",
         cpu_dense=cpu_dense,

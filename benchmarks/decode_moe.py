@@ -150,15 +150,15 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     engine = Engine(cfg)
     load_s = time.perf_counter() - t0
     ids = engine.encode(args.prompt)
-    engine.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    sampling = dict(temperature=args.temperature, seed=args.seed, ignore_eos=True)
+    engine.generate(ids, SamplingParams(max_tokens=16, **sampling))  # warm-up
     rt = engine.runner.offload
     runs = []
     for _ in range(args.repeats):
         before = rt.stats.snapshot() if rt else None
         stats = GenerationStats()
         t = time.perf_counter()
-        engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True),
-                        stats=stats)
+        engine.generate(ids, SamplingParams(max_tokens=args.tokens, **sampling), stats=stats)
         wall = time.perf_counter() - t
         after = rt.stats.snapshot() if rt else None
         runs.append({"decode_tokens_per_s": stats.decode_tokens_per_s,
@@ -235,6 +235,9 @@ def main() -> None:
     p.add_argument("--moe-cpu-spin-us", type=int, default=1000)
     p.add_argument("--prompt", default="The history of computing")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 decodes greedily; chat clients send 1 (each run seeded by --seed)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--gather-experts", type=int, default=8, help="experts per copy batch")
     p.add_argument("--cuda-graph-max-bs", type=int, default=16)

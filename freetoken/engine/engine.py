@@ -14,7 +14,7 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.engine.runner import ModelRunner
-from freetoken.engine.sample import SamplingParams, sample
+from freetoken.engine.sample import SamplingParams, generator, sample
 from freetoken.layers.context import Segment
 
 
@@ -73,7 +73,7 @@ class Engine:
             )
         stats = stats or GenerationStats()
         stats.prompt_tokens = len(prompt_ids)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = generator(params.seed, self.runner.device)
         eos = set(self.model_config.eos_token_ids)
         limit = min(params.max_tokens, budget)
         t0 = time.perf_counter()

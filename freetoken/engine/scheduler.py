@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from freetoken.engine.runner import ModelRunner
-from freetoken.engine.sample import SamplingParams, apply_penalties, sample
+from freetoken.engine.sample import SamplingParams, apply_penalties, generator, sample
 from freetoken.kvcache.radix import PrefixCache
 from freetoken.layers.context import Segment
 
@@ -77,8 +77,7 @@ class Scheduler:
                          f"prompt ({len(seq.prompt)} tokens) + max_tokens "
                          f"({seq.params.max_tokens}) exceeds the context of "
                          f"{min(self.runner.max_len, self.kv.num_pages * self.kv.page_size)}")
-        if seq.params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        seq.generator = generator(seq.params.seed, self.runner.device)
         self.waiting.append(seq)
         return None
 

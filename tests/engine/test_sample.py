@@ -72,3 +72,53 @@ def test_penalties_follow_openai_definition():
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
     out = apply_penalties(logits, [1, 1, 3], p)
     assert out.tolist() == [0.0, -1.0, 0.0, -0.75, 0.0]
+
+
+def test_the_race_draws_as_the_multinomial_does():
+    """The GPU's draw (an exponential race) against the CPU's (torch.multinomial) on one
+    filtered distribution: both frequencies match the probabilities."""
+    from freetoken.engine.sample import race
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, generator=g) * 2
+    probs = torch.softmax(logits, 0)
+    probs[probs < probs.sort().values[20]] = 0  # a filter left half the tokens
+    probs /= probs.sum()
+    n = 20_000
+    raced = torch.tensor([race(probs, g) for _ in range(n)])
+    drawn = torch.multinomial(probs, n, replacement=True, generator=g)
+    for draws in (raced, drawn):
+        freq = torch.bincount(draws, minlength=40).float() / n
+        torch.testing.assert_close(freq, probs, atol=0.012, rtol=0)
+    assert probs[raced].min() > 0  # a filtered-out token is never drawn
+
+
+def test_the_race_never_draws_a_token_of_probability_zero():
+    from freetoken.engine.sample import race
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.zeros(151_936)
+    probs[[5, 70_000]] = torch.tensor([0.999, 0.001])
+    assert {race(probs, g) for _ in range(300)} <= {5, 70_000}
+
+
+def test_a_seeded_generator_lives_on_the_logits_device():
+    from freetoken.engine.sample import generator
+
+    assert generator(None, "cpu") is None
+    g = generator(7, "cpu")
+    assert g is not None and g.device.type == "cpu" and g.initial_seed() == 7
+
+
+@pytest.mark.cuda
+def test_sampling_on_the_gpu_follows_the_distribution_and_its_seed():
+    from freetoken.engine.sample import generator
+
+    probs = torch.tensor([0.6, 0.3, 0.1], device="cuda")
+    p = SamplingParams(temperature=1.0, top_p=0.85)  # drops the third token
+    g = generator(0, "cuda")
+    draws = [sample(probs.log(), p, g) for _ in range(3000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    torch.testing.assert_close(freq, torch.tensor([0.6 / 0.9, 0.3 / 0.9, 0.0]), atol=0.03, rtol=0)
+    again = [sample(probs.log(), p, generator(0, "cuda")) for _ in range(5)]
+    assert again == [sample(probs.log(), p, generator(0, "cuda")) for _ in range(5)]

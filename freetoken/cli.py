@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="where MoE experts live and how a miss is served: resident (all on the device), "
         "offload (host RAM + a device expert cache, misses fetched), cpu (computed on the "
         "CPU), hybrid (misses split between fetch and CPU), auto (per layer: resident while "
-        "it fits, then what the `ft bench bw` profile recommends, else offload)",
+        "it fits, then what the `ft bench bw` profile recommends, else offload; a "
+        "--moe-cache-* flag caps all expert memory, resident layers included)",
     )
     g.add_argument(
         "--max-seq-len",

@@ -91,8 +91,9 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
 
 def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,
                      kv_floor_bytes: int) -> tuple[str, ...]:
-    """Resident layers while they fit on the device, then hybrid or offload per layer kind
-    from the bandwidth profile; on the CPU every MoE layer runs on the CPU pool."""
+    """Resident layers while they fit on the device (and in the cache flag's cap, see
+    :func:`resident_budget`), then hybrid or offload per layer kind from the bandwidth profile;
+    on the CPU every MoE layer runs on the CPU pool."""
     mc = ckpt.config
     kinds = layer_kinds(ckpt)
     if device.type != "cuda":
@@ -101,11 +102,13 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
     size = getattr(torch, cfg.dtype).itemsize
     dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
     layer_bytes = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
+    moe_bytes = layer_bytes * sum(mc.moe_layers)
     sizing = cfg.moe_cache
-    cache = {"mem": sizing.value, "rate": sizing.value * layer_bytes * sum(mc.moe_layers),
-             "size": sizing.value * layer_bytes / max(1, mc.num_experts)}.get(sizing.kind, 0)
+    cap = {"mem": sizing.value, "rate": sizing.value * moe_bytes,
+           "size": sizing.value * layer_bytes / max(1, mc.num_experts)}.get(sizing.kind)
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(free - dense * size - kv_floor_bytes - cache - 0.05 * total)
+    budget = resident_budget(int(free - dense * size - kv_floor_bytes - 0.05 * total),
+                             None if cap is None else int(cap), moe_bytes)
     profile = load_profile_or_empty()
 
     def recommend(kind: LayerKind) -> str | None:
@@ -113,6 +116,19 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
         return match.row.recommended if match.row is not None else None
 
     return plan_auto(kinds, mc.num_layers, layer_bytes, budget, recommend)
+
+
+def resident_budget(free: int, cap: int | None, moe_bytes: int) -> int:
+    """Device bytes ``--moe-strategy auto`` may give resident expert layers. ``free``: what the
+    device has after the dense weights, the KV floor and a margin; ``moe_bytes``: every MoE
+    layer resident at the compute dtype. Without a cache flag (``cap`` None) layers go resident
+    while they fit in ``free``. A cache flag caps all expert memory, resident layers included:
+    every layer goes resident when they all fit in the cap (and in ``free``), else none does and
+    the whole cap is the cache, whose slots hold experts in their file's format (a resident
+    layer is dequantised to the compute dtype, so the cap serves more experts as cache)."""
+    if cap is None:
+        return free
+    return moe_bytes if moe_bytes <= min(cap, free) else 0
 
 
 def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
@@ -231,8 +247,8 @@ def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup]) -> list[PoolP
 def plan_auto(kinds: dict[LayerKind, list[int]], num_layers: int, layer_bytes: int,
               budget: int, recommend: Callable[[LayerKind], str | None]) -> tuple[str, ...]:
     """``--moe-strategy auto`` per layer: resident while ``layer_bytes`` per layer fit in
-    ``budget`` (device memory left after the dense weights, the KV floor and the expert cache),
-    then per layer kind what its profile row recommends (``hybrid`` or ``offload``), else offload.
+    ``budget`` (device bytes for resident experts, :func:`resident_budget`), then per layer
+    kind what its profile row recommends (``hybrid`` or ``offload``), else offload.
     ``recommend(kind)`` returns the row's recommendation or None when the kind has no row."""
     plan = ["resident"] * num_layers
     moe = sorted(layer for layers in kinds.values() for layer in layers)

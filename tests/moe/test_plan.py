@@ -13,7 +13,8 @@ from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import plan_cores, usable_cores
-from freetoken.moe.plan import MoEPlan, plan_moe
+from freetoken.moe.layer_kind import LayerKind
+from freetoken.moe.plan import MoEPlan, plan_auto, plan_moe, resident_budget
 from freetoken.moe.registry import STRATEGIES, needs_of
 from freetoken.moe.strategy import LayerPlan, Needs
 
@@ -103,3 +104,22 @@ def test_the_runner_makes_one_pool_and_hands_it_down(q8_gguf):
     assert natives and all(n._ex is runner.pool for n in natives)
     other = ModelRunner(cfg, kv_tokens=64, progress=False, pool=runner.pool)
     assert other.pool is runner.pool  # a second runner in the process shares it
+
+
+def test_auto_keeps_to_the_expert_memory_it_is_given():
+    """48 MoE layers of 1.2 GB resident: with a 4 GB cap (none fit alongside a useful cache)
+    every layer is offloaded and the cap is the cache; a cap that holds them all makes all
+    resident; with no cap, layers go resident while the free memory lasts."""
+    layer, n, free = 1_200_000_000, 48, 130_000_000_000
+    kinds = {LayerKind("gguf", 2048, 768, 8, (("down_type", "8"), ("gate_up_type", "8"))):
+             list(range(n))}
+    recommend = {k: None for k in kinds}.get
+    capped = plan_auto(kinds, n, layer, resident_budget(free, 4_000_000_000, n * layer),
+                       recommend)
+    assert capped == ("offload",) * n
+    assert plan_auto(kinds, n, layer, resident_budget(free, 60_000_000_000, n * layer),
+                     recommend) == ("resident",) * n
+    assert resident_budget(10 * layer, 60_000_000_000, n * layer) == 0  # the cap, not free
+    uncapped = plan_auto(kinds, n, layer, resident_budget(10 * layer, None, n * layer),
+                         recommend)
+    assert uncapped == ("resident",) * 10 + ("offload",) * (n - 10)

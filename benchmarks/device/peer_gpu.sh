@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU machine: ours against llama.cpp on one synthetic file in one run. Builds llama-bench from
+# .peer/llama.cpp (a copy of ../shared/peers, carried; about 5 minutes, in the background while
+# the file is written), then llama-bench's placements (-ncmoe NCMOE, -ot exps=CPU, all on the
+# GPU; tg64, -r 2, THREADS threads) and benchmarks/decode_moe.py at TEMPERATURE (default 1, what
+# chat clients send) for STRATEGIES with a CACHE expert cache, and merges both into
+# peer_gpu-*.json (benchmarks/peer_gpu.py). PRESET, LAYERS (default 48: the whole model) and
+# FORMAT pick the file; the default router is token-specific with no skew (ROUTER adds flags).
+# WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
+# the build is done, so the compiler does not share the cores with a measurement.
+# Run as: GIT_SHA=<commit> bash benchmarks/device/peer_gpu.sh (carry .whl and .peer).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/device/setup.sh
+moe_bench_setup
+(bash .peer/build-llama-bench.sh .peer/llama.cpp > "$OUT/llama_build.log" 2>&1) &
+BUILD=$!
+PRESET=${PRESET:-qwen3-30b-a3b}; LAYERS=${LAYERS:-48}
+M=/tmp/$PRESET-${LAYERS}l.gguf
+[ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers $LAYERS \
+  --expert-format ${FORMAT:-q8_0} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
+[ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
+wait $BUILD || { tail -20 "$OUT/llama_build.log"; exit 1; }
+LABEL=$PRESET-${LAYERS}l-${LABEL:-h200}
+python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
+  --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
+  --moe-cpu-threads ${THREADS:-15} --tokens 64 --repeats 2 --label $LABEL --out "$OUT" \
+  --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
+  | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|MoE plan'
+LB=${LCB:-/tmp/lcb}/bin/llama-bench
+T=${THREADS:-15}
+for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
+  name=${placement%%=*}; flags=${placement#*=}
+  $LB -m $M -p 0 -n 64 -r 2 -ngl 99 -t $T $flags -o json > "$OUT/llama_$name.json" 2> "$OUT/llama_$name.err" \
+    || tail -5 "$OUT/llama_$name.err"
+done
+python3 benchmarks/peer_gpu.py --llama ncmoe="$OUT/llama_ncmoe.json" ot_cpu="$OUT/llama_ot_cpu.json" \
+  gpu="$OUT/llama_gpu.json" --ours "$(ls -t "$OUT"/decode_moe-$LABEL-*.json | head -1)" \
+  --model $M --label $LABEL --out "$OUT" --git-sha "${GIT_SHA:-}"

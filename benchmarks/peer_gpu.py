@@ -68,7 +68,10 @@ def main() -> None:
                 row[k] = s[k]
         rows.append(row)
         print(row, flush=True)
-    result = {"bench": "peer_gpu", "label": args.label, **git_state(args.git_sha), **host(),
+    # the host is the one both engines ran on, recorded in our result (merging may happen elsewhere)
+    ran_on = {k: ours[k] for k in ("host", "platform", "cpu", "cores", "torch", "gpu") if k in ours}
+    result = {"bench": "peer_gpu", "label": args.label, **git_state(args.git_sha),
+              **(ran_on or host()),
               "params": vars(args) | {"out": str(args.out), "ours": str(args.ours)},
               "ours_params": ours.get("params"), "llamacpp": peers,
               "best_offloaded_llamacpp": best, "strategies": rows}

@@ -13,14 +13,15 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
-(bash .peer/build-llama-bench.sh .peer/llama.cpp > "$OUT/llama_build.log" 2>&1) &
+L=/tmp/llama; mkdir -p $L  # llama-bench's files stay here: $OUT brings back 8 files at most
+(bash .peer/build-llama-bench.sh .peer/llama.cpp > $L/build.log 2>&1) &
 BUILD=$!
 PRESET=${PRESET:-qwen3-30b-a3b}; LAYERS=${LAYERS:-48}
 M=/tmp/$PRESET-${LAYERS}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers $LAYERS \
   --expert-format ${FORMAT:-q8_0} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
-wait $BUILD || { tail -20 "$OUT/llama_build.log"; exit 1; }
+wait $BUILD || { tail -20 $L/build.log; exit 1; }
 LABEL=$PRESET-${LAYERS}l-${LABEL:-h200}
 python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
@@ -31,9 +32,9 @@ LB=${LCB:-/tmp/lcb}/bin/llama-bench
 T=${THREADS:-15}
 for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
   name=${placement%%=*}; flags=${placement#*=}
-  $LB -m $M -p 0 -n 64 -r 2 -ngl 99 -t $T $flags -o json > "$OUT/llama_$name.json" 2> "$OUT/llama_$name.err" \
-    || tail -5 "$OUT/llama_$name.err"
+  $LB -m $M -p 0 -n 64 -r 2 -ngl 99 -t $T $flags -o json > $L/$name.json 2> $L/$name.err \
+    || tail -5 $L/$name.err
 done
-python3 benchmarks/peer_gpu.py --llama ncmoe="$OUT/llama_ncmoe.json" ot_cpu="$OUT/llama_ot_cpu.json" \
-  gpu="$OUT/llama_gpu.json" --ours "$(ls -t "$OUT"/decode_moe-$LABEL-*.json | head -1)" \
+python3 benchmarks/peer_gpu.py --llama ncmoe=$L/ncmoe.json ot_cpu=$L/ot_cpu.json gpu=$L/gpu.json \
+  --ours "$(ls -t "$OUT"/decode_moe-$LABEL-*.json | head -1)" \
   --model $M --label $LABEL --out "$OUT" --git-sha "${GIT_SHA:-}"

@@ -10,6 +10,7 @@ from freetoken import __version__, env
 from freetoken.config import KV_RESERVE_TOKENS, MOE_CPU_SPIN_US
 from freetoken.engine.resolve import DEVICES, DTYPES
 from freetoken.errors import FreeTokenError
+from freetoken.server.serve import HOST, PORT
 
 log = logging.getLogger("freetoken")
 
@@ -185,6 +186,12 @@ def _chat(args: argparse.Namespace) -> int:
     return chat_main(args)
 
 
+def _ctl(args: argparse.Namespace) -> int:
+    from freetoken.server.ctl import ctl_main
+
+    return ctl_main(args)
+
+
 def _synth(args: argparse.Namespace) -> int:
     from freetoken.checkpoint.synth import synth_main
 
@@ -238,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(v)
     h = v.add_argument_group("server")
-    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    h.add_argument("--port", type=int, default=1919, help="port to listen on")
+    h.add_argument("--host", default=HOST, help="address to listen on")
+    h.add_argument("--port", type=int, default=PORT, help="port to listen on")
     h.add_argument("--served-model-name", help="model id clients send (default: file/dir name)")
     h.add_argument(
         "--chat-template",
@@ -286,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat in the terminal with a running server",
         description="Stream a conversation from `ft serve` (or start one with --model).",
     )
-    c.add_argument("--url", default="http://127.0.0.1:1919", help="server to talk to")
+    c.add_argument("--url", default=f"http://{HOST}:{PORT}", help="server to talk to")
     c.add_argument("--model", help="start `ft serve --model MODEL` instead of using --url")
     c.add_argument("--device", default="auto", choices=DEVICES, help="with --model")
     c.add_argument("--chat-template", metavar="FILE", help="with --model")
@@ -294,6 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=512)
     c.add_argument("--temperature", type=float, default=0.7)
     c.set_defaults(func=_chat)
+
+    from freetoken.server.ctl import add_ctl_args
+
+    k = sub.add_parser(
+        "ctl",
+        formatter_class=_Help,
+        help="ask a running server for its health, stats or thread stacks",
+        description="Ask a running `ft serve` (found by --host/--port): health, stats, or "
+        "stacks (every thread's Python stack of its API and engine processes; no ptrace). "
+        "SIGUSR1 to either process also writes its stacks to the server's log.",
+    )
+    add_ctl_args(k)
+    k.set_defaults(func=_ctl)
 
     from freetoken.checkpoint.synth import add_synth_args
 

@@ -3,6 +3,7 @@ engine process only ever sees token ids."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from freetoken.server.errors import APIError, error_response
 from freetoken.server.metrics import Metrics
 from freetoken.server.process import EngineClient
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from freetoken.server.stacks import thread_stacks
 from freetoken.server.stream import StopMatcher, sse
 
 DEFAULT_MAX_TOKENS = 1024
@@ -96,6 +98,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def stats() -> dict[str, Any]:
         return {"model": state.model_name, "engine": state.client.stats,
                 "in_flight": len(state.client.queues), "engine_info": state.client.info}
+
+    @app.get("/debug/stacks")
+    async def stacks() -> dict[str, str]:
+        """Every thread's Python stack of this process and of the engine process (which answers
+        from a thread of its own, so a busy or stuck engine still does)."""
+        engine = await asyncio.to_thread(state.client.engine_stacks)
+        return {"api": thread_stacks("API process"), "engine": engine}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:

@@ -21,6 +21,7 @@ from typing import Any
 from freetoken.config import EngineConfig
 from freetoken.engine.sample import SamplingParams
 from freetoken.engine.scheduler import Event, Scheduler, Sequence
+from freetoken.server.stacks import StackResponder, dump_on_signal
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,18 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any]) -> str:
     return line
 
 
-def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection) -> None:
-    """Entry point of the engine process."""
+def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
+                stacks: Connection | None = None) -> None:
+    """Entry point of the engine process. ``stacks``: where the API process asks for this
+    process's thread stacks (answered from a thread of its own)."""
     from freetoken.engine.resolve import configure_threads
     from freetoken.engine.runner import ModelRunner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
+    dump_on_signal()
+    if stacks is not None:
+        StackResponder(stacks, "engine process")
     try:
         configure_threads(cfg.engine)
         runner = ModelRunner(cfg.engine, kv_tokens=cfg.kv_tokens, page_size=cfg.page_size,
@@ -123,11 +129,15 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self._to_engine, engine_in = ctx.Pipe(duplex=False)[::-1]
         engine_out, self._from_engine = ctx.Pipe(duplex=False)[::-1]
-        self.proc = ctx.Process(target=engine_main, args=(cfg, engine_in, engine_out),
+        self._stacks, engine_stacks = ctx.Pipe()
+        self._stacks_lock = threading.Lock()
+        self.proc = ctx.Process(target=engine_main,
+                                args=(cfg, engine_in, engine_out, engine_stacks),
                                 name="freetoken-engine", daemon=True)
         self.proc.start()
         engine_in.close()
         engine_out.close()
+        engine_stacks.close()
         self.queues: dict[str, asyncio.Queue[Event]] = {}
         self.stats: dict[str, Any] = {}
         self.info: dict[str, Any] = {}
@@ -183,6 +193,19 @@ class EngineClient:
             q.put_nowait(Event(rid, None, "error", 0, 0, 0, "the engine process failed"))
         for callback in self.on_death:
             callback()
+
+    def engine_stacks(self, timeout: float = 5.0) -> str:
+        """The engine process's thread stacks (blocks up to ``timeout``; call off the loop)."""
+        with self._stacks_lock:
+            if not self.proc.is_alive():
+                return "engine process: not running"
+            try:
+                self._stacks.send("stacks")
+                if not self._stacks.poll(timeout):
+                    return f"engine process: no answer in {timeout:g} s"
+                return str(self._stacks.recv())
+            except (EOFError, OSError) as e:
+                return f"engine process: {type(e).__name__}: {e}"
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue[Event]:
         q: asyncio.Queue[Event] = asyncio.Queue()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from freetoken.errors import ConfigError, FreeTokenError
 
+HOST, PORT = "127.0.0.1", 1919  # where `ft serve` listens by default, and `ft ctl` asks
+
 log = logging.getLogger("freetoken.serve")
 
 
@@ -20,6 +22,7 @@ def serve(args: argparse.Namespace) -> int:
     from freetoken.engine.resolve import resolve_engine
     from freetoken.server.app import ServerState, create_app
     from freetoken.server.process import EngineClient, ServeConfig
+    from freetoken.server.stacks import dump_on_signal
 
     for flag in ("max_running_requests", "max_prefill_length", "page_size",
                  "max_queued_requests"):
@@ -92,6 +95,7 @@ def serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
+    dump_on_signal()  # SIGUSR1: every thread's stack to the log, as in the engine process
 
     try:
         asyncio.run(main())

@@ -9,8 +9,9 @@ that do not fit yet wait in FIFO order.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +57,20 @@ class Event:
     error: str | None = None
 
 
+@dataclass
+class StepTimes:
+    """Where the engine thread's time in steps went, summed (seconds): admitting and batching
+    (``schedule_s``), queueing the forward (``forward_s``; on a GPU the device may still be
+    running it), and penalties, sampling and events (``sample_s``, which on a GPU includes the
+    wait for the step's logits)."""
+
+    steps: int = 0
+    tokens: int = 0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, max_running: int = 16,
                  max_prefill_tokens: int = 2048, prefix_cache: bool = True) -> None:
@@ -67,6 +82,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.eos = set(runner.model_config.eos_token_ids)
         self.prefix_hit_tokens = 0
+        self.times = StepTimes()
 
     # -- requests in and out ------------------------------------------------------------------
     def add(self, seq: Sequence) -> Event | None:
@@ -97,6 +113,7 @@ class Scheduler:
 
     # -- one engine step ----------------------------------------------------------------------
     def step(self) -> list[Event]:
+        t0 = time.perf_counter()
         self._admit()
         if not self.running:
             return []
@@ -112,7 +129,9 @@ class Scheduler:
                 n = 1
                 chunks.append([seq.output[-1]])
             batch.append((seq, Segment(seq.pages, seq.computed, n)))
+        t1 = time.perf_counter()
         logits = self.runner.forward(chunks, [s for _, s in batch])
+        t2 = time.perf_counter()
         events = []
         for (seq, segment), row in zip(batch, logits, strict=True):
             seq.computed += segment.count
@@ -125,6 +144,12 @@ class Scheduler:
             if reason:
                 self._finish(seq)
             events.append(self._event(seq, token, reason))
+        tm = self.times
+        tm.steps += 1
+        tm.tokens += len(events)
+        tm.schedule_s += t1 - t0
+        tm.forward_s += t2 - t1
+        tm.sample_s += time.perf_counter() - t2
         return events
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -172,6 +197,7 @@ class Scheduler:
             "kv_usage": used / self.kv.num_pages,
             "prefix_cache_pages": self.cache.cached_pages if self.cache else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
+            "times": asdict(self.times),
         }
         if self.runner.offload is not None:
             out["moe"] = self.runner.offload.stats.snapshot()

@@ -40,16 +40,35 @@ class ServeConfig:
     log_interval_s: float = 10.0
 
 
-def decode_line(tokens_per_s: float, stats: dict[str, Any]) -> str:
-    """The periodic engine log line: throughput, batch, KV and, with offloaded experts, the
-    cache hit rate and the bytes each token moved host -> device."""
+def decode_line(tokens_per_s: float, stats: dict[str, Any],
+                before: dict[str, Any] | None = None) -> str:
+    """The periodic engine log line: throughput, batch, KV; with offloaded experts the cache
+    hit rate and the bytes each token moved host -> device; and where a decode token's time
+    went since ``before`` (the stats at the previous line): the engine thread's step split into
+    scheduling, queueing the forward and sampling (which waits for the device), and within the
+    forward the experts' fetch, device compute, CPU share and host plan, in ms per token."""
     line = (f"engine: {tokens_per_s:.1f} tokens/s, running {stats['running']}, waiting "
             f"{stats['waiting']}, KV {100 * stats['kv_usage']:.0f} %")
     moe = stats.get("moe")
     if moe:
         line += (f", expert cache hit rate {100 * moe['hit_rate']:.1f} %, "
-                 f"{moe['bytes_per_token'] / 1e6:.1f} MB/token fetched, fetch "
-                 f"{moe['fetch_s']:.1f} s / compute {moe['compute_s']:.1f} s")
+                 f"{moe['bytes_per_token'] / 1e6:.1f} MB/token fetched")
+    times, was = stats.get("times"), (before or {}).get("times") or {}
+    if times:
+        tokens = times["tokens"] - was.get("tokens", 0)
+        if tokens > 0:
+            def ms(d: dict[str, Any], old: dict[str, Any], key: str) -> float:
+                return 1e3 * (d.get(key, 0.0) - old.get(key, 0.0)) / tokens
+
+            parts = {k: ms(times, was, f"{k}_s") for k in ("schedule", "forward", "sample")}
+            line += (f"; per token {sum(parts.values()):.1f} ms: schedule "
+                     f"{parts['schedule']:.1f}, forward {parts['forward']:.1f}, sample + wait "
+                     f"{parts['sample']:.1f}")
+            if moe:
+                old = (before or {}).get("moe") or {}
+                line += (f" (experts: fetch {ms(moe, old, 'fetch_s'):.1f}, compute "
+                         f"{ms(moe, old, 'compute_s'):.1f}, CPU {ms(moe, old, 'cpu_s'):.1f}, "
+                         f"host plan {ms(moe, old, 'plan_s'):.1f})")
     return line
 
 
@@ -77,7 +96,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
                            "kv_tokens": runner.kv.num_pages * runner.kv.page_size,
                            "max_len": runner.max_len, "load_s": runner.load_s}))
     last_stats = 0.0
-    last_log, decoded = time.monotonic(), 0
+    last_log, decoded, logged = time.monotonic(), 0, sched.stats()
     fresh = True  # the API process has the stats of the last step
     while True:
         # block only when idle: a busy engine drains the pipe without waiting
@@ -111,8 +130,9 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
             stats, last_stats = sched.stats(), now
         decoded += sum(1 for e in events if e.token is not None)
         if now - last_log > cfg.log_interval_s and decoded:
-            log.info(decode_line(decoded / (now - last_log), stats or sched.stats()))
-            decoded, last_log = 0, now
+            current = stats or sched.stats()
+            log.info(decode_line(decoded / (now - last_log), current, logged))
+            decoded, last_log, logged = 0, now, current
         if events or stats:
             outbox.send(("events", (events, stats)))
         fresh = stats is not None

@@ -47,6 +47,9 @@ def test_batched_equals_solo(fixture, request, device, graphs):
         s.add(Sequence(f"r{i}", prompt, params))
     batched = {rid: [e.token for e in ev] for rid, ev in _drain(s).items()}
     assert batched == solo
+    times = s.stats()["times"]  # every sampled token counted once, in steps that took time
+    assert times["tokens"] == 8 * 12 and times["steps"] >= 12
+    assert min(times[k] for k in ("schedule_s", "forward_s", "sample_s")) > 0
     scratch = 1 if runner.graphs else 0
     assert runner.kv.free_pages == runner.kv.num_pages - scratch  # every page came back
 

@@ -13,6 +13,7 @@ from freetoken.checkpoint import default_model_path
 from freetoken.config import KV_RESERVE_TOKENS, MOE_CPU_SPIN_US, CacheSizing, EngineConfig
 from freetoken.cpu.cores import usable_cores
 from freetoken.errors import ConfigError
+from freetoken.moe.plan import wants_pool
 from freetoken.moe.registry import AUTO, needs_of
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def configure_threads(cfg: EngineConfig | None = None) -> int:
     cores the CPU expert pool takes when the strategy (or one ``auto`` may pick) needs it."""
     usable = len(usable_cores())
     threads = usable
-    if cfg is not None and (needs_of(cfg.moe_strategy).cpu_pool or cfg.cpu_dense == "pool"):
+    if cfg is not None and wants_pool(cfg):
         workers = cfg.moe_cpu_threads or max(1, usable - 1)
         threads = max(1, usable - workers)
     torch.set_num_threads(threads)

@@ -21,6 +21,7 @@ import torch
 from freetoken.checkpoint.base import Checkpoint
 from freetoken.cpu.host_memory import host_buffer
 from freetoken.errors import ConfigError
+from freetoken.moe.layer_kind import formats_in_words
 from freetoken.quant import QuantTensor, dequantize_as
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,7 @@ class ExpertLayout:
     @property
     def kind(self) -> str:
         """The formats in words, e.g. ``q8_0`` or ``gate/up q4_k, down q6_k``."""
-        gate, up, down = self.formats
-        if gate == up == down:
-            return gate
-        return f"gate/up {gate}, down {down}" if gate == up else "/".join(self.formats)
+        return formats_in_words(*self.formats)
 
     def quant(self, rows: torch.Tensor, proj: str) -> QuantTensor:
         """Projection ``proj`` of the experts in ``rows`` (n, row_bytes) uint8, or of one

@@ -196,6 +196,12 @@ def kind_words(kind: LayerKind) -> str:
         gate, up, down = opts["gate"], opts["up"], opts["down"]
     else:
         return kind.fmt
+    return formats_in_words(gate, up, down)
+
+
+def formats_in_words(gate: str, up: str, down: str) -> str:
+    """``q8_0`` when the three projections share a format, ``gate/up q4_k, down q6_k`` when
+    gate and up do, else ``gate/up/down``."""
     if gate == up == down:
         return gate
     return f"gate/up {gate}, down {down}" if gate == up else f"{gate}/{up}/{down}"

@@ -57,14 +57,20 @@ class MoEPlan:
         return out
 
 
+def wants_pool(cfg: EngineConfig) -> bool:
+    """Whether the flags may need the CPU pool: a strategy (or one ``auto`` may pick) computes
+    experts there, or ``--cpu-dense pool`` puts the dense matrices there."""
+    return needs_of(cfg.moe_strategy).cpu_pool or cfg.cpu_dense == "pool"
+
+
 def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
              kv_floor_bytes: int = 0) -> MoEPlan:
     """The plan for ``cfg`` on this machine. ``kv_floor_bytes``: KV memory the experts must
     leave free (``--kv-reserve-tokens``)."""
     mc = ckpt.config
     moe = [i for i, m in enumerate(mc.moe_layers) if m and mc.num_experts]
-    wants_pool = needs_of(cfg.moe_strategy).cpu_pool or cfg.cpu_dense == "pool"
-    threads = len(plan_cores(usable_cores(), cfg.moe_cpu_threads or None)) if wants_pool else 0
+    threads = len(plan_cores(usable_cores(), cfg.moe_cpu_threads or None)) if wants_pool(cfg) \
+        else 0
     if cfg.moe_strategy == AUTO:
         strategies = _auto_strategies(cfg, ckpt, device, threads, kv_floor_bytes)
     else:
@@ -99,15 +105,13 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
     if device.type != "cuda":
         name = "cpu" if cx.available() is None else "resident"
         return tuple(name if moe else "resident" for moe in mc.moe_layers)
-    size = getattr(torch, cfg.dtype).itemsize
-    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
-    layer_bytes = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
+    dense, layer_bytes = _device_bytes(cfg, ckpt)
     moe_bytes = layer_bytes * sum(mc.moe_layers)
     sizing = cfg.moe_cache
     cap = {"mem": sizing.value, "rate": sizing.value * moe_bytes,
            "size": sizing.value * layer_bytes / max(1, mc.num_experts)}.get(sizing.kind)
     free, total = torch.cuda.mem_get_info(device)
-    budget = resident_budget(int(free - dense * size - kv_floor_bytes - 0.05 * total),
+    budget = resident_budget(int(free - dense - kv_floor_bytes - 0.05 * total),
                              None if cap is None else int(cap), moe_bytes)
     profile = load_profile_or_empty()
 
@@ -116,6 +120,14 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
         return match.row.recommended if match.row is not None else None
 
     return plan_auto(kinds, mc.num_layers, layer_bytes, budget, recommend)
+
+
+def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:
+    """Device bytes of the dense weights and of one MoE layer's experts, resident, at the
+    compute dtype (weights are dequantised to it there)."""
+    mc, size = ckpt.config, getattr(torch, cfg.dtype).itemsize
+    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+    return dense * size, 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
 
 
 def resident_budget(free: int, cap: int | None, moe_bytes: int) -> int:
@@ -162,13 +174,11 @@ def _cache_budget(cfg: EngineConfig, ckpt: Checkpoint, strategies: tuple[str, ..
     mc = ckpt.config
     if device.type != "cuda":
         return int(max(1, (available_host_bytes() - expert_bytes(ckpt)) // 4 - kv_floor_bytes))
-    size = getattr(torch, cfg.dtype).itemsize
-    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+    dense, layer_bytes = _device_bytes(cfg, ckpt)
     resident = sum(1 for s, m in zip(strategies, mc.moe_layers, strict=True)
                    if m and s == "resident")
-    layer = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size
     free, total = torch.cuda.mem_get_info(device)
-    budget = free - (dense + resident * layer) * size - kv_floor_bytes - margin * total
+    budget = free - dense - resident * layer_bytes - kv_floor_bytes - margin * total
     return int(max(1, budget))
 
 

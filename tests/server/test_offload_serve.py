@@ -71,8 +71,12 @@ def test_hybrid_server_serves_concurrent_requests(tiny_gguf, tmp_path, monkeypat
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    # the split held fixed: moved online it follows measured times, and on --device cpu the
+    # pool's int8 activations give other bits than the slots' float path, so a loaded machine
+    # could flip a greedy token (the timing-dependent split is an open issue of the decode work)
     server = start_server(["--model", tiny_gguf, "--moe-strategy", "hybrid", "--moe-cache-size",
-                           "3", "--moe-cpu-threads", "1"], tmp_path / "hybrid.log")
+                           "3", "--moe-cpu-threads", "1", "--moe-hybrid-online", "off"],
+                          tmp_path / "hybrid.log")
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: _complete(server.url, p), PROMPTS))

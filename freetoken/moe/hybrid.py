@@ -199,6 +199,9 @@ class HybridExperts(OffloadExperts):
         self.executor.add_layer(self.shape.layer, gate, up, down,
                                 activation=self.shape.activation)
         self.policy = SplitPolicy(plan.fetch_fraction, plan.max_fetch, plan.online)
+        # reported from the start: a layer whose calls all stream (more experts than its
+        # cache holds) still shows its split
+        self._runtime().stats.set_fraction(self.shape.layer, self.policy.fraction)
 
     def _runtime(self) -> OffloadRuntime:
         if self.executor is None:

@@ -148,8 +148,16 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             slot = runtime[e["name"]]
             slot[0] += e["dur"]
             slot[1] += 1
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in gpu:
+        slot = kernels[e["name"][:90]]
+        slot[0] += e["dur"]
+        slot[1] += 1
     return {
         "gpu_span_us": span,
+        "gpu_busy_us": busy(gpu),
+        "kernels": {k: {"us_total": t, "calls": n, "share_of_busy": t / busy(gpu)}
+                    for k, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]},
         "gpu_busy_share": busy(gpu) / span,
         "busy_share_by_stream": {k: busy(v) / span for k, v in sorted(streams.items())},
         "runtime_calls": {k: {"us_total": t, "calls": n, "share_of_span": t / span}

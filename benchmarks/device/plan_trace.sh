@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# GPU machine: where decode time goes for offload and hybrid on the gemma4-26b-a4b geometry
-# (4 GB cache): host time per plan step, and a torch.profiler run (GPU busy share, CUDA
-# runtime calls; the trace gzipped). STRATEGIES and TOKENS vary it.
+# GPU machine: where decode time goes (4 GB cache): host time per plan step, and a
+# torch.profiler run (GPU busy time against the wall, the kernels that fill it, CUDA runtime
+# calls; the trace gzipped). PRESET (default gemma4-26b-a4b), LAYERS (default: the preset's),
+# ROUTER (default the skewed router "--router-skew 1 --router-locality 0.5"; "" for the
+# default one), STRATEGIES and TOKENS vary it.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/plan_trace.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
-M=/tmp/gemma4-26b-a4b.gguf
-[ -f $M ] || python3 -m freetoken.cli synth --preset gemma4-26b-a4b --device cuda \
-  --router-skew 1 --router-locality 0.5 --out $M 2>&1 | tail -1
+PRESET=${PRESET:-gemma4-26b-a4b}
+M=/tmp/$PRESET-${LAYERS:-all}.gguf
+[ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET ${LAYERS:+--layers $LAYERS} \
+  --device cuda ${ROUTER---router-skew 1 --router-locality 0.5} --out $M 2>&1 | tail -1
 for s in ${STRATEGIES:-offload hybrid}; do
   python3 benchmarks/plan_profile.py --model $M --strategy $s --tokens ${TOKENS:-24} --trace \
     --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" > "$OUT/trace_$s.log"
-  python3 - "$OUT/trace_$s.log" <<'PY'
+  python3 - "$OUT/trace_$s.log" ${TOKENS:-24} <<'PY'
 import json, sys
 text = open(sys.argv[1]).read()
 d = json.loads(text[text.index("{"):])
+n = int(sys.argv[2])
 print(d["params"]["strategy"], f"{d['tokens_per_s']:.1f} tok/s")
 for k, v in list(d["steps"].items())[:8]:
     print(f"  {k}: {v['us_per_call']:.0f} us x {v['calls']}")
-print(json.dumps(d.get("trace"), indent=1)[:2500])
+t = d.get("trace") or {}
+print(f"  GPU span {t.get('gpu_span_us', 0) / n:.0f} us/token, busy {t.get('gpu_busy_us', 0) / n:.0f}")
+for k, v in (t.get("kernels") or {}).items():
+    print(f"  {v['us_total'] / n:8.1f} us/token {v['calls'] / n:6.1f}/token  {k}")
+print(json.dumps(t.get("runtime_calls"), indent=1)[:1500])
 PY
 done

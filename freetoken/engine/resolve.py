@@ -11,7 +11,7 @@ import torch
 
 from freetoken.checkpoint import default_model_path
 from freetoken.config import KV_RESERVE_TOKENS, MOE_CPU_SPIN_US, CacheSizing, EngineConfig
-from freetoken.cpu.cores import usable_cores
+from freetoken.cpu.cores import core_plan, usable_cores
 from freetoken.errors import ConfigError
 from freetoken.moe.plan import wants_pool
 from freetoken.moe.registry import AUTO, needs_of
@@ -25,13 +25,10 @@ DEVICES = ("auto", "cpu", "cuda")
 def configure_threads(cfg: EngineConfig | None = None) -> int:
     """torch's intra-op threads: one per usable core (affinity mask and cgroup quota), less the
     cores the CPU expert pool takes when the strategy (or one ``auto`` may pick) needs it."""
-    usable = len(usable_cores())
-    threads = usable
-    if cfg is not None and wants_pool(cfg):
-        workers = cfg.moe_cpu_threads or max(1, usable - 1)
-        threads = max(1, usable - workers)
-    torch.set_num_threads(threads)
-    return threads
+    pool = cfg is not None and wants_pool(cfg)
+    plan = core_plan(usable_cores(), pool, (cfg.moe_cpu_threads or None) if cfg else None)
+    torch.set_num_threads(plan.torch_threads)
+    return plan.torch_threads
 
 
 def resolve_engine(args: Any) -> EngineConfig:

@@ -19,7 +19,7 @@ import torch
 from freetoken.checkpoint import Checkpoint
 from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig, human_bytes
 from freetoken.cpu import executor as cx
-from freetoken.cpu.cores import plan_cores, usable_cores
+from freetoken.cpu.cores import CorePlan, core_plan, usable_cores
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
@@ -37,13 +37,15 @@ class MoEPlan:
 
     ``layers``: one :class:`LayerPlan` per decoder layer (dense layers: resident).
     ``cache``: the expert cache flag with an ``auto`` budget resolved to bytes (None when no
-    layer keeps a device cache). ``pool_threads``: CPU pool workers (0: no pool).
+    layer keeps a device cache). ``pool_threads``: CPU pool workers (0: no pool); ``cores``:
+    where they and the engine's other threads run.
     """
 
     layers: tuple[LayerPlan, ...]
     cache: CacheSizing | None = None
     pool_threads: int = 0
     pool_spin_us: int = MOE_CPU_SPIN_US
+    cores: CorePlan | None = None
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -69,8 +71,8 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
     leave free (``--kv-reserve-tokens``)."""
     mc = ckpt.config
     moe = [i for i, m in enumerate(mc.moe_layers) if m and mc.num_experts]
-    threads = len(plan_cores(usable_cores(), cfg.moe_cpu_threads or None)) if wants_pool(cfg) \
-        else 0
+    cores = core_plan(usable_cores(), wants_pool(cfg), cfg.moe_cpu_threads or None)
+    threads = len(cores.workers)
     if cfg.moe_strategy == AUTO:
         strategies = _auto_strategies(cfg, ckpt, device, threads, kv_floor_bytes)
     else:
@@ -90,8 +92,13 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
                      budget / 1e9, cfg.kv_reserve_tokens)
             cache = CacheSizing.resolved(budget)
     pool = threads if needs.cpu_pool or cfg.cpu_dense == "pool" else 0
-    plan = MoEPlan(tuple(layers), cache, pool, cfg.moe_cpu_spin_us)
+    if not pool:
+        cores = core_plan(list(cores.usable), False)
+    elif cores.shrink_note():
+        log.warning("%s", cores.shrink_note())
+    plan = MoEPlan(tuple(layers), cache, pool, cfg.moe_cpu_spin_us, cores)
     _log(plan, moe)
+    log.info("%s", cores.line())
     return plan
 
 

@@ -132,9 +132,11 @@ def test_each_layer_finds_its_row(q8_gguf, tmp_path, monkeypatch, caplog):
                for m in layers)
     assert f"hybrid on 2 q8_0 layers at 25.0 % (row {key})" in caplog.text
     # the nearest thread count serves a server with another worker count
+    profile.unlink()
+    save_rows({key.replace(":t1", ":t4"): row}, profile)
     caplog.clear()
     with caplog.at_level("INFO"):
-        _, layers = _hybrid(q8_gguf, threads=4)
+        _, layers = _hybrid(q8_gguf)
     assert layers[0].policy.fraction == pytest.approx(0.25)
     assert "nearest thread count" in caplog.text
     # no row for the format: a cap of 1, with a warning naming the key

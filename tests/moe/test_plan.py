@@ -12,7 +12,7 @@ from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpu import executor as cx
-from freetoken.cpu.cores import plan_cores, usable_cores
+from freetoken.cpu.cores import core_plan, plan_cores, usable_cores
 from freetoken.moe.layer_kind import LayerKind
 from freetoken.moe.plan import MoEPlan, plan_auto, plan_moe, resident_budget
 from freetoken.moe.registry import STRATEGIES, needs_of
@@ -79,10 +79,13 @@ def test_hybrid_split_without_a_profile_row(q8_gguf, monkeypatch, tmp_path, capl
     with caplog.at_level("INFO"):
         plan = plan_moe(cfg, open_checkpoint(q8_gguf), torch.device("cpu"))
     assert plan.layers[0] == plan.layers[2] == LayerPlan("hybrid", None, cap, False, "")
-    assert plan.pool_threads == 2
+    want = len(core_plan(usable_cores(), True, 2).workers)  # 2, or what the cores allow
+    assert plan.pool_threads == want
     assert f"MoE plan: hybrid on 2 q8_0 layers at a fetch cap of {cap}" in caplog.text
-    assert "MoE plan: hybrid on layers 0, 2; expert cache --moe-cache-size 3; CPU pool 2 " \
-           "workers" in caplog.text
+    assert "MoE plan: hybrid on layers 0, 2; expert cache --moe-cache-size 3; CPU pool " \
+           f"{want} workers" in caplog.text
+    assert ("--moe-cpu-threads 2 would leave the engine thread no core" in caplog.text) == \
+        (want < 2)
 
 
 @needs_pool

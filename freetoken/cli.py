@@ -285,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not reuse the KV of shared prompt prefixes",
     )
+    h.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a step phase that lasts longer than S seconds (or an engine thread burning a "
+        "core while the CPU pool idles and steps crawl) logs one line naming the phase and "
+        "where the engine thread is, and shows in /health and /v1/stats; 0 turns it off",
+    )
     v.set_defaults(func=_serve)
 
     c = sub.add_parser(

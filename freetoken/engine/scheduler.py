@@ -18,6 +18,7 @@ import torch
 
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sample import SamplingParams, apply_penalties, generator, sample
+from freetoken.engine.watchdog import BETWEEN_STEPS, Watchdog
 from freetoken.kvcache.radix import PrefixCache
 from freetoken.layers.context import Segment
 
@@ -73,8 +74,10 @@ class StepTimes:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, max_running: int = 16,
-                 max_prefill_tokens: int = 2048, prefix_cache: bool = True) -> None:
+                 max_prefill_tokens: int = 2048, prefix_cache: bool = True,
+                 watchdog: Watchdog | None = None) -> None:
         self.runner = runner
+        self.watchdog = watchdog
         self.kv = runner.kv
         self.cache = PrefixCache(self.kv) if prefix_cache else None
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
@@ -114,8 +117,13 @@ class Scheduler:
     # -- one engine step ----------------------------------------------------------------------
     def step(self) -> list[Event]:
         t0 = time.perf_counter()
+        watch = self.watchdog
+        if watch is not None:
+            watch.step()
         self._admit()
         if not self.running:
+            if watch is not None:
+                watch.enter(BETWEEN_STEPS)
             return []
         batch, chunks, budget = [], [], self.max_prefill_tokens
         for seq in self.running:
@@ -130,8 +138,12 @@ class Scheduler:
                 chunks.append([seq.output[-1]])
             batch.append((seq, Segment(seq.pages, seq.computed, n)))
         t1 = time.perf_counter()
+        if watch is not None:
+            watch.enter("forward")
         logits = self.runner.forward(chunks, [s for _, s in batch])
         t2 = time.perf_counter()
+        if watch is not None:
+            watch.enter("sample")
         events = []
         for (seq, segment), row in zip(batch, logits, strict=True):
             seq.computed += segment.count
@@ -150,6 +162,8 @@ class Scheduler:
         tm.schedule_s += t1 - t0
         tm.forward_s += t2 - t1
         tm.sample_s += time.perf_counter() - t2
+        if watch is not None:
+            watch.enter(BETWEEN_STEPS)
         return events
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -199,6 +213,8 @@ class Scheduler:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "times": asdict(self.times),
         }
+        if self.watchdog is not None:
+            out["watchdog"] = self.watchdog.state
         if self.runner.offload is not None:
             out["moe"] = self.runner.offload.stats.snapshot()
         return out

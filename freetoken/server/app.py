@@ -81,6 +81,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def health() -> JSONResponse:
         if state.client.dead:
             return error_response(503, f"engine failed: {state.client.dead}", kind="server_error")
+        watch = state.client.stats.get("watchdog") or {}
+        if watch.get("stuck"):  # the engine lives but makes no progress: say where it is
+            return JSONResponse({"status": "stuck", "watchdog": watch}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

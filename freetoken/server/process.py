@@ -21,6 +21,7 @@ from typing import Any
 from freetoken.config import EngineConfig
 from freetoken.engine.sample import SamplingParams
 from freetoken.engine.scheduler import Event, Scheduler, Sequence
+from freetoken.engine.watchdog import IDLE, Watchdog
 from freetoken.server.stacks import StackResponder, dump_on_signal
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class ServeConfig:
     prefix_cache: bool = True
     stats_interval_s: float = 0.5
     log_interval_s: float = 10.0
+    watchdog_s: float = 60.0  # 0: no watchdog
 
 
 def decode_line(tokens_per_s: float, stats: dict[str, Any],
@@ -84,15 +86,25 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
     dump_on_signal()
     if stacks is not None:
         StackResponder(stacks, "engine process")
+    send_lock = threading.Lock()  # the engine thread and the watchdog's both send
+
+    def send(message: tuple[str, Any]) -> None:
+        with send_lock:
+            outbox.send(message)
+
     try:
         configure_threads(cfg.engine)
         runner = ModelRunner(cfg.engine, kv_tokens=cfg.kv_tokens, page_size=cfg.page_size,
                              progress=False)
-        sched = Scheduler(runner, cfg.max_running, cfg.max_prefill_tokens, cfg.prefix_cache)
+        watch = (Watchdog(cfg.watchdog_s, interval_s=min(1.0, cfg.watchdog_s / 2),
+                          on_change=lambda s: send(("watchdog", s)))
+                 if cfg.watchdog_s > 0 else None)
+        sched = Scheduler(runner, cfg.max_running, cfg.max_prefill_tokens, cfg.prefix_cache,
+                          watch)
     except Exception as e:  # the API process reports it and exits non-zero
         outbox.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    outbox.send(("ready", {"pid": os.getpid(),
+    send(("ready", {"pid": os.getpid(),
                            "kv_tokens": runner.kv.num_pages * runner.kv.page_size,
                            "max_len": runner.max_len, "load_s": runner.load_s}))
     last_stats = 0.0
@@ -102,8 +114,10 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
         # block only when idle: a busy engine drains the pipe without waiting
         if not sched.has_work():
             if not fresh:  # the stats as they ended, before waiting for more work
-                outbox.send(("events", ([], sched.stats())))
+                send(("events", ([], sched.stats())))
                 fresh = True
+            if watch is not None:
+                watch.enter(IDLE)
             inbox.poll(None)
         events: list[Event] = []
         while inbox.poll(0):
@@ -122,7 +136,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
         try:
             events += sched.step()
         except Exception:
-            outbox.send(("fatal", traceback.format_exc()))
+            send(("fatal", traceback.format_exc()))
             return
         now = time.monotonic()
         stats = None
@@ -134,7 +148,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
             log.info(decode_line(decoded / (now - last_log), current, logged))
             decoded, last_log, logged = 0, now, current
         if events or stats:
-            outbox.send(("events", (events, stats)))
+            send(("events", (events, stats)))
         fresh = stats is not None
 
 
@@ -193,6 +207,9 @@ class EngineClient:
                     if not self.closing:
                         self.loop.call_soon_threadsafe(self._die, str(payload))
                     return
+                if kind == "watchdog":  # between stats: the engine thread may be the one stuck
+                    self.loop.call_soon_threadsafe(self._watchdog, payload)
+                    continue
                 events, stats = payload
                 self.loop.call_soon_threadsafe(self._dispatch, events, stats)
             except RuntimeError:  # the event loop has closed: the server is shutting down
@@ -205,6 +222,9 @@ class EngineClient:
             q = self.queues.get(e.rid)
             if q is not None:
                 q.put_nowait(e)
+
+    def _watchdog(self, state: dict[str, Any]) -> None:
+        self.stats = {**self.stats, "watchdog": state}
 
     def _die(self, reason: str) -> None:
         self.dead = reason

@@ -40,7 +40,8 @@ def serve(args: argparse.Namespace) -> int:
     tokenizer = ckpt.tokenizer()
     cfg = ServeConfig(engine=engine, max_running=args.max_running_requests,
                       max_prefill_tokens=args.max_prefill_length, page_size=args.page_size,
-                      kv_tokens=args.kv_tokens, prefix_cache=not args.no_prefix_cache)
+                      kv_tokens=args.kv_tokens, prefix_cache=not args.no_prefix_cache,
+                      watchdog_s=args.watchdog_s)
     log.info("starting the engine process: max_running_requests=%d max_prefill_length=%d "
              "page_size=%d kv_tokens=%s prefix_cache=%s chat_template=%s",
              cfg.max_running, cfg.max_prefill_tokens, cfg.page_size, cfg.kv_tokens or "auto",

@@ -104,3 +104,25 @@ def test_an_idle_server_spends_almost_no_cpu(pool_server):
     time.sleep(10)
     spent = {k: _cpu_seconds(p) - start[k] for k, p in pids.items()}
     assert all(s < 0.2 for s in spent.values()), spent
+
+
+def test_a_step_longer_than_the_watchdog_time_is_logged_with_its_phase(tmp_path):
+    """The embedded model prefilling a long prompt in one step (about a second on two cores)
+    against a 0.2 s watchdog: one warning naming the phase and the engine thread's frame in
+    the package, the end of the episode logged, and /health and /v1/stats healthy after."""
+    server = start_server(["--max-seq-len", "1024", "--max-prefill-length", "1024",
+                           "--kv-tokens", "2048", "--watchdog-s", "0.2"], tmp_path / "wd.log")
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "prompt": "one two three four " * 220, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 800
+        time.sleep(1.0)  # a stats interval
+        watch = httpx.get(f"{server.url}/v1/stats").json()["engine"]["watchdog"]
+        assert watch["stuck"] is False
+        assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    finally:
+        server.stop()
+    log = (tmp_path / "wd.log").read_text()
+    line = next(ln for ln in log.splitlines() if "engine watchdog: no progress" in ln)
+    assert "in phase 'forward' at " in line and ".py:" in line
+    assert "progress again" in log

@@ -1,0 +1,152 @@
+"""The interface every family's output parser implements, and the emitting it shares.
+
+A parser turns the text of one generated output into events. It is fed detokenized deltas in
+order (``feed``) and told when the output ended (``finish``); it keeps back only text that could
+still be the start of markup, so what it emits never has to be taken back. One parser serves one
+output and is used from one thread.
+
+Families mark up the same three things differently (reasoning, answer, tool calls), so a
+subclass is only a state machine over its markers; trimming, tool-call ids and indices, the
+malformed-call rule and priming from the prompt live here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from .events import ContentDelta, Event, ReasoningDelta, ToolCall
+from .scan import find_marker
+
+
+def new_call_id() -> str:
+    """A tool-call id unique enough to match a later tool result to its call."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class _Trim:
+    """Whitespace at the edges of a region is markup's, not the model's.
+
+    ``<think>\\nabc\\n</think>\\n\\nAnswer`` is reasoning ``abc`` and content ``Answer``: each
+    segment loses its leading whitespace, and trailing whitespace waits until more text of the
+    same kind shows it was inside the text rather than at its end.
+    """
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.lead = True
+        self.pending = ""
+
+    def begin(self) -> None:
+        self.lead = True
+
+    def put(self, text: str) -> str:
+        if not self.on:
+            return text
+        if self.lead:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.lead = False
+        body = text.rstrip()
+        if not body:
+            self.pending += text
+            return ""
+        out, self.pending = self.pending + body, text[len(body):]
+        return out
+
+
+class OutputParser(ABC):
+    """Streaming parser of one output. Subclasses set ``name`` and ``anchor`` and implement
+    ``_step``; everything else is shared.
+
+    ``tools=False`` (a request without tools) leaves tool-call markup in the content as text.
+    ``new_id`` makes the ids of tool calls (tests pass a counter).
+    """
+
+    name: ClassVar[str]
+    # Where the assistant's turn begins in a rendered prompt; ``prime`` reads what the template
+    # wrote after it (an opened ``<think>``, an empty thought channel) to start in the right state.
+    anchor: ClassVar[str | None] = None
+    # Whether region edges are trimmed (see ``_Trim``); the passthrough parser keeps every byte.
+    trims: ClassVar[bool] = True
+
+    def __init__(self, *, tools: bool = True, new_id: Callable[[], str] = new_call_id) -> None:
+        self.buf = ""
+        self.tools = tools
+        self.new_id = new_id
+        self.malformed_tool_call = False
+        self._out: list[Event] = []
+        self._calls = 0
+        self._trim = {ReasoningDelta: _Trim(self.trims), ContentDelta: _Trim(self.trims)}
+        self._finished = False
+
+    def prime(self, prompt: str) -> None:
+        """Read the tail of the rendered prompt after the last ``anchor`` as if generated, and
+        drop what it emits: generation continues from the state the template left open."""
+        at = prompt.rfind(self.anchor) if self.anchor else -1
+        if at >= 0:
+            self.feed(prompt[at + len(self.anchor or ""):])
+            self._out.clear()
+
+    def feed(self, delta: str) -> list[Event]:
+        """Events that ``delta`` completes (possibly none)."""
+        if self._finished:
+            raise RuntimeError(f"{self.name} parser fed after finish()")
+        self.buf += delta
+        self._step(final=False)
+        return self._take()
+
+    def finish(self) -> list[Event]:
+        """The output ended: flush held-back text; an unclosed tool call is parsed as it is."""
+        if not self._finished:
+            self._step(final=True)
+            self._finished = True
+        return self._take()
+
+    @abstractmethod
+    def _step(self, final: bool) -> None:
+        """Consume ``self.buf`` as far as it is decided (all of it when ``final``)."""
+
+    def _take(self) -> list[Event]:
+        out, self._out = self._out, []
+        return out
+
+    def _text(self, kind: type[ReasoningDelta] | type[ContentDelta], text: str) -> None:
+        text = self._trim[kind].put(text)
+        if text:
+            self._out.append(kind(text))
+
+    def _begin(self, kind: type[ReasoningDelta] | type[ContentDelta]) -> None:
+        """A new segment of ``kind`` starts after markup: its leading whitespace is dropped."""
+        self._trim[kind].begin()
+
+    def _calls_or_text(self, raw: str, calls: Sequence[tuple[str, str]] | None) -> None:
+        """A finished tool-call region: ``calls`` as ``(name, arguments JSON)`` when its body
+        parsed, ``None`` when it did not; ``raw`` is the region's text with its markup."""
+        if calls is None or not self.tools:
+            if calls is None:
+                self.malformed_tool_call = True
+            self._begin(ContentDelta)
+            self._text(ContentDelta, raw)
+            self._begin(ContentDelta)
+            return
+        for name, arguments in calls:
+            self._out.append(ToolCall(self._calls, self.new_id(), name, arguments))
+            self._calls += 1
+
+    def _plain_step(self, kind: type[ReasoningDelta] | type[ContentDelta], markers: Sequence[str],
+                    final: bool) -> str | None:
+        """Emit text of ``kind`` up to the next marker and consume it; return the marker, or None
+        when the buffer holds no complete one (its decided text emitted, a partial tail kept)."""
+        i, marker = find_marker(self.buf, markers)
+        if marker is None:
+            i = len(self.buf) if final else i
+            self._text(kind, self.buf[:i])
+            self.buf = self.buf[i:]
+            return None
+        self._text(kind, self.buf[:i])
+        self.buf = self.buf[i + len(marker):]
+        return marker

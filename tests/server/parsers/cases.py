@@ -96,6 +96,10 @@ CASES = [
          "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{'a': 1}<|call|>",
          "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{'a': 1}<|call|>",
          malformed=True),
+    Case("harmony-text-without-header", "gpt_oss", "No channel <b>at all</b>.",
+         "No channel <b>at all</b>."),
+    Case("harmony-header-never-closes", "gpt_oss", "<|channel|>final " + "x" * 300,
+         "<|channel|>final " + "x" * 300),
     Case("gemma4-thought-call", "gemma4",
          "<|channel>thought\nNeed the weather.<channel|>"
          f"<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3}}<tool_call|><|tool_response>",

@@ -144,6 +144,14 @@ FT_API int ft_executor_threads(void* ex) { return ((ft::Executor*)ex)->threads()
 
 FT_API int ft_executor_isa(void* ex) { return ((ft::Executor*)ex)->isa(); }
 
+// int64s per worker that ft_worker_states writes (state, phase, ns in that state, jobs, items).
+FT_API int ft_worker_fields() { return ft::Pool::kWorkerFields; }
+
+// What each worker is doing: ft_worker_fields() int64s per worker, threads() workers.
+FT_API void ft_worker_states(void* ex, int64_t* out) {
+  ((ft::Executor*)ex)->worker_states(out);
+}
+
 // Returns 0, or -1 with the reason in err.
 FT_API int ft_add_layer(void* ex, int layer, int E, int H, int I, int activation,
                         const ProjDesc* gate, const ProjDesc* up, const ProjDesc* down,

@@ -153,6 +153,8 @@ class Executor {
   int64_t wait(int64_t handle, int64_t* ns = nullptr, int64_t* timing = nullptr);
   // Time every item of later jobs (see TimingField); a profiling aid, off by default.
   void set_timing(bool on) { pool_.set_timing(on); }
+  // Pool::kWorkerFields int64s per worker (Pool::worker_states).
+  void worker_states(int64_t* out) const { pool_.worker_states(out); }
   // Whether the thread in wait() runs items of its job too (the default) or only blocks.
   void set_join(bool on) { join_ = on; }
   // The phase-2 split of later jobs (DownSplit); false for a value that is none.

@@ -48,9 +48,13 @@ int64_t now_ns() {
       .count();
 }
 
-// Wait until pred(w.v) holds: spin for at most spin_ns, then sleep on the futex.
-template <class Pred>
-void await(Word& w, Pred pred, int64_t spin_ns) {
+// Wait until pred(w.v) holds: spin for at most spin_ns, then sleep on the futex. A worker's
+// `asleep` callback (when given) is called once, as it goes to sleep.
+struct NoNote {
+  void operator()() const {}
+};
+template <class Pred, class Note = NoNote>
+void await(Word& w, Pred pred, int64_t spin_ns, Note asleep = Note()) {
   if (pred(w.v.load(std::memory_order_acquire))) return;
   if (spin_ns > 0) {
     int64_t deadline = now_ns() + spin_ns;
@@ -60,9 +64,11 @@ void await(Word& w, Pred pred, int64_t spin_ns) {
       if ((i & 63) == 0 && now_ns() > deadline) break;
     }
   }
+  bool noted = false;
   for (;;) {
     uint32_t v = w.v.load();
     if (pred(v)) return;
+    if (!noted) asleep(), noted = true;
     w.sleepers.fetch_add(1);
     v = w.v.load();
     if (!pred(v)) futex_wait(&w.v, v);
@@ -82,6 +88,7 @@ Pool::Pool(const std::vector<int>& cores, int spin_us)
       barrier_spin_ns_(spin_ns_ > kBarrierSpinNs ? spin_ns_ : kBarrierSpinNs),
       wait_spin_ns_(spin_ns_ > kWaitSpinNs || spin_ns_ == 0 ? spin_ns_ : kWaitSpinNs) {
   for (Slot& s : slots_) s.exited.v.store((uint32_t)cores.size());
+  info_ = std::vector<WorkerInfo>(cores.size());
   for (int i = 0; i < kSlots; ++i) free_[i] = i;
   free_size_ = kSlots;
   free_count_.v.store(kSlots);
@@ -178,7 +185,21 @@ void Pool::release(int slot) {
   wake(free_count_);
 }
 
+void Pool::worker_states(int64_t* out) const {
+  int64_t now = now_ns();
+  for (size_t i = 0; i < info_.size(); ++i) {
+    const WorkerInfo& w = info_[i];
+    int64_t* o = out + i * kWorkerFields;
+    o[kWfState] = w.state.load(std::memory_order_relaxed);
+    o[kWfPhase] = w.phase.load(std::memory_order_relaxed);
+    o[kWfForNs] = now - w.since_ns.load(std::memory_order_relaxed);
+    o[kWfJobs] = w.jobs.load(std::memory_order_relaxed);
+    o[kWfItems] = w.items.load(std::memory_order_relaxed);
+  }
+}
+
 void Pool::run(Slot& s, int worker) {
+  WorkerInfo* me = worker >= 0 ? &info_[worker] : nullptr;  // callers of wait() are not tracked
   int first = -1, last = -1;
   for (int p = 0; p < s.phases; ++p)
     if (s.count[p] > 0) last = p, first = first < 0 ? p : first;
@@ -186,6 +207,7 @@ void Pool::run(Slot& s, int worker) {
   for (int p = 0; p <= last; ++p) {
     int64_t count = s.count[p];
     if (count == 0) continue;
+    if (me) me->phase.store(p, std::memory_order_relaxed);
     for (;;) {
       int64_t item = s.next[p].fetch_add(1, std::memory_order_relaxed);
       if (item >= count) break;
@@ -193,6 +215,7 @@ void Pool::run(Slot& s, int worker) {
       if (item == 0 && p == first) s.start_ns = t0;
       s.fn(s.ctx, p, item, worker);
       if (timed) s.busy_ns[p].fetch_add(now_ns() - t0, std::memory_order_relaxed);
+      if (me) me->items.fetch_add(1, std::memory_order_relaxed);
       if ((int64_t)s.done[p].v.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
         s.end_ns[p].store(now_ns(), std::memory_order_relaxed);
         if (p == last) {
@@ -203,8 +226,12 @@ void Pool::run(Slot& s, int worker) {
         }
       }
     }
-    if (p != last && !(s.overlap >> p & 1))
-      await(s.done[p], [count](uint32_t v) { return (int64_t)v == count; }, barrier_spin_ns_);
+    if (p != last && !(s.overlap >> p & 1)) {
+      if (me) me->set(kBarrierSpin, now_ns());
+      await(s.done[p], [count](uint32_t v) { return (int64_t)v == count; }, barrier_spin_ns_,
+            [me] { if (me) me->set(kBarrierSleep, now_ns()); });
+      if (me) me->state.store(kRunning, std::memory_order_relaxed);
+    }
   }
 }
 
@@ -219,10 +246,18 @@ void Pool::worker_main(int index, int core) {
   std::snprintf(name, sizeof name, "ft-moe-%d", index);
   pthread_setname_np(pthread_self(), name);
   uint32_t mine = 0;  // the ticket this worker runs next (mod 2^32)
+  WorkerInfo& me = info_[index];
   for (;;) {
-    await(submitted_, [this, mine](uint32_t v) { return v != mine || stop_.load(); }, spin_ns_);
-    if (stop_.load()) return;
+    me.set(kWaitingSpin, now_ns());
+    await(submitted_, [this, mine](uint32_t v) { return v != mine || stop_.load(); }, spin_ns_,
+          [&me] { me.set(kWaitingSleep, now_ns()); });
+    if (stop_.load()) {
+      me.set(kStopped, now_ns());
+      return;
+    }
     Slot& s = slots_[queue_[mine % kQueue]];
+    me.set(kRunning, now_ns());
+    me.jobs.fetch_add(1, std::memory_order_relaxed);
     run(s, index);
     s.exited.v.fetch_add(1);
     wake(s.exited);

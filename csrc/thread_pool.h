@@ -70,6 +70,20 @@ class Pool {
   void release(int slot);
   void debug();
 
+  // What each worker is doing, for a stack dump of a stuck engine: kWorkerFields int64s per
+  // worker (WorkerField order). Read with relaxed loads while the workers run: each field is
+  // exact, a worker's fields together are a snapshot only to within one item.
+  enum WorkerState : int64_t {
+    kWaitingSpin = 0,   // no job: spinning for the next one
+    kWaitingSleep = 1,  // no job: asleep on the futex
+    kRunning = 2,       // running items of a job
+    kBarrierSpin = 3,   // between phases of a job: spinning for the others
+    kBarrierSleep = 4,  // between phases: asleep
+    kStopped = 5,
+  };
+  enum WorkerField : int { kWfState = 0, kWfPhase, kWfForNs, kWfJobs, kWfItems, kWorkerFields };
+  void worker_states(int64_t* out) const;
+
  private:
   struct alignas(64) Slot {
     Word state;  // kFree, kReady, kDone
@@ -90,10 +104,19 @@ class Pool {
   // after every worker has left its job, since at most kSlots jobs are unfinished at a time.
   static constexpr int kQueue = 2 * kSlots;
 
+  struct alignas(64) WorkerInfo {  // one cache line per worker: no false sharing
+    std::atomic<int64_t> state{kWaitingSpin}, phase{-1}, since_ns{0}, jobs{0}, items{0};
+    void set(WorkerState st, int64_t now) {
+      state.store(st, std::memory_order_relaxed);
+      since_ns.store(now, std::memory_order_relaxed);
+    }
+  };
+
   void worker_main(int index, int core);
   void run(Slot& s, int worker);
 
   std::vector<Slot> slots_;
+  std::vector<WorkerInfo> info_;  // one per worker, made before the workers start
   std::vector<std::thread> workers_;
   std::mutex mu_;             // guards the free ring, queue_ writes and next_ticket_
   int free_[kSlots] = {};     // free slots, a ring: free_head_ is the one free the longest

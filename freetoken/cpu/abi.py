@@ -16,13 +16,17 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 1  # csrc/common.h ABI_VERSION
+ABI_VERSION = 2  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32")
 # What experts are kept in: f32 and f16 experts are kept as bf16; f32 is for dense routers.
 EXPERT_FORMATS = FORMATS[:-1]
 ACT_KINDS = ("f32", "q8", "bf16")  # how a kernel reads activations
 TIMING_FIELDS = 10  # int64s of a job's timing record (csrc TimingField)
+# A pool worker's record (csrc/thread_pool.h WorkerField) and its states by number.
+WORKER_FIELDS = ("state", "phase", "for_ns", "jobs", "items")
+WORKER_STATES = ("waiting (spinning)", "waiting (asleep)", "running a job",
+                 "between phases (spinning)", "between phases (asleep)", "stopped")
 
 
 class ProjDesc(c.Structure):
@@ -75,6 +79,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_act_name": (c.c_char_p, [c.c_int]),
     "ft_struct_size": (c.c_int64, [c.c_char_p]),
     "ft_timing_fields": (c.c_int, []),
+    "ft_worker_fields": (c.c_int, []),
 }
 
 
@@ -113,4 +118,7 @@ def mismatches(lib: c.CDLL) -> list[str]:
     fields = lib.ft_timing_fields()
     if fields != TIMING_FIELDS:
         out.append(f"its timing record has {fields} fields; ours {TIMING_FIELDS}")
+    fields = lib.ft_worker_fields()
+    if fields != len(WORKER_FIELDS):
+        out.append(f"its worker record has {fields} fields; ours {len(WORKER_FIELDS)}")
     return out

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from freetoken.config import MOE_CPU_SPIN_US
-from freetoken.cpu.abi import ACT_KINDS, EXPERT_FORMATS, FORMATS, ISAS  # noqa: F401
+from freetoken.cpu.abi import (  # noqa: F401
+    ACT_KINDS,
+    EXPERT_FORMATS,
+    FORMATS,
+    ISAS,
+    WORKER_FIELDS,
+    WORKER_STATES,
+)
 from freetoken.cpu.cores import describe_cores, plan_cores, usable_cores
 from freetoken.cpu.expert_stack import ExpertStack
 from freetoken.cpu.host_memory import HUGE_PAGE, host_buffer, to_host_bank  # noqa: F401
@@ -360,6 +367,28 @@ class CpuMoeExecutor:
                 self._handle, buf.data_ptr(), buf.numel() * buf.element_size(), reps
             )
         )
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        """What each worker is doing now (read without stopping them): its core, state, the
+        phase of its job, how long it has been in that state, jobs and items it has run."""
+        n = len(WORKER_FIELDS)
+        buf = (ctypes.c_int64 * (n * self.threads))()
+        self._lib.ft_worker_states(self._handle, buf)
+        out = []
+        for i in range(self.threads):
+            rec = dict(zip(WORKER_FIELDS, buf[i * n:(i + 1) * n], strict=True))
+            out.append({"worker": i, "core": self.cores[i], "state": WORKER_STATES[rec["state"]],
+                        "phase": rec["phase"], "for_ms": rec["for_ns"] / 1e6,
+                        "jobs": rec["jobs"], "items": rec["items"]})
+        return out
+
+    def describe_workers(self) -> str:
+        """:meth:`worker_states` as lines for a stack dump."""
+        return "\n".join(
+            f"--- pool worker ft-moe-{w['worker']} (core {w['core']}): {w['state']} for "
+            f"{w['for_ms']:.1f} ms" + (f", phase {w['phase']}" if w["state"] == "running a job"
+                                       else "") + f"; {w['jobs']} jobs, {w['items']} items"
+            for w in self.worker_states())
 
     def ready_line(self, top_k: int) -> str:
         infos = list(self.layers.values())

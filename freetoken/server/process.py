@@ -84,8 +84,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
     dump_on_signal()
-    if stacks is not None:
-        StackResponder(stacks, "engine process")
+    responder = StackResponder(stacks, "engine process") if stacks is not None else None
     send_lock = threading.Lock()  # the engine thread and the watchdog's both send
 
     def send(message: tuple[str, Any]) -> None:
@@ -101,6 +100,8 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
                  if cfg.watchdog_s > 0 else None)
         sched = Scheduler(runner, cfg.max_running, cfg.max_prefill_tokens, cfg.prefix_cache,
                           watch)
+        if responder is not None and runner.pool is not None:
+            responder.native = runner.pool.describe_workers
     except Exception as e:  # the API process reports it and exits non-zero
         outbox.send(("fatal", f"{type(e).__name__}: {e}"))
         return

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 
@@ -35,16 +36,21 @@ def dump_on_signal() -> None:
 
 
 class StackResponder:
-    """A daemon thread that answers each request on ``conn`` with :func:`thread_stacks`."""
+    """A daemon thread that answers each request on ``conn`` with :func:`thread_stacks`, and
+    with what ``native`` says (the CPU pool's workers, which have no Python stack) once set."""
 
     def __init__(self, conn: Connection, process: str) -> None:
         self.conn, self.process = conn, process
+        self.native: Callable[[], str] | None = None
         threading.Thread(target=self._serve, name="stack-responder", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
             try:
                 self.conn.recv()  # blocks until asked
-                self.conn.send(thread_stacks(self.process))
+                text = thread_stacks(self.process)
+                if self.native is not None:
+                    text += "\n" + self.native()
+                self.conn.send(text)
             except (EOFError, OSError):
                 return

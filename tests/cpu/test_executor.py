@@ -219,3 +219,28 @@ def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_p
         assert "was not built" in (cx.available() or "")
     finally:
         cx.native.cache_clear()
+
+
+def test_worker_states_say_what_each_worker_is_doing() -> None:
+    """A slow job seen from outside while it runs (a worker 'running a job'), then every worker
+    waiting, asleep with no spin, having run each job once."""
+    bank = make_bank("bf16", 512, 512)
+    ex = cx.CpuMoeExecutor(threads=1, isa="scalar", spin_us=0)
+    ex.add_layer(0, *stacks(bank))
+    x, ids, w = torch.randn(16, 512), torch.arange(E).repeat(16, 1), torch.rand(16, E)
+    time.sleep(0.05)  # the worker's start
+    assert [s["state"] for s in ex.worker_states()] == ["waiting (asleep)"]
+    fut = ex.submit(x, ids, w, 0)
+    seen = set()
+    deadline = time.monotonic() + 5
+    while "running a job" not in seen and time.monotonic() < deadline:
+        seen |= {s["state"] for s in ex.worker_states()}
+    fut.wait()
+    ex.run(x[:1], ids[:1], w[:1], 0)
+    assert "running a job" in seen
+    time.sleep(0.05)
+    states = ex.worker_states()
+    assert [(s["state"], s["jobs"], s["core"]) for s in states] == \
+        [("waiting (asleep)", 2, ex.cores[0])]
+    assert states[0]["items"] > 0 and states[0]["for_ms"] >= 0
+    assert "pool worker ft-moe-0" in ex.describe_workers()

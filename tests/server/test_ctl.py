@@ -69,6 +69,9 @@ def test_ctl_stacks_shows_both_processes(pool_server):
     assert "API process (pid" in api and "--- thread MainThread" in api
     assert "engine-reader" in api  # the thread that routes the engine's events
     assert "in engine_main" in engine and "--- thread stack-responder" in engine
+    # the CPU pool's worker (no Python stack): its state from the library, waiting when idle
+    worker = next(ln for ln in engine.splitlines() if ln.startswith("--- pool worker ft-moe-0"))
+    assert "waiting" in worker and " jobs, " in worker
 
 
 def test_ctl_without_a_server_is_a_one_line_error():

@@ -37,11 +37,13 @@ class _WiderStep(ctypes.Structure):
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("ABI_VERSION", abi.ABI_VERSION + 1, "its ABI version is 1, this package's is 2"),
+    ("ABI_VERSION", abi.ABI_VERSION + 1,
+     f"its ABI version is {abi.ABI_VERSION}, this package's is {abi.ABI_VERSION + 1}"),
     ("FORMATS", ("q8_0", "bf16", *abi.FORMATS[2:]), "its formats are bf16, q8_0"),
     ("ISAS", abi.ISAS[:-1], "its ISA tiers are scalar, avx2, avx512, avx512_vnni, avx512_bf16"),
     ("ACT_KINDS", ("q8", "f32", "bf16"), "its activation kinds are f32, q8, bf16"),
     ("TIMING_FIELDS", abi.TIMING_FIELDS + 1, "its timing record has 10 fields; ours 11"),
+    ("WORKER_FIELDS", (*abi.WORKER_FIELDS, "extra"), "its worker record has 5 fields; ours 6"),
 ])
 def test_each_mismatch_is_named(lib, monkeypatch, name, value, message) -> None:
     monkeypatch.setattr(abi, name, value)

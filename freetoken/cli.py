@@ -106,7 +106,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "the compute dtype, or in their checkpoint format on the CPU MoE pool's kernels "
         "(pool: fewer bytes per token and every pool core; activations rounded to int8/bf16 "
         "as the expert kernels do; MoE routers stay float32 on the pool). auto: pool with "
-        "--moe-strategy cpu, else torch",
+        "--moe-strategy auto or cpu, or a dense model, where the CPU library loads; else "
+        "torch",
     )
     g.add_argument(
         "--cuda-graph-max-bs",

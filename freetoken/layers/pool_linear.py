@@ -92,6 +92,7 @@ class PoolLinear(nn.Module):
         self.weight_q: QuantTensor | None = None
         self._id: int | None = None
         self.group: InputGroup | None = None
+        self.ties: str | None = None  # the checkpoint tensor it shares (a tied head)
 
     def load_weight_tensor(self, qt: QuantTensor) -> None:
         """Keep the checkpoint tensor (a view of the file) until the first forward, which puts
@@ -130,11 +131,14 @@ class PoolLinear(nn.Module):
 
 
 def use_pool_linears(model: nn.Module, pool: CpuMoeExecutor) -> int:
-    """Swap the model's dense ``Linear`` layers for :class:`PoolLinear` on ``pool``, except a
-    head tied to the embedding, and group siblings that read one input (:data:`INPUT_GROUPS`).
-    Routers (``mlp.gate``) stay float32 (``exact``): top-k choices stay as exact as the resident
-    path's, and the pool reads their megabyte in a fraction of the engine thread's time.
-    Returns how many were swapped; call before loading the weights."""
+    """Swap the model's dense ``Linear`` layers for :class:`PoolLinear` on ``pool`` and group
+    siblings that read one input (:data:`INPUT_GROUPS`). A head tied to the embedding becomes
+    one too, filled from the embedding's checkpoint tensor in its format (``ties``): the
+    embedding keeps its own rows for the lookup, and a decode step reads the head's bytes, not
+    a float32 copy four times their size (the largest matrix of a small model with a large
+    vocabulary). Routers (``mlp.gate``) stay float32 (``exact``): top-k choices stay as exact
+    as the resident path's, and the pool reads their megabyte in a fraction of the engine
+    thread's time. Returns how many were swapped; call before loading the weights."""
     from freetoken.layers.linear import Linear
 
     swapped = 0
@@ -142,12 +146,13 @@ def use_pool_linears(model: nn.Module, pool: CpuMoeExecutor) -> int:
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue
-        if name == "lm_head" and tied:
-            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_f, in_f = module.weight.shape
-        setattr(parent, attr, PoolLinear(in_f, out_f, pool, exact=name.endswith("mlp.gate")))
+        swap = PoolLinear(in_f, out_f, pool, exact=name.endswith("mlp.gate"))
+        if name == "lm_head" and tied:
+            swap.ties = "model.embed_tokens.weight"
+        setattr(parent, attr, swap)
         swapped += 1
     for module in model.modules():
         for names in INPUT_GROUPS:

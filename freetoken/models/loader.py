@@ -20,9 +20,10 @@ from freetoken.quant import QuantTensor, get_format
 
 log = logging.getLogger(__name__)
 
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.gate_up_proj$")
-_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)$")
+# experts sit under the MLP (``...mlp.experts``) or beside it (Gemma-4: ``...layers.N.experts``)
+_PER_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"(.*\.experts)\.gate_up_proj$")
+_STACKED = re.compile(r"(.*\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)$")
 
 
 def load_weights(
@@ -38,6 +39,8 @@ def load_weights(
     # Dense layers that multiply their weight in its own format (PoolLinear) take it as is.
     dense = {f"{n}.weight": m for n, m in model.named_modules()
              if hasattr(m, "load_weight_tensor")}
+    # ... and one that shares another tensor (a tied head) takes that tensor as well.
+    sharing = {m.ties: m for m in dense.values() if getattr(m, "ties", None)}
     names = ckpt.tensor_names()
     bar = tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress,
                leave=False)
@@ -45,6 +48,8 @@ def load_weights(
         bar.update(1)
         if hooks and _hand_over(hooks, name, qt):
             continue
+        if name in sharing:
+            sharing[name].load_weight_tensor(qt)
         if name in dense:
             dense[name].load_weight_tensor(qt)
             continue

@@ -23,6 +23,10 @@ def test_default_model_streams_llamacpps_text():
     # 16 of the 32 reference tokens: the stdout text is a prefix of llama.cpp's 32-token text
     assert want.startswith(r.stdout.rstrip("\n")) and len(r.stdout) > len(case["prompt"]) + 10
     assert "16 output tokens" in r.stderr and "tokens/s" in r.stderr
+    from freetoken.cpu.library import available
+
+    if available() is None:  # the README's command runs the dense layers on the CPU pool
+        assert "cpu_dense=pool" in r.stderr and "core plan:" in r.stderr
 
 
 def test_bad_flag_values_are_one_line_errors():

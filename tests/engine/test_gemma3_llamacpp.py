@@ -30,16 +30,28 @@ CLEAR_STEP = 0.5
 CLEAR_CASES = [c for c in CASES if min(c["margins"]) >= CLEAR_RUN]
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["torch", "pool"])
+def engine(request):
+    """The dense layers in torch at float32, and in the file's formats on the CPU pool (what
+    ``ft generate --device cpu`` runs: the head tied to the embedding reads its q8_0 bytes)."""
     from freetoken.checkpoint import default_model_path
     from freetoken.config import EngineConfig
+    from freetoken.cpu.library import available
     from freetoken.engine.engine import Engine
 
+    if request.param == "pool" and available() is not None:
+        pytest.skip(str(available()))
     path = default_model_path()
     assert path.name == REFERENCE["model"]
-    return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
-                               moe_strategy="resident", max_seq_len=512), progress=False)
+    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                 moe_strategy="cpu" if request.param == "pool" else "resident",
+                                 max_seq_len=512, cpu_dense=request.param), progress=False)
+    if request.param == "pool":
+        from freetoken.layers.pool_linear import PoolLinear
+
+        head = engine.model.lm_head
+        assert isinstance(head, PoolLinear) and head.ties == "model.embed_tokens.weight"
+    return engine
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["prompt"][:20] for c in CASES])

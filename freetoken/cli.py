@@ -239,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser(
         "serve",
         formatter_class=_Help,
-        help="serve the model over an OpenAI-compatible HTTP API",
+        help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs",
         description="Load the model in an engine process and serve "
-        "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics "
+        "/v1/chat/completions, /v1/completions (OpenAI), /v1/messages, "
+        "/v1/messages/count_tokens (Anthropic), /v1/models, /health, /metrics "
         "and /v1/stats.",
     )
     add_engine_args(v)
@@ -271,6 +272,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="requests in flight beyond which new ones get 503",
+    )
+    h.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this key on every endpoint but /health, sent as 'Authorization: Bearer "
+        "KEY' or 'x-api-key: KEY'; a missing or wrong key gets 401 (repeat for several keys)",
+    )
+    h.add_argument(
+        "--api-key-file",
+        action="append",
+        metavar="FILE",
+        help="as --api-key, one key a line ('#' lines skipped); may be repeated",
+    )
+    h.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, requests in flight get S seconds to finish; then each still "
+        "running ends with a 503 (or an error event, if streaming) and the server exits",
     )
     h.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens")
     h.add_argument(

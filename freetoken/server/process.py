@@ -11,6 +11,7 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 import traceback
@@ -83,6 +84,10 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
+    # the API process owns shutdown (it drains requests first, then sends "shutdown"); a
+    # Ctrl-C or a SIGTERM to the whole process group must not kill the engine under it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dump_on_signal()
     responder = StackResponder(stacks, "engine process") if stacks is not None else None
     send_lock = threading.Lock()  # the engine thread and the watchdog's both send

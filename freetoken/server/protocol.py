@@ -1,10 +1,17 @@
-"""Request and response bodies of the OpenAI API subset we serve (pydantic models)."""
+"""Request bodies of the OpenAI API subset we serve (pydantic models).
+
+Unknown fields are ignored, as OpenAI-compatible servers do; fields we know but do not serve
+are refused by ``unserved`` with a 400 that names them.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from freetoken.server.errors import APIError
 
 
 class SamplingFields(BaseModel):
@@ -26,27 +33,119 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: dict[str, bool] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def unserved(self) -> None:
+        """A 400 naming the first field asked for that this server does not serve."""
+        if self.n != 1:
+            raise APIError(400, "n > 1 is not supported; send n requests", "n")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "logit_bias")
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, object]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
         return self.content or ""
 
+    def for_template(self, i: int) -> dict[str, Any]:
+        """This message as chat templates read it (a tool call's arguments as an object)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments,
+                                            f"messages.{i}.tool_calls.{j}.function.arguments")}}
+                for j, c in enumerate(self.tool_calls)]
+        return msg
+
+
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"{where}: not valid JSON ({e.msg})", where) from None
+    if not isinstance(value, dict):
+        raise APIError(400, f"{where}: must be a JSON object", where)
+    return value
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def unserved(self) -> None:
+        super().unserved()
+        if self.logprobs:
+            raise APIError(400, "logprobs is not supported", "logprobs")
+        if self.top_logprobs:
+            raise APIError(400, "top_logprobs is not supported", "top_logprobs")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported (only 'text'): "
+                           "this server does not constrain output to JSON", "response_format")
+        choice = self.tool_choice
+        if isinstance(choice, dict) or choice not in (None, "auto", "none"):
+            raise APIError(400, f"tool_choice {choice!r} is not supported: this server cannot "
+                           "force a tool call; use 'auto' or 'none'", "tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) \
+                    or not tool["function"].get("name"):
+                raise APIError(400, f"tools.{i}: expected {{'type': 'function', 'function': "
+                               "{'name': ..., 'parameters': {...}}}", f"tools.{i}")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tool_choice == "none" else self.tools
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    def unserved(self) -> None:
+        super().unserved()
+        for name in ("echo", "suffix"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", name)
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported", "logprobs")
+        if (self.best_of or 1) > 1:
+            raise APIError(400, "best_of > 1 is not supported", "best_of")

@@ -20,14 +20,22 @@ def serve(args: argparse.Namespace) -> int:
 
     from freetoken.checkpoint import open_checkpoint
     from freetoken.engine.resolve import resolve_engine
-    from freetoken.server.app import ServerState, create_app
+    from freetoken.server.app import create_app
+    from freetoken.server.auth import load_keys
     from freetoken.server.process import EngineClient, ServeConfig
     from freetoken.server.stacks import dump_on_signal
+    from freetoken.server.state import ServerState
 
     for flag in ("max_running_requests", "max_prefill_length", "page_size",
                  "max_queued_requests"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.shutdown_timeout < 0:
+        raise ConfigError("--shutdown-timeout must be at least 0")
+    keys = load_keys(args.api_key, args.api_key_file)
+    if not keys and not _is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who can reach it can use the "
+                    "model; pass --api-key KEY (or --api-key-file FILE)", args.host)
     _check_port(args.host, args.port)
     engine = resolve_engine(args)
     ckpt = open_checkpoint(engine.model)  # fails fast on a bad checkpoint, before any process
@@ -60,9 +68,11 @@ def serve(args: argparse.Namespace) -> int:
     state = ServerState(client=client, tokenizer=tokenizer, model_name=name,
                         max_len=info["max_len"], chat_template=template,
                         max_queued=args.max_queued_requests)
-    app = create_app(state)
+    app = create_app(state, keys)
+    # uvicorn's own grace period only backs ours up: at --shutdown-timeout every request still
+    # in flight is ended with a response of its own (end_all), so uvicorn never has to cancel one
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 10)
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
@@ -75,27 +85,40 @@ def serve(args: argparse.Namespace) -> int:
 
     client.on_death.append(engine_died)
 
+    def stop(sig: signal.Signals) -> None:
+        """SIGINT/SIGTERM: refuse new requests, let those in flight finish up to
+        --shutdown-timeout, then end each with a response; a second signal ends them now."""
+        loop = asyncio.get_running_loop()
+        if state.draining:
+            log.info("received %s again: ending %d requests now", sig.name, state.end_all())
+            return
+        state.draining, server.should_exit = True, True
+        log.info("received %s, shutting down: %d requests in flight get up to %g s to finish "
+                 "(--shutdown-timeout)", sig.name, len(client.queues), args.shutdown_timeout)
+
+        def grace_over() -> None:
+            if client.queues:
+                log.warning("shutdown timeout: ending %d requests still in flight",
+                            state.end_all())
+
+        loop.call_later(args.shutdown_timeout, grace_over)
+
     async def main() -> None:
-        client.start_reader(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, sig)
+        client.start_reader(loop)
         try:
             await server.startup()
         except SystemExit:  # uvicorn exits when it cannot bind
             server.should_exit = True
         if server.should_exit:
             raise FreeTokenError(f"cannot listen on {args.host}:{args.port}")
-        log.info("API server is ready to serve on %s:%d (model %s)", args.host, args.port, name)
+        log.info("API server is ready to serve on %s:%d (model %s%s)", args.host, args.port,
+                 name, f", {len(keys)} API keys" if keys else "")
         await server.main_loop()
         await server.shutdown()
 
-    def stop(sig: int, _: object) -> None:
-        """SIGINT/SIGTERM: stop accepting, finish in-flight requests, exit 0; twice: at once."""
-        if server.should_exit:
-            server.force_exit = True
-        log.info("received %s, shutting down", signal.Signals(sig).name)
-        server.should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
     dump_on_signal()  # SIGUSR1: every thread's stack to the log, as in the engine process
 
     try:
@@ -106,6 +129,17 @@ def serve(args: argparse.Namespace) -> int:
         log.error("exiting because the engine process failed: %s", client.dead)
         return 1
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_port(host: str, port: int) -> None:

@@ -1,4 +1,5 @@
-"""A live ``ft serve`` on loopback, driven by the official ``openai`` client."""
+"""A live ``ft serve`` on loopback, driven by the official ``openai`` and ``anthropic``
+clients."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import httpx
 import pytest
 
 GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ bos_token }}{% if tools %}<start_of_turn>user\nTools: "
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}"
+    "<end_of_turn>\n{% endif %}{% for m in messages %}<start_of_turn>"
     "{{ 'model' if m['role'] == 'assistant' else 'user' }}\n{{ m['content'] }}<end_of_turn>\n"
     "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
@@ -63,6 +66,14 @@ def start_server(args: list[str], log: Path, timeout: float = 300) -> Server:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("tiny") / "tiny"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def gemma_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("serve")
     template = d / "template.jinja"
@@ -80,3 +91,10 @@ def client(gemma_server: Server):
 
     return OpenAI(base_url=f"{gemma_server.url}/v1", api_key="none", max_retries=0,
                   timeout=300)
+
+
+@pytest.fixture()
+def anthropic_client(gemma_server: Server):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=gemma_server.url, api_key="none", max_retries=0, timeout=300)

@@ -124,6 +124,42 @@ def test_bad_completion_requests(gemma_server, body, status, words):
     assert words in err["message"] and err["type"]
 
 
+@pytest.mark.parametrize("path, change, field", [
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools.0"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages.0.tool_calls.0.function.arguments"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+])
+def test_unserved_fields_are_400s_naming_them(gemma_server, client, path, change, field):
+    body = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{gemma_server.url}{path}", json=body | {"max_tokens": 2} | change,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field.split(".")[0] in err["message"]
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2  # still serving
+
+
+def test_served_fields_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        response_format={"type": "text"}, logprobs=False, n=1, tool_choice="auto",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert r.usage.completion_tokens == 3 and r.choices[0].message.tool_calls is None
+
+
 def test_bad_chat_requests(gemma_server):
     url = f"{gemma_server.url}/v1/chat/completions"
     assert httpx.post(url, content=b"{nope", timeout=30,

@@ -6,19 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
+import openai
 import pytest
 
-from tests.server.conftest import start_server
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny") / "tiny"
-    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
-    return str(out)
+from tests.server.conftest import GEMMA_TEMPLATE, start_server
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -84,3 +80,78 @@ def test_ft_chat_without_a_server_says_how_to_start_one():
                         "http://127.0.0.1:9"], input="hi\n", capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "start one with `ft serve`" in r.stderr
+
+
+def test_open_host_without_a_key_warns(tiny_model, tmp_path):
+    log = tmp_path / "log"
+    server = start_server(["--model", tiny_model, "--kv-tokens", "1024", "--host", "0.0.0.0"],
+                          log)
+    server.stop()
+    assert "listening on 0.0.0.0 without an API key" in log.read_text()
+    quiet = start_server(["--model", tiny_model, "--kv-tokens", "1024"], tmp_path / "quiet")
+    quiet.stop()
+    assert "without an API key" not in (tmp_path / "quiet").read_text()
+
+
+def test_sigterm_lets_requests_finish_then_ends_the_rest(tmp_path):
+    """Gemma-3 270M decodes ~10 tokens/s on two CPU cores: 8 tokens finish inside the 4 s grace,
+    300 do not."""
+    log = tmp_path / "log"
+    (tmp_path / "t.jinja").write_text(GEMMA_TEMPLATE)
+    server = start_server(["--kv-tokens", "4096", "--max-seq-len", "512", "--chat-template",
+                           str(tmp_path / "t.jinja"), "--shutdown-timeout", "4"], log)
+    model = "gemma-3-270m-q4_k_m.gguf"
+    greedy = {"temperature": 0}
+    long = {"max_tokens": 300, **greedy}
+    msgs = [{"role": "user", "content": "Tell a long story."}]
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    an = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+    def short() -> str | None:
+        return oa.completions.create(model=model, prompt="Hello", max_tokens=8,
+                                     temperature=0).choices[0].finish_reason
+
+    def stream_openai() -> list[str]:
+        return [c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+            model=model, messages=msgs, stream=True, extra_body={"ignore_eos": True},
+            **long) if c.choices]
+
+    def stream_anthropic() -> list[str]:
+        return [e.type for e in an.messages.create(model=model, messages=msgs, stream=True,
+                                                   max_tokens=300, extra_body=greedy)]
+
+    def plain(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}{path}", json=body | long, timeout=60)
+
+    with ThreadPoolExecutor(5) as pool:
+        jobs = {
+            "short": pool.submit(short),
+            "openai": pool.submit(plain, "/v1/completions",
+                                  {"prompt": "Once upon a time", "ignore_eos": True}),
+            "anthropic": pool.submit(plain, "/v1/messages", {"model": model, "messages": msgs}),
+            "openai_stream": pool.submit(stream_openai),
+            "anthropic_stream": pool.submit(stream_anthropic),
+        }
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/v1/stats").json()["in_flight"] < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert jobs["short"].result() == "length"  # finished inside the grace period
+        r = jobs["openai"].result()
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert "shut down" in r.json()["error"]["message"]
+        r = jobs["anthropic"].result()
+        assert r.status_code == 503 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "overloaded_error"
+        with pytest.raises(openai.APIError, match="shut down"):
+            jobs["openai_stream"].result()
+        with pytest.raises(anthropic.APIStatusError, match="shut down"):
+            jobs["anthropic_stream"].result()
+        assert 3.5 < time.monotonic() - t0 < 15
+    assert server.proc.wait(timeout=60) == 0
+    text = log.read_text()
+    assert "shutdown timeout: ending 4 requests" in text
+    for bad in ("Traceback", "CancelledError", "Internal Server Error", "ERROR"):
+        assert bad not in text, text

@@ -1,0 +1,171 @@
+"""The Anthropic Messages API: ``/v1/messages`` (streamed or not) and
+``/v1/messages/count_tokens``.
+
+A stream follows Anthropic's event order: ``message_start``, ``ping``, then per content block
+``content_block_start`` / ``content_block_delta``... / ``content_block_stop`` with indices from
+0, then ``message_delta`` (stop reason, usage) and ``message_stop``; a request that cannot
+finish ends with an ``error`` event instead.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from freetoken.engine.sample import SamplingParams
+from freetoken.server.anthropic_protocol import CountTokensRequest, MessagesRequest, tool_input
+from freetoken.server.errors import error_body
+from freetoken.server.generate import (
+    Outcome,
+    admit,
+    check_model,
+    ended_early,
+    generate,
+    token_budget,
+)
+from freetoken.server.output import gathered, output_parser, parsed
+from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall, merge_deltas
+from freetoken.server.render import Prompt, render
+from freetoken.server.state import GONE, ServerState
+from freetoken.server.stream import sse
+
+
+def anthropic_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    def prompt_of(req: CountTokensRequest) -> Prompt:
+        req.unserved()
+        check_model(state, req.model)
+        messages = req.conversation()
+        return render(state, messages, req.template_tools(),
+                      prefill=messages[-1]["role"] == "assistant",
+                      enable_thinking=req.thinking_on())
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountTokensRequest) -> dict[str, int]:
+        return {"input_tokens": len(prompt_of(req).ids)}
+
+    @router.post("/v1/messages", response_model=None)
+    async def messages(req: MessagesRequest, request: Request) -> Any:
+        prompt = prompt_of(req)
+        max_tokens = token_budget(state, prompt.ids, req.max_tokens)
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                max_tokens=max_tokens)
+        admit(state)
+        mid = f"msg_{uuid.uuid4().hex[:24]}"
+        parser = output_parser(state, prompt, tools=req.template_tools() is not None)
+        stops = req.stop_sequences or []
+        if req.stream:
+            events = parsed(generate(state, mid, prompt.ids, params, stops), parser)
+            return StreamingResponse(message_stream(mid, events),
+                                     media_type="text/event-stream")
+        evs, out = await gathered(parsed(
+            generate(state, mid, prompt.ids, params, stops, watch=request), parser))
+        if out.finish_reason == GONE:
+            return Response(status_code=499)
+        if err := ended_early(out):
+            raise err
+        content = [block(e) for e in merge_deltas(evs)]
+        return {**message_head(mid), "content": content,
+                "stop_reason": stop_reason(out, any(isinstance(e, ToolCall) for e in evs)),
+                "stop_sequence": out.stop_sequence, "usage": usage(out)}
+
+    def message_head(mid: str) -> dict[str, Any]:
+        return {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
+
+    async def message_stream(mid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
+                             ) -> AsyncIterator[str]:
+        blocks, started = Blocks(), False
+        try:
+            async for evs, out in events:
+                if err := ended_early(out):
+                    yield event("error", error_body("anthropic", err.status, err.message))
+                    return
+                if not started:  # after the first token: the prompt's cached share is known
+                    started = True
+                    yield event("message_start", {"message": {
+                        **message_head(mid), "content": [], "stop_reason": None,
+                        "stop_sequence": None, "usage": usage(out) | {"output_tokens": 0}}})
+                    yield event("ping", {})
+                for e in evs:
+                    for chunk in blocks.push(e):
+                        yield chunk
+                if out.finish_reason:
+                    for chunk in blocks.close():
+                        yield chunk
+                    yield event("message_delta", {
+                        "delta": {"stop_reason": stop_reason(out, blocks.called),
+                                  "stop_sequence": out.stop_sequence},
+                        "usage": usage(out)})
+                    yield event("message_stop", {})
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return router
+
+
+class Blocks:
+    """Parser events as content-block stream events: a text or thinking block stays open while
+    its kind of text continues; a tool call is one whole ``tool_use`` block."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # the kind of the open block
+        self.called = False
+
+    def push(self, e: Event) -> Iterator[str]:
+        if isinstance(e, ToolCall):
+            yield from self.close()
+            self.index, self.called = self.index + 1, True
+            yield event("content_block_start", {"index": self.index, "content_block": {
+                "type": "tool_use", "id": e.id, "name": e.name, "input": {}}})
+            yield event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": e.arguments}})
+            yield from self.close(force=True)
+            return
+        kind = "thinking" if isinstance(e, ReasoningDelta) else "text"
+        if kind != self.open:
+            yield from self.close()
+            self.index, self.open = self.index + 1, kind
+            start = {"type": "thinking", "thinking": "", "signature": ""} \
+                if kind == "thinking" else {"type": "text", "text": ""}
+            yield event("content_block_start", {"index": self.index, "content_block": start})
+        yield event("content_block_delta", {"index": self.index, "delta": {
+            "type": f"{kind}_delta", kind: e.text}})
+
+    def close(self, force: bool = False) -> Iterator[str]:
+        if self.open or force:
+            yield event("content_block_stop", {"index": self.index})
+            self.open = None
+
+
+def block(e: Event) -> dict[str, Any]:
+    if isinstance(e, ToolCall):
+        return {"type": "tool_use", "id": e.id, "name": e.name, "input": tool_input(e.arguments)}
+    if isinstance(e, ReasoningDelta):
+        return {"type": "thinking", "thinking": e.text, "signature": ""}
+    assert isinstance(e, ContentDelta)
+    return {"type": "text", "text": e.text}
+
+
+def stop_reason(out: Outcome, called: bool) -> str | None:
+    if out.finish_reason == "length":
+        return "max_tokens"
+    if out.stop_sequence is not None:
+        return "stop_sequence"
+    return "tool_use" if called else "end_turn"
+
+
+def usage(out: Outcome) -> dict[str, int]:
+    """Anthropic counts cache reads apart: ``input_tokens`` are the prompt tokens computed."""
+    return {"input_tokens": out.prompt_tokens - out.cached_tokens,
+            "cache_read_input_tokens": out.cached_tokens, "cache_creation_input_tokens": 0,
+            "output_tokens": out.completion_tokens}
+
+
+def event(kind: str, body: dict[str, Any]) -> str:
+    return sse({"type": kind, **body}, event=kind)

@@ -1,0 +1,201 @@
+"""The OpenAI API: ``/v1/chat/completions`` and ``/v1/completions``, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from freetoken.engine.sample import SamplingParams
+from freetoken.server.errors import APIError, error_body
+from freetoken.server.generate import (
+    Outcome,
+    admit,
+    check_model,
+    ended_early,
+    generate,
+    run,
+    token_budget,
+    usage_openai,
+    valid_stop_ids,
+)
+from freetoken.server.output import gathered, output_parser, parsed
+from freetoken.server.parsers import ContentDelta, Event, OutputParser, ReasoningDelta, ToolCall
+from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from freetoken.server.render import render
+from freetoken.server.state import GONE, ServerState
+from freetoken.server.stream import sse
+
+
+def openai_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        req.unserved()
+        check_model(state, req.model)
+        messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+        tools = req.template_tools()
+        prompt = render(state, messages, tools, **(req.chat_template_kwargs or {}))
+        params = sampling_params(state, req, prompt.ids)
+        admit(state)
+        rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        parser = output_parser(state, prompt, tools=bool(tools))
+        if req.stream:
+            events = parsed(generate(state, rid, prompt.ids, params, req.stops()), parser)
+            return StreamingResponse(chat_stream(rid, events, parser, _include_usage(req)),
+                                     media_type="text/event-stream")
+        evs, out = await gathered(parsed(
+            generate(state, rid, prompt.ids, params, req.stops(), watch=request), parser))
+        if out.finish_reason == GONE:
+            return Response(status_code=499)  # nobody is listening
+        if err := ended_early(out):
+            raise err
+        message = chat_message(evs)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": state.model_name, "usage": usage_openai(out),
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": finish_reason(out, "tool_calls" in message)}]}
+
+    @router.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        req.unserved()
+        check_model(state, req.model)
+        ids = prompt_ids(state, req.prompt)
+        params = sampling_params(state, req, ids, prompt_field="prompt")
+        admit(state)
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        if req.stream:
+            return StreamingResponse(
+                completion_stream(rid, generate(state, rid, ids, params, req.stops()),
+                                  _include_usage(req)),
+                media_type="text/event-stream")
+        out = await run(generate(state, rid, ids, params, req.stops(), watch=request))
+        if out.finish_reason == GONE:
+            return Response(status_code=499)
+        if err := ended_early(out):
+            raise err
+        return {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": state.model_name, "usage": usage_openai(out),
+                "choices": [{"index": 0, "text": out.text, "logprobs": None,
+                             "finish_reason": out.finish_reason}]}
+
+    async def chat_stream(rid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
+                          parser: OutputParser, include_usage: bool) -> AsyncIterator[str]:
+        created, called = int(time.time()), False
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": state.model_name, "choices": [
+                            {"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": finish}]})
+
+        out = Outcome()
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for evs, out in events:
+                if err := ended_early(out):
+                    yield sse(error_body("openai", err.status, err.message))
+                    return
+                for e in evs:
+                    called |= isinstance(e, ToolCall)
+                    yield chunk(chat_delta(e))
+                if out.finish_reason:
+                    yield chunk({}, finish_reason(out, called))
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": state.model_name, "choices": [],
+                           "usage": usage_openai(out)})
+            yield sse("[DONE]")
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    async def completion_stream(rid: str, events: AsyncIterator[tuple[str, Outcome]],
+                                include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(text: str, finish: str | None, **extra: Any) -> str:
+            choices = [] if extra else [{"index": 0, "text": text, "logprobs": None,
+                                         "finish_reason": finish}]
+            return sse({"id": rid, "object": "text_completion", "created": created,
+                        "model": state.model_name, "choices": choices, **extra})
+
+        out = Outcome()
+        try:
+            async for delta, out in events:
+                if err := ended_early(out):
+                    yield sse(error_body("openai", err.status, err.message))
+                    return
+                if delta or out.finish_reason:
+                    yield chunk(delta, out.finish_reason)
+            if include_usage:
+                yield chunk("", None, usage=usage_openai(out))
+            yield sse("[DONE]")
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return router
+
+
+def sampling_params(state: ServerState, req: SamplingFields, ids: list[int],
+                    prompt_field: str = "messages") -> SamplingParams:
+    field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    max_tokens = token_budget(state, ids, req.max_completion_tokens or req.max_tokens, field,
+                              prompt_field)
+    return SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        max_tokens=max_tokens, seed=req.seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        stop_token_ids=valid_stop_ids(state, req.stop_token_ids), ignore_eos=req.ignore_eos)
+
+
+def prompt_ids(state: ServerState, p: str | list[int] | list[str]) -> list[int]:
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        if len(p) != 1:
+            raise APIError(400, "a list of several prompts is not supported; send one request "
+                           "per prompt", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        return list(state.tokenizer(p).input_ids)
+    ids = [int(t) for t in p]
+    vocab = len(state.tokenizer)
+    if any(t < 0 or t >= vocab for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    return ids
+
+
+def chat_delta(e: Event) -> dict[str, Any]:
+    if isinstance(e, ContentDelta):
+        return {"content": e.text}
+    if isinstance(e, ReasoningDelta):
+        return {"reasoning_content": e.text}
+    return {"tool_calls": [{"index": e.index, **_tool_call(e)}]}
+
+
+def chat_message(evs: list[Event]) -> dict[str, Any]:
+    content = "".join(e.text for e in evs if isinstance(e, ContentDelta))
+    calls = [_tool_call(e) for e in evs if isinstance(e, ToolCall)]
+    reasoning = "".join(e.text for e in evs if isinstance(e, ReasoningDelta))
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def finish_reason(out: Outcome, called: bool) -> str | None:
+    return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+
+
+def _tool_call(e: ToolCall) -> dict[str, Any]:
+    return {"id": e.id, "type": "function",
+            "function": {"name": e.name, "arguments": e.arguments}}
+
+
+def _include_usage(req: SamplingFields) -> bool:
+    return bool((req.stream_options or {}).get("include_usage"))

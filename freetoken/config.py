@@ -12,8 +12,35 @@ from typing import Any
 from freetoken.errors import CheckpointError
 
 # Hugging Face architecture name -> our family name. GGUF ``general.architecture`` -> family.
-HF_ARCHITECTURES = {"Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3"}
-GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
+HF_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4", "Gemma4ForConditionalGeneration": "gemma4",
+    "GptOssForCausalLM": "gpt_oss",
+}
+GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3", "gemma4": "gemma4",
+                      "gpt-oss": "gpt_oss"}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One layer type's rotary embedding, as Hugging Face's ``rope_parameters`` describe it.
+
+    kind: ``default``; ``linear`` (positions / factor); ``proportional`` (Gemma-4: the first
+    ``fraction`` of each head's frequency pairs rotate, the rest do not); ``yarn`` (GPT-OSS:
+    frequencies blended between extrapolation and interpolation by ``factor`` over the
+    correction range of ``beta_fast``..``beta_slow`` rotations, cos/sin scaled by
+    ``attention_factor``, 0.1 ln(factor) + 1 unless given).
+    """
+
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    fraction: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position: int = 0
+    truncate: bool = True
+    attention_factor: float = 0.0  # 0: from factor
 
 
 @dataclass(frozen=True)
@@ -48,6 +75,30 @@ class ModelConfig:
     final_logit_softcapping: float = 0.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma-4 and GPT-OSS: rotary per layer type (None: the fields above), per-layer attention
+    # geometry where layer types differ (empty: head_dim / num_kv_heads everywhere)
+    rope_full: RopeSpec | None = None
+    rope_sliding: RopeSpec | None = None
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+    attention_k_eq_v: bool = False  # Gemma-4: full-attention layers reuse k's projection as v
+    attention_bias: bool = False  # GPT-OSS: q/k/v/o projections carry biases
+    expert_bias: bool = False  # GPT-OSS: experts' gate/up/down carry biases
+    swiglu_alpha: float = 0.0  # GPT-OSS experts (hidden_act swiglu_oai): sigmoid gain
+    swiglu_limit: float = 0.0  # and clamp
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    @property
+    def kv_shape(self) -> tuple[int, int]:
+        """(heads, head dim) of one token's keys in the KV pool: the widest layer's; narrower
+        layers use the front of the row."""
+        shapes = [(self.kv_heads_of(i), self.head_dim_of(i)) for i in range(self.num_layers)]
+        return max(shapes, key=lambda s: s[0] * s[1])
 
     @property
     def is_moe(self) -> bool:
@@ -91,6 +142,9 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_ids(cfg.get("eos_token_id")),
         )
+        if family in ("gemma4", "gpt_oss"):
+            make = _gemma4_hf if family == "gemma4" else _gpt_oss_hf
+            return ModelConfig(**make(cfg, common))
         if family == "qwen3_moe":
             experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
             step = int(cfg.get("decoder_sparse_step", 1)) or 1
@@ -151,7 +205,7 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=n,
             num_heads=heads,
-            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            num_kv_heads=_per_layer(key("attention.head_count_kv", heads), n)[0],
             head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -163,6 +217,9 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
         )
+        if family in ("gemma4", "gpt_oss"):
+            make = _gemma4_gguf if family == "gemma4" else _gpt_oss_gguf
+            return ModelConfig(**make(meta, key, common))
         if family == "qwen3_moe":
             experts = int(key("expert_count"))
             return ModelConfig(
@@ -224,6 +281,174 @@ def _hf_rope(cfg: dict[str, Any]) -> dict[str, tuple[float, float]]:
             if p:
                 factor = float(p.get("factor", 1.0)) if p.get("rope_type") == "linear" else 1.0
                 out[ours] = (float(p.get("rope_theta", out[ours][0])), factor)
+    return out
+
+
+def _hf_rope_spec(p: dict[str, Any], theta: float) -> RopeSpec:
+    kind = str(p.get("rope_type", p.get("type", "default")))
+    if kind not in ("default", "linear", "proportional", "yarn"):
+        raise CheckpointError(f"unsupported rope_type {kind!r} in config.json "
+                              "(supported: default, linear, proportional, yarn)")
+    return RopeSpec(
+        theta=float(p.get("rope_theta", theta)), kind=kind, factor=float(p.get("factor") or 1.0),
+        fraction=float(p.get("partial_rotary_factor", 1.0)),
+        beta_fast=float(p.get("beta_fast") or 32.0), beta_slow=float(p.get("beta_slow") or 1.0),
+        original_max_position=int(p.get("original_max_position_embeddings") or 0),
+        truncate=bool(p.get("truncate", True)),
+        attention_factor=float(p.get("attention_factor") or 0.0),
+    )
+
+
+def _gemma4_hf(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    """Gemma4TextConfig's fields (transformers.models.gemma4); the text decoder only."""
+    n = common["num_layers"]
+    for key, why in (("hidden_size_per_layer_input", "per-layer input embeddings"),
+                     ("num_kv_shared_layers", "key/value sharing across layers")):
+        if cfg.get(key):
+            raise CheckpointError(f"this Gemma-4 checkpoint uses {why} ({key}={cfg[key]}), "
+                                  "which FreeToken does not implement yet; the MoE and dense "
+                                  "Gemma-4 models without it (26B-A4B, 31B) are supported")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise CheckpointError("a Gemma-4 config with use_bidirectional_attention='all' is not a "
+                              "causal decoder; FreeToken serves causal models only")
+    types = list(cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    types[-1] = "full_attention"  # as Gemma4TextConfig forces it
+    sliding = tuple(t == "sliding_attention" for t in types)
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    if not overrides:
+        full: dict[str, Any] = {"head_dim": int(cfg.get("global_head_dim", 512))}
+        if k_eq_v and cfg.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = int(cfg["num_global_key_value_heads"])
+        overrides = {i: full for i in range(n) if not sliding[i]}
+    dims = tuple(int(overrides.get(i, {}).get("head_dim", common["head_dim"])) for i in range(n))
+    kv = tuple(int(overrides.get(i, {}).get("num_key_value_heads", common["num_kv_heads"]))
+               for i in range(n))
+    rope = cfg.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1_000_000.0}}
+    moe = bool(cfg.get("enable_moe_block"))
+    out = dict(common)
+    out.update(
+        hidden_act=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        sliding_window=int(cfg.get("sliding_window") or 0), sliding_layers=sliding,
+        rope_full=_hf_rope_spec(rope["full_attention"], 1_000_000.0),
+        rope_sliding=_hf_rope_spec(rope["sliding_attention"], 10_000.0),
+        layer_head_dims=dims, layer_kv_heads=kv, attention_k_eq_v=k_eq_v,
+        final_logit_softcapping=float(cfg.get("final_logit_softcapping") or 0.0),
+        moe_layers=(moe,) * n,
+    )
+    if moe:
+        out.update(num_experts=int(cfg["num_experts"]), top_k=int(cfg["top_k_experts"]),
+                   moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=True)
+    return out
+
+
+def _gpt_oss_hf(cfg: dict[str, Any], common: dict[str, Any]) -> dict[str, Any]:
+    """GptOssConfig's fields (transformers.models.gpt_oss)."""
+    n = common["num_layers"]
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not cfg.get("rope_parameters"):
+        rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096, **rope}
+    spec = _hf_rope_spec(rope, float(cfg.get("rope_theta", 150_000.0)))
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    out = dict(common)
+    out.update(
+        hidden_act="swiglu_oai", intermediate_size=0,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        sliding_window=int(cfg.get("sliding_window") or 0),
+        sliding_layers=tuple(t == "sliding_attention" for t in types),
+        rope_full=spec, rope_sliding=spec, rope_theta=spec.theta,
+        attention_bias=bool(cfg.get("attention_bias", True)),
+        num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+        moe_layers=(experts > 0,) * n, expert_bias=True,
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+    )
+    return out
+
+
+def _per_layer(value: Any, n: int) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise CheckpointError(f"GGUF per-layer array of {len(value)} for {n} layers")
+        return tuple(int(v) for v in value)
+    return (int(value),) * n
+
+
+def _gemma4_gguf(meta: dict[str, Any], key: Any, common: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's gemma4 keys: full-layer head size in key_length, sliding in
+    key_length_swa; the full layers' proportional rope in the rope_freqs tensor (factor 1 on
+    the pairs that rotate, 1e30 on the rest)."""
+    n, a = common["num_layers"], "gemma4"
+    for k, why in (("embedding_length_per_layer_input", "per-layer input embeddings"),
+                   ("attention.shared_kv_layers", "key/value sharing across layers")):
+        if meta.get(f"{a}.{k}"):
+            raise CheckpointError(f"this Gemma-4 GGUF uses {why} ({a}.{k}), which FreeToken "
+                                  "does not implement yet")
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise CheckpointError(f"GGUF file lacks {a}.attention.sliding_window_pattern (one bool "
+                              "per layer); convert it again with a current llama.cpp")
+    sliding = tuple(bool(x) for x in pattern)
+    full_dim, swa_dim = int(key("attention.key_length")), int(key("attention.key_length_swa"))
+    kv = _per_layer(key("attention.head_count_kv"), n)
+    freqs = meta.get("_rope_freqs")
+    fraction = 1.0 if not freqs else sum(f < 1e29 for f in freqs) / len(freqs)
+    experts = int(meta.get(f"{a}.expert_count") or 0)
+    out = dict(common)
+    out.update(
+        hidden_act="gelu_pytorch_tanh", head_dim=swa_dim,
+        sliding_window=int(key("attention.sliding_window")), sliding_layers=sliding,
+        rope_theta=float(key("rope.freq_base")),
+        rope_full=RopeSpec(float(key("rope.freq_base")), "proportional", fraction=fraction),
+        rope_sliding=RopeSpec(float(key("rope.freq_base_swa"))),
+        layer_head_dims=tuple(swa_dim if s else full_dim for s in sliding), layer_kv_heads=kv,
+        num_kv_heads=kv[0], attention_k_eq_v=bool(meta.get("_k_eq_v", False)),
+        final_logit_softcapping=float(meta.get(f"{a}.final_logit_softcapping") or 0.0),
+        moe_layers=(experts > 0,) * n,
+    )
+    if experts:
+        out.update(num_experts=experts, top_k=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length")),
+                   norm_topk_prob=True)
+    return out
+
+
+def _gpt_oss_gguf(meta: dict[str, Any], key: Any, common: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's gpt-oss keys: yarn rope scaling, every other layer sliding (from the
+    first), biased experts with the clamped SwiGLU (alpha 1.702, limit 7, as llama.cpp fixes
+    them)."""
+    n = common["num_layers"]
+    a = "gpt-oss"
+    if meta.get(f"{a}.rope.scaling.type", "yarn") != "yarn":
+        raise CheckpointError(f"GPT-OSS GGUF with rope scaling "
+                              f"{meta.get(f'{a}.rope.scaling.type')!r}; only yarn is known")
+    theta = float(key("rope.freq_base"))
+    spec = RopeSpec(theta, "yarn", factor=float(key("rope.scaling.factor", 32.0)),
+                    beta_fast=float(meta.get(f"{a}.rope.scaling.yarn_beta_fast") or 32.0),
+                    beta_slow=float(meta.get(f"{a}.rope.scaling.yarn_beta_slow") or 1.0),
+                    original_max_position=int(key("rope.scaling.original_context_length",
+                                                  4096)))
+    experts = int(key("expert_count"))
+    out = dict(common)
+    out.update(
+        hidden_act="swiglu_oai", intermediate_size=0,
+        sliding_window=int(key("attention.sliding_window")),
+        sliding_layers=tuple(i % 2 == 0 for i in range(n)),
+        rope_full=spec, rope_sliding=spec, attention_bias=True,
+        num_experts=experts, top_k=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")), norm_topk_prob=True,
+        moe_layers=(True,) * n, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+    )
     return out
 
 

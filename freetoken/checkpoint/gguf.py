@@ -88,6 +88,15 @@ class GGUFCheckpoint:
         self.metadata["_moe_layers"] = {
             int(n.split(".")[1]) for n, *_ in self._infos if n.endswith(".ffn_gate_exps.weight")
         }
+        names = {n for n, *_ in self._infos}
+        blocks = int(self.metadata.get(f"{self.metadata.get('general.architecture')}.block_count")
+                     or 0)
+        # Gemma-4: full layers without attn_v take v from k's projection
+        self.metadata["_k_eq_v"] = any(f"blk.{i}.attn_v.weight" not in names
+                                       for i in range(blocks))
+        freqs = [i for i in self._infos if i[0] == "rope_freqs.weight"]
+        if freqs:
+            self.metadata["_rope_freqs"] = self._as_float(self._view(*freqs[0])).tolist()
         self.config = ModelConfig.from_gguf(self.metadata)
         self.family = self.config.family
         for name, _, ttype, _ in self._infos:

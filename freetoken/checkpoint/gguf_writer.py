@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
-from freetoken.checkpoint.names import ours_to_gguf
+from freetoken.checkpoint.names import DERIVED, ours_to_gguf
 from freetoken.config import ModelConfig
 from freetoken.quant import get_format
 
-_ARCH = {"qwen3_moe": "qwen3moe", "gemma3": "gemma3"}
+_ARCH = {"qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma4": "gemma4", "gpt_oss": "gpt-oss"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,61 @@ def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
         }
     if cfg.family == "gemma3":
         meta[f"{a}.attention.sliding_window"] = cfg.sliding_window
+    if cfg.family in ("gemma4", "gpt_oss") and cfg.num_experts:
+        meta |= {
+            f"{a}.expert_count": cfg.num_experts,
+            f"{a}.expert_used_count": cfg.top_k,
+            f"{a}.expert_feed_forward_length": cfg.moe_intermediate_size,
+        }
+    if cfg.family == "gemma4":
+        meta |= _gemma4_metadata(cfg, a)
+    if cfg.family == "gpt_oss":
+        assert cfg.rope_full is not None
+        meta |= {
+            f"{a}.feed_forward_length": cfg.moe_intermediate_size,
+            f"{a}.attention.sliding_window": cfg.sliding_window,
+            f"{a}.rope.freq_base": float(cfg.rope_full.theta),
+            f"{a}.rope.scaling.type": "yarn",
+            f"{a}.rope.scaling.factor": float(cfg.rope_full.factor),
+            f"{a}.rope.scaling.original_context_length": cfg.rope_full.original_max_position,
+        }
     return meta
+
+
+def _gemma4_metadata(cfg: ModelConfig, a: str) -> dict[str, Any]:
+    """Full layers' head size in key_length, sliding layers' in key_length_swa, as llama.cpp's
+    converter writes them."""
+    assert cfg.rope_full is not None and cfg.rope_sliding is not None
+    n = cfg.num_layers
+    full = next((i for i in range(n) if not cfg.sliding_layers[i]), n - 1)
+    swa = next((i for i in range(n) if cfg.sliding_layers[i]), full)
+    return {
+        f"{a}.attention.head_count_kv": [cfg.kv_heads_of(i) for i in range(n)],
+        f"{a}.attention.key_length": cfg.head_dim_of(full),
+        f"{a}.attention.value_length": cfg.head_dim_of(full),
+        f"{a}.attention.key_length_swa": cfg.head_dim_of(swa),
+        f"{a}.attention.value_length_swa": cfg.head_dim_of(swa),
+        f"{a}.rope.freq_base": float(cfg.rope_full.theta),
+        f"{a}.rope.freq_base_swa": float(cfg.rope_sliding.theta),
+        f"{a}.rope.dimension_count": cfg.head_dim_of(full),
+        f"{a}.rope.dimension_count_swa": cfg.head_dim_of(swa),
+        f"{a}.attention.sliding_window": cfg.sliding_window,
+        f"{a}.attention.sliding_window_pattern": list(cfg.sliding_layers),
+        f"{a}.attention.shared_kv_layers": 0,
+        f"{a}.embedding_length_per_layer_input": 0,
+        f"{a}.final_logit_softcapping": float(cfg.final_logit_softcapping),
+    }
+
+
+def derived_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Tensors llama.cpp's converter makes from the config (names in ``names.DERIVED``):
+    Gemma-4's ``rope_freqs`` (1 on the full layers' rotated pairs, 1e30 on the others)."""
+    if cfg.family != "gemma4" or cfg.rope_full is None:
+        return {}
+    full = next((i for i in range(cfg.num_layers) if not cfg.sliding_layers[i]), 0)
+    half = cfg.head_dim_of(full) // 2
+    turned = int(cfg.rope_full.fraction * half)
+    return {DERIVED[0]: torch.tensor([1.0] * turned + [1e30] * (half - turned))}
 
 
 def write_gguf(
@@ -69,7 +123,13 @@ def write_gguf(
     """
     path = Path(path)
     arch = _ARCH[cfg.family]
-    plans = list(plans)
+    derived = derived_tensors(cfg)
+    plans = list(plans) + [TensorPlan(n, tuple(t.shape), "f32") for n, t in derived.items()]
+    make_given = make
+
+    def make(p: TensorPlan) -> torch.Tensor:
+        return derived[p.name] if p.name in derived else make_given(p)
+
     w = GGUFWriter(path, arch)
     for key, value in {**gguf_metadata(cfg), **(extra or {})}.items():
         add_metadata(w, key, value)

@@ -40,9 +40,47 @@ _BLOCK = {
 _FFN_NORM = {
     "qwen3_moe": "post_attention_layernorm.weight",
     "gemma3": "pre_feedforward_layernorm.weight",
+    "gemma4": "pre_feedforward_layernorm.weight",
 }
 
-_BLK = re.compile(r"blk\.(\d+)\.(\w+)\.weight$")
+# Per family, by GGUF kind and suffix: what differs from the table above. Gemma-4's experts sit
+# beside the MLP with a fused gate_up tensor and its router's two scales ride on ffn_gate_inp
+# and ffn_down_exps; GPT-OSS's projections, router and experts carry biases.
+_FAMILY: dict[str, dict[str, str]] = {
+    "gemma4": {
+        "ffn_gate_inp.weight": "router.proj.weight",
+        "ffn_gate_inp.scale": "router.scale",
+        "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+        "ffn_down_exps.weight": "experts.down_proj",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+        "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+        "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+        "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+        "layer_output_scale.weight": "layer_scalar",
+    },
+    "gpt_oss": {
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+        "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+        "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+        "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+    },
+}
+
+_BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias|scale)$")
+
+
+def _block_table(family: str) -> dict[str, str]:
+    """GGUF ``kind.suffix`` -> our name after ``model.layers.N.``, for ``family``."""
+    table = {f"{k}.weight": v for k, v in _BLOCK.items()}
+    if family in _FFN_NORM:
+        table["ffn_norm.weight"] = _FFN_NORM[family]
+    return table | _FAMILY.get(family, {})
 
 
 def gguf_to_ours(name: str, family: str) -> str | None:
@@ -52,13 +90,15 @@ def gguf_to_ours(name: str, family: str) -> str | None:
     m = _BLK.match(name)
     if not m:
         return None
-    layer, kind = m.groups()
-    ours = _FFN_NORM[family] if kind == "ffn_norm" else _BLOCK.get(kind)
+    layer, kind, suffix = m.groups()
+    ours = _block_table(family).get(f"{kind}.{suffix}")
     return f"model.layers.{layer}.{ours}" if ours else None
 
 
 def ours_to_gguf(name: str, family: str) -> str:
     """Inverse of :func:`gguf_to_ours` (for writing GGUF files)."""
+    if name in DERIVED:
+        return name
     for k, v in _GLOBAL.items():
         if v == name:
             return k
@@ -66,9 +106,12 @@ def ours_to_gguf(name: str, family: str) -> str:
     if not m:
         raise KeyError(name)
     layer, rest = m.groups()
-    if rest == _FFN_NORM[family]:
-        return f"blk.{layer}.ffn_norm.weight"
-    for k, v in _BLOCK.items():
-        if v == rest:
-            return f"blk.{layer}.{k}.weight"
-    raise KeyError(name)
+    # later entries win: ffn_norm over post_attention_norm in Qwen, the family's over both
+    kind = {v: k for k, v in _block_table(family).items()}.get(rest)
+    if kind is None:
+        raise KeyError(name)
+    return f"blk.{layer}.{kind}"
+
+
+# GGUF tensors llama.cpp's converter derives from the config, written under their own name
+DERIVED = ("rope_freqs.weight",)

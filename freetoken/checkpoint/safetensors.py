@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from freetoken.checkpoint.layouts import our_names, to_ours
 from freetoken.checkpoint.tokenizer import load_hf_tokenizer
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
@@ -111,14 +112,17 @@ class HFCheckpoint:
         self.chat_template = _chat_template(self.path)
 
     def tensor_names(self) -> list[str]:
-        return [n for f in self._files for n in f.entries if not n.endswith(_COMPANIONS)]
+        fam = self.config.family
+        return [o for f in self._files for n in f.entries if not n.endswith(_COMPANIONS)
+                for o in our_names(fam, n)]
 
     def tensors(self) -> Iterator[tuple[str, QuantTensor]]:
+        fam = self.config.family
         for f in self._files:
             for name in f.entries:
-                if name.endswith(_COMPANIONS):
+                if name.endswith(_COMPANIONS) or not our_names(fam, name):
                     continue
-                yield name, self._tensor(f, name)
+                yield from to_ours(fam, name, self._tensor(f, name))
 
     def _tensor(self, f: _SafetensorsFile, name: str) -> QuantTensor:
         data = f.view(name)

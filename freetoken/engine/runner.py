@@ -75,7 +75,7 @@ class ModelRunner:
         tokens = kv_tokens or self._kv_tokens_from_free_memory()
         self.page_size = page_size
         self.kv = PagedKV(mc.num_layers, math.ceil(tokens / page_size), page_size,
-                          mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+                          *mc.kv_shape, self.dtype, self.device)
         windows = {0} | ({mc.sliding_window} if any(mc.sliding_layers) else set())
         self.windows = tuple(sorted(windows))
         self.graphs: DecodeGraphs | None = None
@@ -90,14 +90,13 @@ class ModelRunner:
         """Bytes of ``--kv-reserve-tokens`` KV tokens, which expert memory must leave free."""
         mc = self.model_config
         return self.cfg.kv_reserve_tokens * PagedKV.bytes_per_token(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+            mc.num_layers, *mc.kv_shape, self.dtype)
 
     def _kv_tokens_from_free_memory(self, fraction: float = 0.85) -> int:
         """KV tokens that fit in ``fraction`` of the GPU memory left after the weights
         (of a quarter of the host's available memory on the CPU), at least one full context."""
         mc = self.model_config
-        per_token = PagedKV.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            self.dtype)
+        per_token = PagedKV.bytes_per_token(mc.num_layers, *mc.kv_shape, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * fraction

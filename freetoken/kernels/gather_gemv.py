@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.kernels.expert_matmul import gathered, weigh_pairs
+from freetoken.kernels.activation import glu
+from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as, get_format
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -108,19 +109,25 @@ def fused(formats: tuple[str, ...]) -> bool:
 
 
 def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,
-                   up: QuantTensor, down: QuantTensor, act: Act) -> torch.Tensor:
+                   up: QuantTensor, down: QuantTensor, act: Act,
+                   bias: ExpertBias | None = None) -> torch.Tensor:
     """Pairs at once, as ``expert_matmul.gathered``, with pair p's expert ``index[p]`` read from the
-    stacks gate/up (S, I, H) and down (S, H, I). x (T, H), w (T, A) -> (T, H)."""
+    stacks gate/up (S, I, H) and down (S, H, I); ``bias`` per pair. x (T, H), w (T, A) ->
+    (T, H)."""
     A = w.shape[1]
     g = gather_gemv(gate.fmt, gate.data, index, x, A)
     u = gather_gemv(up.fmt, up.data, index, x, A)
-    y = gather_gemv(down.fmt, down.data, index, act(g) * u, 1)  # (T*A, H)
+    if bias is not None:
+        g, u = g + bias.gate.to(g.dtype), u + bias.up.to(u.dtype)
+    y = gather_gemv(down.fmt, down.data, index, glu(act, g, u), 1)  # (T*A, H)
+    if bias is not None:
+        y = y + bias.down.to(y.dtype)
     return weigh_pairs(y, w)
 
 
 def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
                        gate: QuantTensor, up: QuantTensor, down: QuantTensor,
-                       act: Act) -> torch.Tensor:
+                       act: Act, bias: ExpertBias | None = None) -> torch.Tensor:
     """Slow twin, and the path of layers without a fused kernel: the pairs' experts copied
     out, dequantised to ``x``'s dtype, batched matmuls (``expert_matmul.gathered``, so resident's
     bits)."""
@@ -130,4 +137,4 @@ def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
                           {k: s[index] for k, s in qt.scales.items()})
         return dequantize_as(sub, x.dtype)
 
-    return gathered(x, w, picked(gate), picked(up), picked(down), act)
+    return gathered(x, w, picked(gate), picked(up), picked(down), act, bias)

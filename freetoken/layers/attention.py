@@ -43,29 +43,65 @@ def _decode_on_cpu(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
-    scale: float, window: int = 0,
+    scale: float, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> (T, Hq, D).
 
     The new keys are written to their slots first; then each sequence's queries (padded to
     (B, Tq)) attend over its keys (padded to (B, S)). Query at position p sees keys j <= p,
-    and with a window W only p - j < W.
+    and with a window W only p - j < W. ``sinks`` (Hq,): one more logit per head in every
+    softmax, with no value (GPT-OSS); it is an extra key of zeros whose mask entry is the
+    sink. A layer whose (Hkv, D) is narrower than the pool's row uses the row's front.
     """
-    if ctx.decode and q.device.type == "cpu" and q.dtype == ctx.kv.k.dtype == torch.float32 \
+    pool = tuple(ctx.kv.k.shape[2:])
+    if sinks is None and tuple(k.shape[1:]) == pool and ctx.decode and q.device.type == "cpu" \
+            and q.dtype == ctx.kv.k.dtype == torch.float32 \
             and k.dtype == v.dtype == torch.float32 and ctx.kv.k.is_contiguous() \
             and ctx.kv.v.is_contiguous():
         fn = _native_decode()
         if fn is not None:
             return _decode_on_cpu(fn, q, k, v, ctx, layer, scale, window)
-    ctx.kv.store(layer, ctx.slots, k, v)
-    keys = _gather(ctx.kv.k[layer], ctx.k_slots).transpose(1, 2)  # (B, Hkv, S, D)
-    values = _gather(ctx.kv.v[layer], ctx.k_slots).transpose(1, 2)
+    Hkv, D = k.shape[1:]
+    if (Hkv, D) != pool:
+        ctx.kv.store(layer, ctx.slots, _to_row(k, pool), _to_row(v, pool))
+    else:
+        ctx.kv.store(layer, ctx.slots, k, v)
+    keys = _from_row(_gather(ctx.kv.k[layer], ctx.k_slots), Hkv, D).transpose(1, 2)
+    values = _from_row(_gather(ctx.kv.v[layer], ctx.k_slots), Hkv, D).transpose(1, 2)
     queries = q[ctx.q_index].transpose(1, 2)  # (B, Hq, Tq, D)
+    mask = ctx.masks[window]
+    if sinks is not None:
+        keys, values, mask = _with_sinks(keys, values, mask, sinks, q.shape[1])
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=ctx.masks[window], scale=scale,
+        queries, keys, values, attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     out = out.transpose(1, 2)  # (B, Tq, Hq, D)
     if ctx.decode:
         return out.squeeze(1)
     return out[0] if ctx.single else out[ctx.q_valid]
+
+
+def _to_row(x: torch.Tensor, pool: tuple[int, ...]) -> torch.Tensor:
+    """(T, Hkv, D) zero-padded into the pool's (T, *pool) row."""
+    flat = x.reshape(x.shape[0], -1)
+    return F.pad(flat, (0, pool[0] * pool[1] - flat.shape[1])).view(x.shape[0], *pool)
+
+
+def _from_row(rows: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """(B, S, *pool) -> (B, S, heads, dim) from the front of each row (a view)."""
+    if tuple(rows.shape[2:]) == (heads, dim):
+        return rows
+    return rows.flatten(2)[..., : heads * dim].unflatten(-1, (heads, dim))
+
+
+def _with_sinks(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                sinks: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """One zero key and value appended per sequence, seen by every query with score sink[h]."""
+    B, _, Tq, S = mask.shape
+    pad = keys.new_zeros(*keys.shape[:2], 1, keys.shape[3])
+    keys, values = torch.cat([keys, pad], 2), torch.cat([values, pad], 2)
+    scores = torch.zeros(B, heads, Tq, S + 1, dtype=keys.dtype, device=keys.device)
+    scores[..., :S].masked_fill_(~mask, float("-inf"))
+    scores[..., S] = sinks.to(keys.dtype).view(1, heads, 1)
+    return keys, values, scores

@@ -18,17 +18,20 @@ def _native() -> Any:
 class RMSNorm(nn.Module):
     """``x / rms(x) * w``; with ``unit_offset`` (Gemma) the scale is ``1 + w``.
 
-    Qwen casts the normalised input back to the input dtype before scaling; Gemma scales in
-    float32 and casts last. Both orders are kept so bf16 runs match their references. Float32
+    Qwen casts the normalised input back to the input dtype before scaling; Gemma (and, with
+    ``float_scale``, Gemma-4 and GPT-OSS on a plain ``w``) scale in float32 and cast last. Both
+    orders are kept so bf16 runs match their references. Float32
     rows on the CPU go through one native call (its slow twin is :meth:`reference`): at decode
     the torch path's dispatch costs more than its arithmetic.
     """
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False,
+                 float_scale: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
         self.unit_offset = unit_offset
+        self.float_scale = float_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -49,4 +52,6 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(x.dtype)
+        if self.float_scale:
+            return (h * self.weight.float()).to(x.dtype)
         return self.weight * h.to(x.dtype)

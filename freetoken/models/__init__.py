@@ -6,12 +6,16 @@ from torch import nn
 
 from freetoken.config import ModelConfig
 from freetoken.models.gemma3 import Gemma3ForCausalLM
+from freetoken.models.gemma4 import Gemma4ForCausalLM
+from freetoken.models.gpt_oss import GptOssForCausalLM
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe.strategy import StrategyPlan
 
 MODELS: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

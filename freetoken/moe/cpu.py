@@ -24,6 +24,8 @@ class CpuExperts(Experts):
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
+        if (why := shape.native_missing()) is not None:
+            raise ConfigError(f"--moe-strategy cpu cannot run layer {shape.layer}: {why}")
         reason = cx.available()
         if reason is not None:
             raise ConfigError(f"--moe-strategy cpu needs the CPU MoE library, but {reason}")

@@ -164,6 +164,8 @@ class HybridExperts(OffloadExperts):
     FINISHES_LATE = True  # the CPU's share is collected after the device's is queued
 
     def __init__(self, shape: ExpertShape) -> None:
+        if (why := shape.native_missing()) is not None:
+            raise ConfigError(f"--moe-strategy hybrid cannot run layer {shape.layer}: {why}")
         reason = cx.available()
         if reason is not None:
             raise ConfigError(f"--moe-strategy hybrid needs the CPU MoE library, but {reason}")

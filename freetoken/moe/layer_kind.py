@@ -29,7 +29,7 @@ _TOKEN = re.compile(r"[A-Za-z0-9_.+-]+")
 _KEY = re.compile(r"([A-Za-z0-9_.+-]+)(?:\[([^\]]*)\])?:(\d+)x(\d+):top(\d+):t(\d+)")
 # stacked (GGUF, HF v5) or per-expert (HF) expert tensors, under our names
 _EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.mlp\.experts\.(?:\d+\.)?(gate_proj|up_proj|down_proj|gate_up_proj)"
+    r"model\.layers\.(\d+)\.(?:mlp\.)?experts\.(?:\d+\.)?(gate_proj|up_proj|down_proj|gate_up_proj)"
     r"(?:\.weight)?"
 )
 # The CPU path keeps f16 and f32 experts as bf16, so they bench and key as bf16.

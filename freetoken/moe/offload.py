@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from freetoken.kernels.activation import ACTIVATIONS
+from freetoken.kernels.activation import expert_activation
 from freetoken.kernels.expert_matmul import grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference, raised_by_triton
 from freetoken.moe.expert_cache import SlotPool
@@ -58,7 +58,8 @@ class OffloadExperts(Experts):
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
         self.shape = shape
-        self.act = ACTIVATIONS[shape.activation]
+        self.act = expert_activation(shape.activation, shape.swiglu_alpha, shape.swiglu_limit)
+        self.make_bias()
         self.device = torch.empty(0).device  # the device the model is being built on
         self.dtype = torch.get_default_dtype()
         self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
@@ -171,9 +172,11 @@ class OffloadExperts(Experts):
         w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
         index = slot.clamp(min=0)
         views = [self._pool_view(pool, p) for p in PROJECTIONS]
+        bias = self.bias()
+        bias = bias and bias.rows(ids.reshape(-1))
         if self.gpu_kernel == "fused":  # the slots' blocks read in place
             try:
-                return gathered_fused(x, w, index, *views, self.act)
+                return gathered_fused(x, w, index, *views, self.act, bias)
             except Exception as e:
                 if not raised_by_triton(e):
                     raise
@@ -182,7 +185,7 @@ class OffloadExperts(Experts):
                             "/".join(v.fmt for v in views), type(e).__name__,
                             str(e).splitlines()[0] if str(e) else "")
                 self.gpu_kernel = "dequant"
-        return gathered_reference(x, w, index, *views, self.act)
+        return gathered_reference(x, w, index, *views, self.act, bias)
 
     def _runtime(self) -> OffloadRuntime:
         if self.runtime is None or self.bank is None:
@@ -219,7 +222,7 @@ class OffloadExperts(Experts):
         kernel (too many pairs to gather, or the CPU); other experts' pairs are skipped."""
         return grouped(x, ids, w, self.shape.num_experts,
                        lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
-                       only=slot_of)
+                       only=slot_of, bias=self.bias())
 
     def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
         """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""
@@ -248,7 +251,7 @@ class OffloadExperts(Experts):
                 return self._row_weights(pool.data[hits[e]])
             return self._row_weights(stream.row(e))
 
-        out = grouped(x, ids, w, self.shape.num_experts, weights_of, self.act)
+        out = grouped(x, ids, w, self.shape.num_experts, weights_of, self.act, bias=self.bias())
         rt.stats.record(self.shape.layer, x.shape[0], len(hits), 0,
                         len(misses) * bank.expert_bytes, streamed=len(misses),
                         fetch=stream.finish(), compute=compute.stop())

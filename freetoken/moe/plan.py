@@ -26,7 +26,7 @@ from freetoken.moe.host_banks import available_host_bytes, expert_bytes
 from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span
 from freetoken.moe.profile import Match, load_profile_or_empty, lookup, plan_fractions
 from freetoken.moe.registry import AUTO, needs_of
-from freetoken.moe.strategy import LayerPlan, Needs
+from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
     else:
         strategies = tuple(cfg.moe_strategy if i in moe else "resident"
                            for i in range(mc.num_layers))
+    strategies = _without_native(cfg, ckpt, strategies)
     layers = [LayerPlan(s) for s in strategies]
     hybrid = [i for i in moe if strategies[i] == "hybrid"]
     if hybrid:
@@ -100,6 +101,26 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
     _log(plan, moe)
     log.info("%s", cores.line())
     return plan
+
+
+def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
+                    strategies: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's layers off the CPU kernels where the model's experts have none (GPT-OSS's
+    biased, clamped experts): an explicit cpu or hybrid is refused, auto's choice falls back
+    (cpu -> resident, hybrid -> offload) with a log line."""
+    mc = ckpt.config
+    why = ExpertShape(0, mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.top_k,
+                      mc.hidden_act, mc.expert_bias).native_missing()
+    native = [s for s in strategies if s in ("cpu", "hybrid")]
+    if why is None or not native:
+        return strategies
+    if cfg.moe_strategy != AUTO:
+        raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {mc.family}'s "
+                          f"experts: {why}")
+    instead = {"cpu": "resident", "hybrid": "offload"}
+    log.info("MoE plan: %s's experts have no CPU kernel; auto runs %d layers on %s instead",
+             mc.family, len(native), " / ".join(sorted({instead[s] for s in native})))
+    return tuple(instead.get(s, s) for s in strategies)
 
 
 def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,
@@ -133,7 +154,7 @@ def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:
     """Device bytes of the dense weights and of one MoE layer's experts, resident, at the
     compute dtype (weights are dequantised to it there)."""
     mc, size = ckpt.config, getattr(torch, cfg.dtype).itemsize
-    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".mlp.experts." not in n)
+    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".experts." not in n)
     return dense * size, 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
 
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from freetoken.kernels.expert_matmul import ExpertBias
+
 if TYPE_CHECKING:
     from freetoken.cpu.executor import CpuMoeExecutor
     from freetoken.moe.runtime import OffloadRuntime
@@ -31,7 +33,17 @@ class ExpertShape:
     hidden: int
     intermediate: int
     top_k: int
-    activation: str
+    activation: str  # kernels/activation.py: expert_activation
+    bias: bool = False  # gate/up/down carry biases (GPT-OSS)
+    swiglu_alpha: float = 0.0  # activation swiglu_oai's parameters
+    swiglu_limit: float = 0.0
+
+    def native_missing(self) -> str | None:
+        """Why the native CPU expert kernels cannot compute these experts, or None."""
+        if self.bias or self.activation == "swiglu_oai":
+            return ("biased experts with the clamped SwiGLU (GPT-OSS) have no CPU kernel yet; "
+                    "use --moe-strategy resident or offload")
+        return None
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,20 @@ class Experts(nn.Module):
 
     NEEDS: ClassVar[Needs] = Needs()
     shape: ExpertShape  # set by each strategy's constructor
+
+    def make_bias(self) -> None:
+        """Biased experts keep their biases on the model's device under every strategy (they
+        are small): ``gate_proj_bias``/``up_proj_bias`` (E, I), ``down_proj_bias`` (E, H)."""
+        s = self.shape
+        for name, n in (("gate_proj_bias", s.intermediate), ("up_proj_bias", s.intermediate),
+                        ("down_proj_bias", s.hidden)):
+            p = nn.Parameter(torch.empty(s.num_experts, n), requires_grad=False) if s.bias else None
+            self.register_parameter(name, p)
+
+    def bias(self) -> ExpertBias | None:
+        if not self.shape.bias:
+            return None
+        return ExpertBias(self.gate_proj_bias, self.up_proj_bias, self.down_proj_bias)
 
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
         """Take this layer's plan and what :attr:`NEEDS` asked for from ``shared``."""

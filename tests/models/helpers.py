@@ -49,8 +49,8 @@ def our_logits(
     cfg, dev = model.config, torch.device(device)
     p = next(model.parameters())
     page = 4  # small pages: a sequence spans several, in a scrambled order
-    kv = PagedKV(cfg.num_layers, -(-len(ids) // page) + 3, page, cfg.num_kv_heads, cfg.head_dim,
-                 p.dtype, device)
+    kv = PagedKV(cfg.num_layers, -(-len(ids) // page) + 3, page, *cfg.kv_shape, p.dtype,
+                 device)
     pages = kv.allocate(kv.num_pages)[::-1][: -(-len(ids) // page)]
     windows = (0, cfg.sliding_window) if any(cfg.sliding_layers) else (0,)
     t = torch.tensor(ids, device=device)

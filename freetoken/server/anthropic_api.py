@@ -70,42 +70,53 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         if err := ended_early(out):
             raise err
         content = [block(e) for e in merge_deltas(evs)]
-        return {**message_head(mid), "content": content,
+        return {**message_head(mid, state.model_name), "content": content,
                 "stop_reason": stop_reason(out, any(isinstance(e, ToolCall) for e in evs)),
                 "stop_sequence": out.stop_sequence, "usage": usage(out)}
 
-    def message_head(mid: str) -> dict[str, Any]:
-        return {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
-
     async def message_stream(mid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
                              ) -> AsyncIterator[str]:
-        blocks, started = Blocks(), False
+        stream = MessageEvents(mid, state.model_name)
         try:
             async for evs, out in events:
-                if err := ended_early(out):
-                    yield event("error", error_body("anthropic", err.status, err.message))
+                for chunk in stream.step(evs, out):
+                    yield chunk
+                if stream.ended:
                     return
-                if not started:  # after the first token: the prompt's cached share is known
-                    started = True
-                    yield event("message_start", {"message": {
-                        **message_head(mid), "content": [], "stop_reason": None,
-                        "stop_sequence": None, "usage": usage(out) | {"output_tokens": 0}}})
-                    yield event("ping", {})
-                for e in evs:
-                    for chunk in blocks.push(e):
-                        yield chunk
-                if out.finish_reason:
-                    for chunk in blocks.close():
-                        yield chunk
-                    yield event("message_delta", {
-                        "delta": {"stop_reason": stop_reason(out, blocks.called),
-                                  "stop_sequence": out.stop_sequence},
-                        "usage": usage(out)})
-                    yield event("message_stop", {})
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 
     return router
+
+
+class MessageEvents:
+    """The stream events of one message, one generation step at a time (no I/O here)."""
+
+    def __init__(self, mid: str, model: str) -> None:
+        self.mid, self.model = mid, model
+        self.blocks = Blocks()
+        self.started = self.ended = False
+
+    def step(self, evs: list[Event], out: Outcome) -> Iterator[str]:
+        if err := ended_early(out):
+            self.ended = True
+            yield event("error", error_body("anthropic", err.status, err.message))
+            return
+        if not self.started:  # after the first token: the prompt's cached share is known
+            self.started = True
+            yield event("message_start", {"message": {
+                **message_head(self.mid, self.model), "content": [], "stop_reason": None,
+                "stop_sequence": None, "usage": usage(out) | {"output_tokens": 0}}})
+            yield event("ping", {})
+        for e in evs:
+            yield from self.blocks.push(e)
+        if out.finish_reason:
+            self.ended = True
+            yield from self.blocks.close()
+            yield event("message_delta", {
+                "delta": {"stop_reason": stop_reason(out, self.blocks.called),
+                          "stop_sequence": out.stop_sequence}, "usage": usage(out)})
+            yield event("message_stop", {})
 
 
 class Blocks:
@@ -141,6 +152,10 @@ class Blocks:
         if self.open or force:
             yield event("content_block_stop", {"index": self.index})
             self.open = None
+
+
+def message_head(mid: str, model: str) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "role": "assistant", "model": model}
 
 
 def block(e: Event) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,7 +24,7 @@ from freetoken.server.generate import (
     valid_stop_ids,
 )
 from freetoken.server.output import gathered, output_parser, parsed
-from freetoken.server.parsers import ContentDelta, Event, OutputParser, ReasoningDelta, ToolCall
+from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from freetoken.server.render import render
 from freetoken.server.state import GONE, ServerState
@@ -47,7 +47,7 @@ def openai_routes(state: ServerState) -> APIRouter:
         parser = output_parser(state, prompt, tools=bool(tools))
         if req.stream:
             events = parsed(generate(state, rid, prompt.ids, params, req.stops()), parser)
-            return StreamingResponse(chat_stream(rid, events, parser, _include_usage(req)),
+            return StreamingResponse(chat_stream(rid, events, _include_usage(req)),
                                      media_type="text/event-stream")
         evs, out = await gathered(parsed(
             generate(state, rid, prompt.ids, params, req.stops(), watch=request), parser))
@@ -85,31 +85,18 @@ def openai_routes(state: ServerState) -> APIRouter:
                              "finish_reason": out.finish_reason}]}
 
     async def chat_stream(rid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
-                          parser: OutputParser, include_usage: bool) -> AsyncIterator[str]:
-        created, called = int(time.time()), False
-
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": state.model_name, "choices": [
-                            {"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": finish}]})
-
+                          include_usage: bool) -> AsyncIterator[str]:
+        chunks = ChatChunks(rid, state.model_name)
         out = Outcome()
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunks.first()
             async for evs, out in events:
-                if err := ended_early(out):
-                    yield sse(error_body("openai", err.status, err.message))
+                for chunk in chunks.step(evs, out):
+                    yield chunk
+                if chunks.failed:
                     return
-                for e in evs:
-                    called |= isinstance(e, ToolCall)
-                    yield chunk(chat_delta(e))
-                if out.finish_reason:
-                    yield chunk({}, finish_reason(out, called))
             if include_usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": state.model_name, "choices": [],
-                           "usage": usage_openai(out)})
+                yield chunks.usage(out)
             yield sse("[DONE]")
         finally:
             await events.aclose()  # type: ignore[attr-defined]
@@ -139,6 +126,40 @@ def openai_routes(state: ServerState) -> APIRouter:
             await events.aclose()  # type: ignore[attr-defined]
 
     return router
+
+
+class ChatChunks:
+    """The ``chat.completion.chunk`` events of one completion, one generation step at a time
+    (no I/O here)."""
+
+    def __init__(self, rid: str, model: str) -> None:
+        self.rid, self.model, self.created = rid, model, int(time.time())
+        self.called = self.failed = False
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
+        return sse(self._head() | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                "finish_reason": finish}]})
+
+    def first(self) -> str:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def step(self, evs: list[Event], out: Outcome) -> Iterator[str]:
+        if err := ended_early(out):
+            self.failed = True
+            yield sse(error_body("openai", err.status, err.message))
+            return
+        for e in evs:
+            self.called |= isinstance(e, ToolCall)
+            yield self.chunk(chat_delta(e))
+        if out.finish_reason:
+            yield self.chunk({}, finish_reason(out, self.called))
+
+    def usage(self, out: Outcome) -> str:
+        return sse(self._head() | {"choices": [], "usage": usage_openai(out)})
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model}
 
 
 def sampling_params(state: ServerState, req: SamplingFields, ids: list[int],

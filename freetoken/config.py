@@ -384,6 +384,15 @@ def _per_layer(value: Any, n: int) -> tuple[int, ...]:
     return (int(value),) * n
 
 
+def _uniform(value: Any, name: str) -> float:
+    """A scalar key, or a per-layer array of one value."""
+    values = set(value) if isinstance(value, list) else {value}
+    if len(values) != 1:
+        raise CheckpointError(f"GGUF key {name} differs between layers ({sorted(values)}); "
+                              "FreeToken takes one value for all layers")
+    return float(values.pop())
+
+
 def _gemma4_gguf(meta: dict[str, Any], key: Any, common: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's gemma4 keys: full-layer head size in key_length, sliding in
     key_length_swa; the full layers' proportional rope in the rope_freqs tensor (factor 1 on
@@ -425,8 +434,8 @@ def _gemma4_gguf(meta: dict[str, Any], key: Any, common: dict[str, Any]) -> dict
 
 def _gpt_oss_gguf(meta: dict[str, Any], key: Any, common: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's gpt-oss keys: yarn rope scaling, every other layer sliding (from the
-    first), biased experts with the clamped SwiGLU (alpha 1.702, limit 7, as llama.cpp fixes
-    them)."""
+    first), biased experts with the clamped SwiGLU (alpha 1.702 as llama.cpp fixes it; the
+    limit from ``swiglu_clamp_exp`` where written, else llama.cpp's 7)."""
     n = common["num_layers"]
     a = "gpt-oss"
     if meta.get(f"{a}.rope.scaling.type", "yarn") != "yarn":
@@ -447,7 +456,8 @@ def _gpt_oss_gguf(meta: dict[str, Any], key: Any, common: dict[str, Any]) -> dic
         rope_full=spec, rope_sliding=spec, attention_bias=True,
         num_experts=experts, top_k=int(key("expert_used_count")),
         moe_intermediate_size=int(key("expert_feed_forward_length")), norm_topk_prob=True,
-        moe_layers=(True,) * n, expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+        moe_layers=(True,) * n, expert_bias=True, swiglu_alpha=1.702,
+        swiglu_limit=_uniform(meta.get(f"{a}.swiglu_clamp_exp", 7.0), "swiglu_clamp_exp"),
     )
     return out
 

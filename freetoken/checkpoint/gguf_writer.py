@@ -72,6 +72,7 @@ def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
             f"{a}.rope.scaling.type": "yarn",
             f"{a}.rope.scaling.factor": float(cfg.rope_full.factor),
             f"{a}.rope.scaling.original_context_length": cfg.rope_full.original_max_position,
+            f"{a}.swiglu_clamp_exp": [float(cfg.swiglu_limit)] * cfg.num_layers,
         }
     return meta
 

@@ -70,3 +70,34 @@ def hf_logits(path: Path | str, ids: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model(torch.tensor([ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def our_greedy(model: torch.nn.Module, prompt: list[int], steps: int,
+               device: str = "cpu") -> list[int]:
+    """``steps`` greedy tokens after ``prompt``: one prefill forward, then one token a step."""
+    cfg, dev = model.config, torch.device(device)
+    p = next(model.parameters())
+    page, total = 4, len(prompt) + steps
+    kv = PagedKV(cfg.num_layers, -(-total // page) + 1, page, *cfg.kv_shape, p.dtype, device)
+    pages = kv.allocate(kv.num_pages)[::-1][: -(-total // page)]
+    windows = (0, cfg.sliding_window) if any(cfg.sliding_layers) else (0,)
+    out: list[int] = []
+    ids, start = list(prompt), 0
+    while len(out) < steps:
+        ctx = ForwardContext.build(kv, [Segment(pages, start, len(ids) - start)], dev, windows)
+        logits = model(torch.tensor(ids[start:], device=device), ctx)
+        start = len(ids)
+        ids.append(int(logits[-1].argmax()))
+        out.append(ids[-1])
+    return out
+
+
+@torch.inference_mode()
+def hf_greedy(path: Path | str, prompt: list[int], steps: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    got = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                         do_sample=False)
+    return got[0, len(prompt):].tolist()

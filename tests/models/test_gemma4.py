@@ -1,0 +1,125 @@
+"""Gemma-4 (MoE, sliding and full layers of their own geometry) against ``transformers`` on a
+tiny random checkpoint: HF directory, the same weights as a llama.cpp-style GGUF (f32 and
+q8_0 experts), greedy decoding, every MoE strategy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing
+from freetoken.errors import CheckpointError
+from tests.models.helpers import hf_greedy, hf_logits, load_ours, our_greedy, our_logits
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180]
+
+
+def _gguf(src, out, experts: str = "f32"):
+    return convert_to_gguf(open_checkpoint(src), out,
+                           lambda n, s: experts if ".experts." in n else "f32")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_transformers_across_the_window(tiny_gemma4, device):
+    # 16 tokens, window 5: sliding layers forget, full layers (head 32, v = k) do not
+    ref = hf_logits(tiny_gemma4, IDS)
+    ours = our_logits(load_ours(tiny_gemma4, device=device), IDS, prefill=9, device=device)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_has_llamacpps_names_and_keys(tiny_gemma4, tmp_path):
+    from gguf import GGUFReader
+
+    r = GGUFReader(_gguf(tiny_gemma4, tmp_path / "m.gguf"))
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_down_exps.weight",
+            "blk.0.ffn_gate_inp.scale", "blk.0.ffn_down_exps.scale", "blk.0.pre_ffw_norm_2.weight",
+            "blk.0.post_ffw_norm_1.weight", "blk.0.layer_output_scale.weight",
+            "rope_freqs.weight", "blk.0.attn_v.weight"} <= names
+    assert "blk.2.attn_v.weight" not in names  # full layer: v comes from k's projection
+    f = r.fields
+    assert f["general.architecture"].contents() == "gemma4"
+    assert f["gemma4.attention.key_length"].contents() == 32
+    assert f["gemma4.attention.key_length_swa"].contents() == 16
+    assert f["gemma4.attention.sliding_window_pattern"].contents() == [
+        True, True, False, True, True, False]
+    assert f["gemma4.attention.head_count_kv"].contents() == [2, 2, 1, 2, 2, 1]
+    freqs = r.get_tensor([t.name for t in r.tensors].index("rope_freqs.weight")).data
+    assert freqs.tolist() == [1.0] * 4 + [float(np.float32(1e30))] * 12  # 4 of 16 pairs turn
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_f32_gguf_matches_transformers(tiny_gemma4, tmp_path, device):
+    out = _gguf(tiny_gemma4, tmp_path / "m.gguf")
+    ref = hf_logits(tiny_gemma4, IDS)
+    got = our_logits(load_ours(out, device=device), IDS, prefill=5, device=device)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_q8_0_experts_match_transformers_on_the_same_blocks(tiny_gemma4, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = _gguf(tiny_gemma4, tmp_path / "m.gguf", "q8_0")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma4, dtype=torch.float32).eval()
+    q8 = GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".experts." in name:  # (E, 2I, H) and (E, H, I): blocks run along the last axis
+                w = p.detach().numpy()
+                p.copy_(torch.from_numpy(dequantize(quantize(w, q8), q8).reshape(w.shape)))
+        ref = hf(torch.tensor([IDS])).logits[0]
+    got = our_logits(load_ours(out), IDS, prefill=5)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref, hf_logits(tiny_gemma4, IDS), atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_tokens_equal_transformers(tiny_gemma4, tmp_path, source):
+    path = tiny_gemma4 if source == "hf" else _gguf(tiny_gemma4, tmp_path / "m.gguf")
+    want = hf_greedy(tiny_gemma4, IDS[:6], 32)
+    assert our_greedy(load_ours(path), IDS[:6], 32) == want
+
+
+def test_offload_gives_residents_tokens(tiny_gemma4):
+    resident = our_greedy(load_ours(tiny_gemma4), IDS[:6], 32)
+    # 3 slots per layer for 8 experts: misses, evictions and streamed prefill all happen
+    offload = our_greedy(load_ours(tiny_gemma4, strategy="offload", cache=CacheSizing("size", 3)),
+                         IDS[:6], 32)
+    assert offload == resident
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "hybrid"])
+def test_native_strategies_give_residents_tokens(tiny_gemma4, tmp_path, monkeypatch, strategy):
+    from freetoken.cpu import executor as cx
+
+    if (why := cx.available()) is not None:
+        pytest.skip(why)
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    # bf16 experts: the kernels round activations to bf16 (q8_0 ones to int8, which the norm
+    # after Gemma-4's experts scales up to token flips on tiny random weights); logits stay
+    # within that rounding, tokens equal
+    out = _gguf(tiny_gemma4, tmp_path / "m.gguf", "bf16")
+    resident = load_ours(out)
+    other = load_ours(out, strategy=strategy, cache=CacheSizing("size", 3), max_fetch=1)
+    torch.testing.assert_close(our_logits(other, IDS, prefill=5),
+                               our_logits(resident, IDS, prefill=5), atol=3e-2, rtol=3e-2)
+    assert our_greedy(other, IDS[:6], 32) == our_greedy(resident, IDS[:6], 32)
+
+
+def test_per_layer_embeddings_are_refused_by_name(tiny_gemma4, tmp_path):
+    bad = tmp_path / "ple"
+    shutil.copytree(tiny_gemma4, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_size_per_layer_input"] = 256
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="per-layer input embeddings"):
+        open_checkpoint(bad)

@@ -218,6 +218,12 @@ FT_API int ft_decode_layer(void* ex, const ft::DecodeLayer* d, const ft::DecodeS
   return ft::decode_layer(*(ft::Executor*)ex, *d, *st, x);
 }
 
+// A dense MLP's act(gate) * up (csrc/glu.cpp) on the calling thread.
+FT_API void ft_glu(const float* g, int64_t g_stride, const float* u, int64_t u_stride,
+                   int64_t T, int I, int act, float* out) {
+  ft::glu(g, g_stride, u, u_stride, T, I, act, out);
+}
+
 // timing: null, or ft::TM_FIELDS int64s to fill (see ft::TimingField).
 FT_API int64_t ft_wait(void* ex, int64_t handle, int64_t* ns, int64_t* timing) {
   return ((ft::Executor*)ex)->wait(handle, ns, timing);

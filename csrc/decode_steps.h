@@ -21,6 +21,10 @@ void rms_norm(const float* x, const float* w, int64_t rows, int dim, float eps, 
 // x, y (T, heads, D); cos, sin (P, D); -1 when a position is outside the tables. rotary.cpp.
 int rotary_neox(const float* x, const float* cos, const float* sin, int64_t P,
                 const int64_t* positions, int64_t T, int heads, int D, float* y);
+// out (T, I) = activate(act, g) * u for g, u (T, I) rows `g_stride` / `u_stride` floats apart
+// (the two halves of a stacked gate/up output). glu.cpp.
+void glu(const float* g, int64_t g_stride, const float* u, int64_t u_stride, int64_t T, int I,
+         int act, float* out);
 // logits (T, E) -> the top A ids and weights per token, A <= E. route_topk.cpp.
 void route_topk(const float* logits, int64_t T, int E, int A, bool renormalise, int64_t* ids,
                 float* weights);

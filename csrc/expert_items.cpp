@@ -21,17 +21,6 @@ constexpr int kGroup = 16;     // pairs per kernel call
 constexpr int64_t kMaxChunk = kMaxGateUpRows;  // rows per gate/up work item
 constexpr int kExpertSpins = 100000;  // pauses (a few ms) before a down item sleeps on gate/up
 
-inline float activate(int kind, float g) {
-  switch (kind) {
-    case ACTV_GELU_TANH:
-      return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-    case ACTV_GELU:
-      return 0.5f * g * (1.0f + std::erf(g * 0.7071067811865476f));
-    default:
-      return g / (1.0f + std::exp(-g));
-  }
-}
-
 // Act views advanced to vector `first` of K-long vectors.
 Act offset_act(const Act& a, int64_t first) {
   Act o = a;

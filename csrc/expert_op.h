@@ -9,6 +9,8 @@
 // order, so the result does not depend on the number of threads or the split.
 #pragma once
 
+#include <cmath>
+
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -23,6 +25,19 @@
 namespace ft {
 
 enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
+
+// The gate's activation, for the experts and the dense MLPs alike (one definition: one set of
+// bits whichever computes it).
+inline float activate(int kind, float g) {
+  switch (kind) {
+    case ACTV_GELU_TANH:
+      return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    case ACTV_GELU:
+      return 0.5f * g * (1.0f + std::erf(g * 0.7071067811865476f));
+    default:
+      return g / (1.0f + std::exp(-g));
+  }
+}
 
 // How phase 2 splits down_proj over the workers.
 //   DOWN_ROWS: an item is a chunk of H rows of every active expert, weighted and summed into

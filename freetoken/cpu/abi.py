@@ -16,7 +16,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 2  # csrc/common.h ABI_VERSION
+ABI_VERSION = 3  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32")
 # What experts are kept in: f32 and f16 experts are kept as bf16; f32 is for dense routers.
@@ -55,6 +55,9 @@ class DecodeLayer(c.Structure):
         ("Hkv", c.c_int32), ("D", c.c_int32), ("E", c.c_int32), ("A", c.c_int32),
         ("renormalise", c.c_int32), ("scale", c.c_float), ("k_cache", c.c_void_p),
         ("v_cache", c.c_void_p), ("cos", c.c_void_p), ("sin", c.c_void_p), ("P", c.c_int64),
+        ("unit_offset", c.c_int32), ("windowed", c.c_int32), ("attn_out_norm", c.c_void_p),
+        ("ffn_out_norm", c.c_void_p), ("q", c.c_int32), ("k", c.c_int32), ("v", c.c_int32),
+        ("gate_up", c.c_int32), ("down", c.c_int32), ("I", c.c_int32), ("act", c.c_int32),
     ]
 
 
@@ -64,6 +67,7 @@ class DecodeStep(c.Structure):
     _fields_ = [
         ("positions", c.c_void_p), ("new_slots", c.c_void_p), ("slots", c.c_void_p),
         ("visible", c.c_void_p), ("B", c.c_int32), ("S", c.c_int32),
+        ("visible_window", c.c_void_p),
     ]
 
 

@@ -133,6 +133,10 @@ def native() -> ctypes.CDLL:
         "ft_route_topk": (
             None, [c.c_void_p, c.c_int64, c.c_int, c.c_int, c.c_int, c.c_void_p, c.c_void_p],
         ),
+        "ft_glu": (
+            None, [c.c_void_p, c.c_int64, c.c_void_p, c.c_int64, c.c_int64, c.c_int, c.c_int,
+                   c.c_void_p],
+        ),
         "ft_set_gate_up_rows": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_add_linear": (
             c.c_int, [c.c_void_p, c.c_int, c.POINTER(ProjDesc), c.c_int, c.c_char_p, c.c_int],

@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from freetoken.config import ModelConfig
+from freetoken.cpu.library import ACTIVATIONS as NATIVE_ACTIVATIONS
 from freetoken.cpu.library import optional
 from freetoken.kernels.activation import ACTIVATIONS
 from freetoken.layers.attention import attention
 from freetoken.layers.context import ForwardContext
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
+from freetoken.layers.pool_linear import PoolLinear
 from freetoken.layers.rotary import Rotary
 from freetoken.moe.registry import make_experts
 from freetoken.moe.strategy import ExpertShape, StrategyPlan
@@ -57,17 +59,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)).
+
+    With its matrices on the CPU pool (float32 activations), ``act(g) * u`` is the library's
+    (``ft_glu``): the native decode layer's MLP computes it so too, and the two stay the same
+    bits; in torch (and against ``transformers``) it is torch's."""
 
     def __init__(self, hidden: int, intermediate: int, activation: str) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if isinstance(self.gate_proj, PoolLinear) and g.dtype is torch.float32 and g.dim() == 2:
+            fn = optional("ft_glu")
+            if fn is not None and g.stride(1) == 1 and u.stride(1) == 1:
+                out = torch.empty(g.shape, dtype=torch.float32)
+                fn(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), g.shape[0], g.shape[1],
+                   NATIVE_ACTIVATIONS[self.activation], out.data_ptr())
+                return self.down_proj(out)
+        return self.down_proj(self.act(g) * u)
 
 
 class MoEBlock(nn.Module):

@@ -9,6 +9,8 @@ Norm scales are (1 + w).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
 from freetoken.models.blocks import MLP, Attention, MoEBlock
 from freetoken.moe.strategy import StrategyPlan
+
+if TYPE_CHECKING:
+    from freetoken.models.native_decode import NativeDecodeLayer
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -38,8 +43,13 @@ class Gemma3DecoderLayer(nn.Module):
             MoEBlock(cfg, layer, strategy) if cfg.moe_layers[layer]
             else MLP(H, cfg.intermediate_size, cfg.hidden_act)
         )
+        # CPU float32 decode's whole layer as one native call, where attached
+        # (freetoken/models/native_decode.py); these modules are its slow twin.
+        self.native: NativeDecodeLayer | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.native is not None and ctx.decode:
+            return self.native(x, ctx)
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 

@@ -62,14 +62,14 @@ def test_native_layers_give_the_modules_bits(gguf, monkeypatch):
     from freetoken.models.native_decode import NativeDecodeLayer
 
     model = _pool_model(gguf)
-    assert attach_native_decode(model, _pool()) == 2  # layer 1 has a dense MLP: its modules run
-    assert why_not(model.model.layers[1]) is not None
+    assert attach_native_decode(model, _pool()) == 3  # the two MoE layers and the dense one
+    assert why_not(model.model.layers[1]) is None
     calls = []
     real = NativeDecodeLayer.__call__
     monkeypatch.setattr(NativeDecodeLayer, "__call__",
                         lambda self, *a: calls.append(1) or real(self, *a))
     native = our_logits(model, IDS, prefill=5)
-    assert len(calls) == 2 * (len(IDS) - 5)  # every decode step of both MoE layers
+    assert len(calls) == 3 * (len(IDS) - 5)  # every decode step of every layer
     _modules_only(model)
     modules = our_logits(model, IDS, prefill=5)
     assert torch.equal(native, modules)
@@ -115,3 +115,36 @@ def test_a_position_past_the_tables_is_an_error(gguf):
     ctx = ForwardContext.build(kv, [Segment(pages, far, 1)], torch.device("cpu"))
     with pytest.raises(RuntimeError, match="past the rotary tables"):
         layer(torch.randn(1, cfg.hidden_size), ctx)
+
+
+@pytest.mark.parametrize("v_format", ["q8_0", "q5_0"], ids=["qkv-stacked", "qkv-apart"])
+def test_gemma3_sandwich_layers_give_the_modules_bits(tiny_gemma3, tmp_path, v_format,
+                                                      monkeypatch):
+    """Gemma-3's layers (norms of both outputs, scales 1 + w, a 5-token sliding window on
+    most layers, a GELU MLP, the head tied to the embedding) over 16 tokens, so the window
+    slides; with v in another format than q and k, the three run as separate jobs."""
+    from freetoken.models.native_decode import NativeDecodeLayer
+
+    def fmt(name: str, shape) -> str:
+        if "v_proj" in name:
+            return v_format
+        return "q8_0" if "proj" in name or "embed" in name else "f32"
+
+    path = convert_to_gguf(open_checkpoint(tiny_gemma3), tmp_path / "g.gguf", fmt)
+    ckpt = open_checkpoint(path)
+    model = build_model(ckpt.config, "resident")
+    use_pool_linears(model, _pool())
+    load_weights(model, ckpt, torch.device("cpu"), progress=False)
+    layers = model.model.layers
+    assert attach_native_decode(model, _pool()) == len(layers)
+    assert any(layer.self_attn.window for layer in layers)
+    calls = []
+    real = NativeDecodeLayer.__call__
+    monkeypatch.setattr(NativeDecodeLayer, "__call__",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    native = our_logits(model, IDS, prefill=3)
+    assert len(calls) == len(layers) * (len(IDS) - 3)
+    _modules_only(model)
+    assert torch.equal(native, our_logits(model, IDS, prefill=3))
+    resident = our_logits(load_ours(path), IDS, prefill=3)  # dequantised f32, in torch
+    torch.testing.assert_close(native, resident, atol=5e-2, rtol=5e-2)

@@ -60,6 +60,8 @@ def why_not(layer: nn.Module) -> str | None:
         return "not an attention + MLP layer"
     if getattr(attn, "sinks", None) is not None:
         return "its attention has sinks"
+    if any(hasattr(layer, n) for n in ("experts", "router", "layer_scalar")):
+        return "it has more than attention and one MLP (experts beside the MLP, a layer scale)"
     moe = isinstance(getattr(mlp, "experts", None), CpuExperts)
     if not moe and not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         return "its MLP is neither experts on the CPU pool nor a gated dense MLP"
@@ -75,8 +77,9 @@ def why_not(layer: nn.Module) -> str | None:
         return "its MLP's gate and up do not stack into one matrix, or its activation is not " \
                "the library's"
     norms = [n for n in _norms(layer) if n is not None] + [attn.q_norm, attn.k_norm]
-    if not all(isinstance(n, RMSNorm) and _f32(n.weight) for n in norms):
-        return "its norms are not float32 RMSNorms"
+    if not all(isinstance(n, RMSNorm) and _f32(n.weight) and not getattr(n, "float_scale", False)
+               for n in norms):
+        return "its norms are not float32 RMSNorms of the library's kind"
     if len({n.eps for n in norms}) != 1 or len({n.unit_offset for n in norms}) != 1:
         return "its norms differ in eps or scale"
     if not _f32(attn.rotary.cos):

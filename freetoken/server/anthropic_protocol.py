@@ -156,6 +156,9 @@ class MessagesRequest(CountTokensRequest):
 def _turn(i: int, msg: InputMessage, called: dict[str, str]) -> list[dict[str, Any]]:
     if isinstance(msg.content, str):
         return [{"role": msg.role, "content": msg.content}]
+    if not msg.content:
+        raise APIError(400, f"messages.{i}.content: a list of blocks must not be empty",
+                       f"messages.{i}.content")
     text, reasoning, calls, results = [], [], [], []
     for j, raw in enumerate(msg.content):
         block = _block(f"messages.{i}.content.{j}", raw, ROLE_BLOCKS[msg.role])

@@ -94,22 +94,22 @@ def test_open_host_without_a_key_warns(tiny_model, tmp_path):
 
 
 def test_sigterm_lets_requests_finish_then_ends_the_rest(tmp_path):
-    """Gemma-3 270M with torch's dense layers decodes ~10 tokens/s on two CPU cores: 8 tokens
-    finish inside the 4 s grace, 300 do not."""
+    """Gemma-3 270M with torch's dense layers decodes about 10 tokens/s on two CPU cores: 4
+    tokens finish inside the 10 s grace even on a loaded machine, 400 do not."""
     log = tmp_path / "log"
     (tmp_path / "t.jinja").write_text(GEMMA_TEMPLATE)
     server = start_server(["--kv-tokens", "4096", "--max-seq-len", "512", "--chat-template",
-                           str(tmp_path / "t.jinja"), "--shutdown-timeout", "4",
+                           str(tmp_path / "t.jinja"), "--shutdown-timeout", "10",
                            "--cpu-dense", "torch"], log)
     model = "gemma-3-270m-q4_k_m.gguf"
     greedy = {"temperature": 0}
-    long = {"max_tokens": 300, **greedy}
+    long = {"max_tokens": 400, **greedy}
     msgs = [{"role": "user", "content": "Tell a long story."}]
     oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
     an = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
 
     def short() -> str | None:
-        return oa.completions.create(model=model, prompt="Hello", max_tokens=8,
+        return oa.completions.create(model=model, prompt="Hello", max_tokens=4,
                                      temperature=0).choices[0].finish_reason
 
     def stream_openai() -> list[str]:
@@ -119,7 +119,7 @@ def test_sigterm_lets_requests_finish_then_ends_the_rest(tmp_path):
 
     def stream_anthropic() -> list[str]:
         return [e.type for e in an.messages.create(model=model, messages=msgs, stream=True,
-                                                   max_tokens=300, extra_body=greedy)]
+                                                   max_tokens=400, extra_body=greedy)]
 
     def plain(path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{server.url}{path}", json=body | long, timeout=60)
@@ -150,7 +150,7 @@ def test_sigterm_lets_requests_finish_then_ends_the_rest(tmp_path):
             jobs["openai_stream"].result()
         with pytest.raises(anthropic.APIStatusError, match="shut down"):
             jobs["anthropic_stream"].result()
-        assert 3.5 < time.monotonic() - t0 < 15
+        assert 9.5 < time.monotonic() - t0 < 30
     assert server.proc.wait(timeout=60) == 0
     text = log.read_text()
     assert "shutdown timeout: ending 4 requests" in text

@@ -152,6 +152,7 @@ BAD = [
         {"type": "tool_use", "id": "t", "name": "f"}]}]}, "messages.0.content.0.input"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
     ({"max_tokens": 100000}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": 1.5}, "temperature"),

@@ -35,6 +35,8 @@ class ForwardContext:
     single: bool  # one segment: attention can skip the padding gathers
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> (B, 1, Tq, S)
     decode: bool = False  # every segment has one token (Tq = 1): no padding to drop
+    # per sequence: (first of its rows among the T tokens, its new tokens, its keys)
+    spans: tuple[tuple[int, int, int], ...] = ()
 
     @staticmethod
     def build(kv: PagedKV, segments: list[Segment], device: torch.device,
@@ -46,9 +48,10 @@ class ForwardContext:
         positions, slots, q_index, q_valid = [], [], [], []
         k_slots = torch.zeros(B, S, dtype=torch.long)
         k_pos = torch.full((B, S), 1 << 40, dtype=torch.long)  # padding: never visible
-        offset, last = 0, []
+        offset, last, spans = 0, [], []
         for b, s in enumerate(segments):
             end = s.start + s.count
+            spans.append((offset, s.count, end))
             positions.append(torch.arange(s.start, end))
             seq_slots = kv.slots(s.pages, 0, end, torch.device("cpu"))
             slots.append(seq_slots[s.start:])
@@ -74,5 +77,5 @@ class ForwardContext:
             q_index=q_idx.to(**to), q_valid=torch.stack(q_valid).to(**to),
             k_slots=k_slots.to(**to),
             logit_rows=None if all_logits else torch.tensor(last, **to),
-            single=B == 1, masks=masks, decode=Tq == 1,
+            single=B == 1, masks=masks, decode=Tq == 1, spans=tuple(spans),
         )

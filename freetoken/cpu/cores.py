@@ -90,6 +90,9 @@ class CorePlan:
         """Why the pool has fewer workers than asked, or None."""
         if self.asked is None:
             return None
+        if len(self.usable) == 1:
+            return (f"--moe-cpu-threads {self.asked} on one usable core (affinity mask and "
+                    "cgroup quota): the CPU pool has 1 worker, sharing it with the engine thread")
         return (f"--moe-cpu-threads {self.asked} would leave the engine thread no core of its "
                 f"own ({len(self.usable)} usable: affinity mask and cgroup quota): the CPU pool "
                 f"has {len(self.workers)} workers, one per core beside the engine thread's")
@@ -106,7 +109,8 @@ def core_plan(usable: list[int], pool: bool, threads: int | None = None) -> Core
         raise ValueError(f"--moe-cpu-threads must be at least 1, got {threads}")
     free = usable[1:]
     if not free:
-        return CorePlan(tuple(usable), (usable[0],), 1)
+        return CorePlan(tuple(usable), (usable[0],), 1,
+                        threads if threads is not None and threads > 1 else None)
     n = len(free) if threads is None else threads
     asked = n if n > len(free) else None
     n = min(n, len(free))

@@ -4,6 +4,7 @@ what the flags asked for beyond the usable cores is cut and said."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from freetoken.cpu.cores import CorePlan, core_plan, usable_cores
         ([0, 1, 2, 3], 4, (1, 2, 3), 1, 4),  # all usable cores asked: one left to the engine
         ([4, 5], 16, (5,), 1, 16),  # an affinity mask smaller than the machine
         ([7], None, (7,), 1, None),  # one core: the worker shares it
-        ([7], 3, (7,), 1, None),
+        ([7], 3, (7,), 1, 3),
     ],
 )
 def test_pool_workers_never_take_the_engine_threads_core(usable, threads, workers,
@@ -71,3 +72,34 @@ def test_an_affinity_mask_of_one_core_is_what_the_engine_plans_for():
                          check=True).stdout.splitlines()
     assert out[0] == f"({core},)"
     assert "1 usable" in out[1] and "shared with the engine thread" in out[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cores") / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--expert-format", "q8_0", "--out", str(path)], check=True,
+                   capture_output=True, timeout=300)
+    return path
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_one_core_with_two_workers_asked_decodes_the_same_tokens(tiny_q8):
+    """`taskset -c` to one core, `--moe-cpu-threads 2`: the plan shrinks to one worker and
+    says so, and ft generate gives the tokens it gives on every core (the kernels' bits do not
+    depend on the worker count)."""
+    from freetoken.cpu.library import available
+
+    if available() is not None:
+        pytest.skip(str(available()))
+    cmd = [sys.executable, "-m", "freetoken.cli", "generate", "--device", "cpu", "--model",
+           str(tiny_q8), "--moe-strategy", "cpu", "--prompt", "one two three",
+           "--max-tokens", "12", "--temperature", "0"]
+    free = subprocess.run(cmd + ["--moe-cpu-threads", "1"], capture_output=True, text=True,
+                          timeout=300)
+    one = subprocess.run(["taskset", "-c", str(usable_cores()[0]), *cmd,
+                          "--moe-cpu-threads", "2"], capture_output=True, text=True, timeout=300)
+    assert free.returncode == 0 and one.returncode == 0, one.stderr[-2000:]
+    assert one.stdout == free.stdout and len(one.stdout) > len("one two three")
+    assert "--moe-cpu-threads 2 on one usable core" in one.stderr
+    assert "1 usable" in one.stderr and "shared with the engine thread" in one.stderr

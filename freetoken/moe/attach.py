@@ -60,7 +60,9 @@ def _expert_cache(layers: list[Experts], sizing: CacheSizing) -> OffloadRuntime:
     cache = ExpertCache(plans, {m.shape.layer: m.shape.num_experts
                                 for ms in by_size.values() for m in ms}, device)
     stats = MoEStats([m.shape.layer for ms in by_size.values() for m in ms],
-                     device.type == "cuda")
+                     device.type == "cuda",
+                     {m.shape.layer: m.bank.layout.kind for ms in by_size.values() for m in ms
+                      if m.bank is not None})
     for size, ms in by_size.items():
         pool = cache.pool(ms[0].shape.layer)
         kind = ms[0].bank.layout.kind if ms[0].bank else "?"

@@ -30,6 +30,9 @@ class LayerStats:
     cpu_s: float = 0.0  # the CPU pool's time on its jobs, submit to last item (hybrid)
 
 
+KIND_TIMES = ("fetch_s", "compute_s", "cpu_s", "plan_s")  # summed per layer kind
+
+
 class Span:
     """One timed piece of work: host clock on the CPU, an event pair on CUDA."""
 
@@ -62,8 +65,10 @@ class Span:
 class MoEStats:
     """Counters of every offloaded layer of one model."""
 
-    def __init__(self, layers: list[int], cuda: bool) -> None:
+    def __init__(self, layers: list[int], cuda: bool,
+                 kinds: dict[int, str] | None = None) -> None:
         self.layers = {layer: LayerStats() for layer in layers}
+        self.kinds = kinds or {}  # layer -> its expert formats in words (``q8_0``, ``bf16``)
         self.first = min(layers) if layers else -1
         self.cuda = cuda
         self._pending: list[tuple[int, str, Span]] = []
@@ -124,6 +129,17 @@ class MoEStats:
             "hit_rate": tot.hits / lookups if lookups else 0.0,
             "bytes_per_token": tot.bytes_fetched / tokens if tokens else 0.0,
         }
+        kinds: dict[str, dict[str, float]] = {}
+        for layer, s in self.layers.items():
+            kind = self.kinds.get(layer)
+            if kind is None:
+                continue
+            row = kinds.setdefault(kind, {"layers": 0, **{k: 0.0 for k in KIND_TIMES}})
+            row["layers"] += 1
+            for k in KIND_TIMES:
+                row[k] += getattr(s, k)
+        if kinds:
+            out["kinds"] = kinds
         if per_layer:
             out["layers"] = {str(k): asdict(v) for k, v in self.layers.items()}
             for k, f in self.fractions.items():

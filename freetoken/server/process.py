@@ -72,6 +72,16 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
                 line += (f" (experts: fetch {ms(moe, old, 'fetch_s'):.1f}, compute "
                          f"{ms(moe, old, 'compute_s'):.1f}, CPU {ms(moe, old, 'cpu_s'):.1f}, "
                          f"host plan {ms(moe, old, 'plan_s'):.1f})")
+                kinds, was_kinds = moe.get("kinds") or {}, old.get("kinds") or {}
+                if len(kinds) > 1:  # which layers the time goes to, by their expert formats
+                    parts = []
+                    for kind, k in sorted(kinds.items()):
+                        w = was_kinds.get(kind, {})
+                        parts.append(f"{kind} ({k['layers']:.0f} layers) fetch "
+                                     f"{ms(k, w, 'fetch_s'):.1f}, compute "
+                                     f"{ms(k, w, 'compute_s'):.1f}, CPU {ms(k, w, 'cpu_s'):.1f}, "
+                                     f"host plan {ms(k, w, 'plan_s'):.1f}")
+                    line += "; by layer kind: " + "; ".join(parts)
     return line
 
 

@@ -212,6 +212,13 @@ def test_offload_logits_equal_resident_bitwise(checkpoint, slots):
         assert stats["misses"] > slots and stats["hits"] > 0  # evictions happened
         assert stats["bytes_fetched"] > 0 and stats["bytes_per_token"] > 0
         assert set(stats["layers"]) == {"0", "2"}
+        # per layer kind: each kind's layers and times add up to the totals
+        kinds = stats["kinds"]
+        assert sum(k["layers"] for k in kinds.values()) == 2
+        if "mixed" in str(checkpoint):
+            assert set(kinds) == {"q8_0", "bf16"}
+        for key in ("fetch_s", "compute_s", "plan_s"):
+            assert sum(k[key] for k in kinds.values()) == pytest.approx(stats[key])
 
 
 @pytest.mark.parametrize("slots", [4, 6])

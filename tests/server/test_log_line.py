@@ -27,3 +27,20 @@ def test_without_tokens_or_experts_the_line_stays_short():
     times = {"steps": 3, "tokens": 3, "schedule_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
     line = decode_line(1.0, {**BASE, "times": times}, {**BASE, "times": times})
     assert line == "engine: 1.0 tokens/s, running 2, waiting 0, KV 25 %"
+
+
+def test_with_several_layer_kinds_the_line_says_where_each_went():
+    times = {"steps": 0, "tokens": 0, "schedule_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
+    kinds = {"q8_0": {"layers": 29, "fetch_s": 1.0, "compute_s": 0.0, "cpu_s": 0.5, "plan_s": 0.2},
+             "bf16": {"layers": 1, "fetch_s": 0.5, "compute_s": 0.0, "cpu_s": 0.1, "plan_s": 0.0}}
+    moe = {"hit_rate": 0.1, "bytes_per_token": 1e6, "fetch_s": 1.5, "compute_s": 0.0,
+           "cpu_s": 0.6, "plan_s": 0.2, "kinds": kinds}
+    line = decode_line(10.0, {**BASE, "times": {**times, "tokens": 100}, "moe": moe},
+                       {**BASE, "times": times})
+    assert line.endswith("; by layer kind: bf16 (1 layers) fetch 5.0, compute 0.0, CPU 1.0, "
+                         "host plan 0.0; q8_0 (29 layers) fetch 10.0, compute 0.0, CPU 5.0, "
+                         "host plan 2.0")
+    one = decode_line(10.0, {**BASE, "times": {**times, "tokens": 100},
+                             "moe": {**moe, "kinds": {"q8_0": kinds["q8_0"]}}},
+                      {**BASE, "times": times})
+    assert "by layer kind" not in one

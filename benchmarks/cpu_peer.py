@@ -1,6 +1,9 @@
-"""CPU-only decode against llama.cpp on the same GGUF file and thread count, in one run.
+"""CPU-only decode and prefill against llama.cpp on the same GGUF file and thread count, in one
+run.
 
-Both decode greedily from the same prompt ids, one token per step, after a prefill. llama.cpp
+Both decode greedily from the same prompt ids, one token per step, after a prefill; with
+``--prefill-tokens N`` each also prefills an N-token prompt on its own (llama.cpp: one eval of
+the prompt, batch N; ours: the engine's prefill of the prompt, up to its first token). llama.cpp
 runs with --threads T; we run with T cores in all: T-1 CPU expert workers (at least 1) plus the
 engine thread, with the dense layers in torch (`--cpu-dense torch`) or in their own format on
 the pool, where the engine thread joins the workers while it waits (`--cpu-dense pool`).
@@ -33,12 +36,12 @@ from freetoken.engine.sample import SamplingParams  # noqa: E402
 class LlamaCpp:
     """llama.cpp (llama-cpp-python) on the file, decoding greedily one token per eval."""
 
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, n_ctx: int = 512) -> None:
         import llama_cpp
 
         self.llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(model, n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                                   verbose=False)
+        self.llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=n_ctx, n_ubatch=n_ctx, verbose=False)
 
     def decode(self, ids: list[int], tokens: int) -> dict[str, object]:
         llm, vocab = self.llm, self.llm.n_vocab()
@@ -53,6 +56,13 @@ class LlamaCpp:
             llm.eval([out[-1]])
         dt = time.perf_counter() - t0
         return {"tokens_per_s": tokens / dt, "output_ids": out}
+
+    def prefill(self, ids: list[int]) -> float:
+        """Prompt tokens per second of one eval of ``ids`` from an empty context."""
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return len(ids) / (time.perf_counter() - t0)
 
 
 # seconds the engine thread spent in the library: waiting for pool jobs (in which it joins the
@@ -98,9 +108,9 @@ class Ours:
     the earlier engine then reads the later one's copy)."""
 
     def __init__(self, model: str, threads: int, strategy: str, cpu_dense: str,
-                 join: bool, native: bool) -> None:
+                 join: bool, native: bool, max_len: int = 512) -> None:
         cfg = EngineConfig(model=model, device="cpu", dtype="float32", moe_strategy=strategy,
-                           max_seq_len=512, moe_cpu_threads=max(1, threads - 1),
+                           max_seq_len=max_len, moe_cpu_threads=max(1, threads - 1),
                            cpu_dense=cpu_dense)
         configure_threads(cfg)
         self.executor = None
@@ -111,6 +121,14 @@ class Ours:
             for layer in self.engine.model.model.layers:
                 layer.native = None
         self.join = join
+
+    def prefill(self, ids: list[int]) -> float:
+        """Prompt tokens per second of the engine's prefill of ``ids`` (to its first token)."""
+        if self.executor is not None:
+            self.executor.set_join(self.join)
+        stats = GenerationStats()
+        next(self.engine.stream(ids, SamplingParams(max_tokens=1, ignore_eos=True), stats))
+        return len(ids) / stats.prefill_s
 
     def decode(self, ids: list[int], tokens: int) -> dict[str, object]:
         if self.executor is not None:
@@ -155,6 +173,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3,
                    help="decode runs of each engine, interleaved; the medians are reported")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also time the prefill of a prompt of this many tokens (0: none)")
     p.add_argument("--label", default="")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help="comma-separated engines of ours to run next to llama.cpp: "
@@ -166,15 +186,23 @@ def main() -> None:
     if unknown:
         p.error(f"unknown engines {unknown} (choose from {', '.join(ENGINES)})")
     ids = list(range(1000, 1016))
-    peer = LlamaCpp(args.model, args.threads)
-    ours = {name: Ours(args.model, args.threads, *ENGINES[name][:4]) for name in engines}
+    prompt = [1000 + (7 * i) % 5000 for i in range(args.prefill_tokens)]
+    n_ctx = max(512, args.prefill_tokens + 16)
+    peer = LlamaCpp(args.model, args.threads, n_ctx)
+    ours = {name: Ours(args.model, args.threads, *ENGINES[name][:4], max_len=n_ctx)
+            for name in engines}
     runs: dict[str, list[dict[str, object]]] = {"llama_cpp": []} | {n: [] for n in engines}
+    engines_of = {"llama_cpp": peer} | ours
     for r in range(args.repeats):  # interleaved, so drift in the machine hits both alike
-        runs["llama_cpp"].append(peer.decode(ids, args.tokens))
-        for name in engines:
-            runs[name].append(ours[name].decode(ids, args.tokens))
+        for name, engine in engines_of.items():
+            run = engine.decode(ids, args.tokens)
+            if prompt:
+                run["prefill_tokens_per_s"] = engine.prefill(prompt)
+            runs[name].append(run)
         print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
-            f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in runs.items()), flush=True)
+            f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" + (
+                f" (prefill {v[-1]['prefill_tokens_per_s']:.0f})" if prompt else "")
+            for k, v in runs.items()), flush=True)
 
     def median(xs: list[float]) -> float:
         return float(np.median(xs))
@@ -187,6 +215,9 @@ def main() -> None:
     peer_tps = median([run["tokens_per_s"] for run in runs["llama_cpp"]])  # type: ignore[misc]
     result["llama_cpp"] = {"tokens_per_s": peer_tps,
                            "runs": [run["tokens_per_s"] for run in runs["llama_cpp"]]}
+    if prompt:
+        peer_pp = median([run["prefill_tokens_per_s"] for run in runs["llama_cpp"]])  # type: ignore[misc]
+        result["llama_cpp"]["prefill_tokens_per_s"] = peer_pp  # type: ignore[index]
     for name in engines:
         mine = runs[name]
         summary = {k: median([run[k] for run in mine])  # type: ignore[misc]
@@ -194,6 +225,9 @@ def main() -> None:
         summary["runs"] = [run["tokens_per_s"] for run in mine]
         result[f"ours_{name}"] = summary
         result[f"ratio_{name}_to_llama_cpp"] = summary["tokens_per_s"] / peer_tps
+        if prompt:
+            result[f"prefill_ratio_{name}_to_llama_cpp"] = \
+                summary["prefill_tokens_per_s"] / peer_pp
         same = 0
         for a, b in zip(mine[0]["output_ids"], runs["llama_cpp"][0]["output_ids"],  # type: ignore[call-overload]
                         strict=False):

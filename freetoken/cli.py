@@ -210,6 +210,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from freetoken.server.parsers import parser_names
+
     p = argparse.ArgumentParser(
         prog="ft",
         description="FreeToken: serve MoE LLMs on one machine "
@@ -254,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         metavar="FILE",
         help="Jinja chat template, for models whose checkpoint has none",
+    )
+    h.add_argument(
+        "--output-parser",
+        metavar="NAME",
+        help="how chat outputs split into reasoning, answer and tool calls: "
+        f"{', '.join(parser_names())}, or an architecture name such as qwen3_moe, for a "
+        "fine-tune that speaks another family's format; unset: the checkpoint's architecture "
+        "picks it (plain for one without markup)",
     )
     h.add_argument(
         "--max-running-requests",

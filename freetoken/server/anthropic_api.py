@@ -4,7 +4,8 @@
 A stream follows Anthropic's event order: ``message_start``, ``ping``, then per content block
 ``content_block_start`` / ``content_block_delta``... / ``content_block_stop`` with indices from
 0, then ``message_delta`` (stop reason, usage) and ``message_stop``; a request that cannot
-finish ends with an ``error`` event instead.
+finish ends with an ``error`` event instead. An output whose tool call did not parse stops
+with ``"malformed_tool_call"``, its text in a ``text`` block (see ``output.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from freetoken.server.generate import (
     generate,
     token_budget,
 )
-from freetoken.server.output import gathered, output_parser, parsed
+from freetoken.server.output import MALFORMED, gathered, output_parser, parsed
 from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall, merge_deltas
 from freetoken.server.render import Prompt, render
 from freetoken.server.state import GONE, ServerState
@@ -60,11 +61,13 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         parser = output_parser(state, prompt, tools=req.template_tools() is not None)
         stops = req.stop_sequences or []
         if req.stream:
-            events = parsed(generate(state, mid, prompt.ids, params, stops), parser)
+            events = parsed(generate(state, mid, prompt.ids, params, stops,
+                                     keep_special=parser.special_tokens), parser)
             return StreamingResponse(message_stream(mid, events),
                                      media_type="text/event-stream")
         evs, out = await gathered(parsed(
-            generate(state, mid, prompt.ids, params, stops, watch=request), parser))
+            generate(state, mid, prompt.ids, params, stops, watch=request,
+                     keep_special=parser.special_tokens), parser))
         if out.finish_reason == GONE:
             return Response(status_code=499)
         if err := ended_early(out):
@@ -172,6 +175,8 @@ def stop_reason(out: Outcome, called: bool) -> str | None:
         return "max_tokens"
     if out.stop_sequence is not None:
         return "stop_sequence"
+    if out.malformed_tool_call:
+        return MALFORMED
     return "tool_use" if called else "end_turn"
 
 

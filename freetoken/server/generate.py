@@ -32,7 +32,8 @@ DEFAULT_MAX_TOKENS = 1024
 class Outcome:
     """A generation so far. ``finish_reason``: None while running, then the engine's ("stop",
     "length", "error") or the API process's (``GONE``, ``SHUTDOWN``); a stop string finishes
-    with "stop" and names itself in ``stop_sequence``."""
+    with "stop" and names itself in ``stop_sequence``. ``malformed_tool_call``: the output
+    parser found a tool call it could not parse (set by ``output.parsed`` at the finish)."""
 
     text: str = ""
     finish_reason: str | None = None
@@ -41,6 +42,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    malformed_tool_call: bool = False
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -83,14 +85,18 @@ def valid_stop_ids(state: ServerState, ids: list[int] | None) -> tuple[int, ...]
 
 
 async def generate(state: ServerState, rid: str, ids: list[int], params: SamplingParams,
-                   stops: list[str], watch: Request | None = None,
+                   stops: list[str], watch: Request | None = None, keep_special: bool = False,
                    ) -> AsyncIterator[tuple[str, Outcome]]:
-    """Text deltas of one request with its running outcome (see the module docstring)."""
+    """Text deltas of one request with its running outcome (see the module docstring).
+    ``keep_special``: special tokens stay in the text (for a parser whose markers they are),
+    but end-of-turn tokens (``ServerState.end_token_ids``) still never become text."""
     m = state.metrics
     m.prompt_tokens.inc(len(ids))
     queue = state.client.submit(rid, ids, params)
     watcher = asyncio.ensure_future(_watch(watch, rid, queue)) if watch is not None else None
-    detok, matcher, out = Detokenizer(state.tokenizer), StopMatcher(stops), Outcome()
+    detok = Detokenizer(state.tokenizer, keep_special=keep_special,
+                        hidden=state.end_token_ids if keep_special else ())
+    matcher, out = StopMatcher(stops), Outcome()
     engine_done = False
     t0 = last = time.monotonic()
     try:

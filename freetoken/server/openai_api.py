@@ -1,4 +1,8 @@
-"""The OpenAI API: ``/v1/chat/completions`` and ``/v1/completions``, streamed or not."""
+"""The OpenAI API: ``/v1/chat/completions`` and ``/v1/completions``, streamed or not.
+
+A chat output whose tool call did not parse finishes with ``"malformed_tool_call"``, its text
+in ``content`` (see ``output.py``).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from freetoken.server.generate import (
     usage_openai,
     valid_stop_ids,
 )
-from freetoken.server.output import gathered, output_parser, parsed
+from freetoken.server.output import MALFORMED, gathered, output_parser, parsed
 from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from freetoken.server.render import render
@@ -46,11 +50,13 @@ def openai_routes(state: ServerState) -> APIRouter:
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         parser = output_parser(state, prompt, tools=bool(tools))
         if req.stream:
-            events = parsed(generate(state, rid, prompt.ids, params, req.stops()), parser)
+            events = parsed(generate(state, rid, prompt.ids, params, req.stops(),
+                                     keep_special=parser.special_tokens), parser)
             return StreamingResponse(chat_stream(rid, events, _include_usage(req)),
                                      media_type="text/event-stream")
         evs, out = await gathered(parsed(
-            generate(state, rid, prompt.ids, params, req.stops(), watch=request), parser))
+            generate(state, rid, prompt.ids, params, req.stops(), watch=request,
+                     keep_special=parser.special_tokens), parser))
         if out.finish_reason == GONE:
             return Response(status_code=499)  # nobody is listening
         if err := ended_early(out):
@@ -210,6 +216,8 @@ def chat_message(evs: list[Event]) -> dict[str, Any]:
 
 
 def finish_reason(out: Outcome, called: bool) -> str | None:
+    if out.finish_reason == "stop" and out.stop_sequence is None and out.malformed_tool_call:
+        return MALFORMED
     return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
 
 

@@ -22,6 +22,7 @@ def serve(args: argparse.Namespace) -> int:
     from freetoken.engine.resolve import resolve_engine
     from freetoken.server.app import create_app
     from freetoken.server.auth import load_keys
+    from freetoken.server.parsers import parser_family
     from freetoken.server.process import EngineClient, ServeConfig
     from freetoken.server.stacks import dump_on_signal
     from freetoken.server.state import ServerState
@@ -32,6 +33,10 @@ def serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
     if args.shutdown_timeout < 0:
         raise ConfigError("--shutdown-timeout must be at least 0")
+    try:
+        parser_family(None, args.output_parser)
+    except ConfigError as e:
+        raise ConfigError(f"--output-parser: {e}") from None
     keys = load_keys(args.api_key, args.api_key_file)
     if not keys and not _is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who can reach it can use the "
@@ -39,6 +44,9 @@ def serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
     engine = resolve_engine(args)
     ckpt = open_checkpoint(engine.model)  # fails fast on a bad checkpoint, before any process
+    family = parser_family(ckpt.config.family, args.output_parser)
+    log.info("output parser: %s (%s)", family, "--output-parser" if args.output_parser
+             else f"the checkpoint's architecture, {ckpt.config.family}")
     template = ckpt.chat_template
     if args.chat_template:
         path = Path(args.chat_template)
@@ -67,7 +75,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or ckpt.path.name
     state = ServerState(client=client, tokenizer=tokenizer, model_name=name,
                         max_len=info["max_len"], chat_template=template,
-                        max_queued=args.max_queued_requests)
+                        max_queued=args.max_queued_requests, parser_family=family,
+                        end_token_ids=frozenset(ckpt.config.eos_token_ids))
     app = create_app(state, keys)
     # uvicorn's own grace period only backs ours up: at --shutdown-timeout every request still
     # in flight is ended with a response of its own (end_all), so uvicorn never has to cancel one

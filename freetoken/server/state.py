@@ -20,7 +20,9 @@ class ServerState:
     """Owned by the asyncio loop's thread; every method is called there.
 
     ``parser_family`` names the output parser (``server/parsers``) that splits each chat and
-    messages output into reasoning, content and tool calls.
+    messages output into reasoning, content and tool calls; ``end_token_ids`` are the
+    model's end-of-turn tokens, which never become text even where a parser keeps special
+    tokens.
     """
 
     client: EngineClient
@@ -30,6 +32,7 @@ class ServerState:
     chat_template: str | None
     max_queued: int
     parser_family: str = "plain"
+    end_token_ids: frozenset[int] = frozenset()
     metrics: Metrics = field(default_factory=Metrics)
     started: float = field(default_factory=time.time)
     draining: bool = False  # shutting down: new requests get 503, in-flight ones finish

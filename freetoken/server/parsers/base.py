@@ -72,6 +72,9 @@ class OutputParser(ABC):
     anchor: ClassVar[str | None] = None
     # Whether region edges are trimmed (see ``_Trim``); the passthrough parser keeps every byte.
     trims: ClassVar[bool] = True
+    # Whether the family's markers are special tokens, so the output must be decoded with
+    # special tokens kept (end-of-turn tokens are still dropped before the parser sees them).
+    special_tokens: ClassVar[bool] = False
 
     def __init__(self, *, tools: bool = True, new_id: Callable[[], str] = new_call_id) -> None:
         self.buf = ""

@@ -39,6 +39,7 @@ def read_call(body: str) -> tuple[str, str] | None:
 class Gemma4Parser(OutputParser):
     name = "gemma4"
     anchor = "<|turn>model\n"
+    special_tokens = True
 
     state = "content"  # or "reasoning", "call"
     scanner: BodyScanner | None = None

@@ -43,6 +43,7 @@ def read_header(head: str) -> tuple[str, str | None]:
 class HarmonyParser(OutputParser):
     name = "gpt_oss"
     anchor = "<|start|>assistant"
+    special_tokens = True
 
     # The prompt ended with "<|start|>assistant": the first header is already open.
     state = "header"  # or "body", "call", "idle" (between messages)

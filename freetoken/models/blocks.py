@@ -131,3 +131,28 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         return self.experts(x, ids, weights)
+
+
+class CausalLM(nn.Module):
+    """A decoder stack (``model``, whose ``embed_tokens`` the head may share) under its head:
+    ``lm_head`` tied to the embedding where the config says, logits in float32 for the rows
+    the context asks for, soft-capped as ``c * tanh(logits / c)`` where the config sets ``c``."""
+
+    def __init__(self, cfg: ModelConfig, model: nn.Module) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = model
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = model.embed_tokens.weight
+        self.softcap = cfg.final_logit_softcapping
+
+    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
+        h = self.model(ids, ctx)
+        if ctx.logit_rows is not None:
+            h = h[ctx.logit_rows]
+        logits = self.lm_head(h).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

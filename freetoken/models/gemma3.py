@@ -17,10 +17,9 @@ from torch import nn
 from freetoken.config import ModelConfig
 from freetoken.layers.context import ForwardContext
 from freetoken.layers.embedding import Embedding
-from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import MLP, Attention, MoEBlock
+from freetoken.models.blocks import MLP, Attention, CausalLM, MoEBlock
 from freetoken.moe.strategy import StrategyPlan
 
 if TYPE_CHECKING:
@@ -74,22 +73,6 @@ class Gemma3TextModel(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma3TextModel(cfg, strategy)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.softcap = cfg.final_logit_softcapping
-
-    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
-        h = self.model(ids, ctx)
-        if ctx.logit_rows is not None:
-            h = h[ctx.logit_rows]
-        logits = self.lm_head(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        super().__init__(cfg, Gemma3TextModel(cfg, strategy))

@@ -28,7 +28,7 @@ from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import MLP
+from freetoken.models.blocks import MLP, CausalLM
 from freetoken.moe.registry import make_experts
 from freetoken.moe.strategy import ExpertShape, StrategyPlan
 
@@ -142,22 +142,6 @@ class Gemma4TextModel(nn.Module):
         return self.norm(x)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma4TextModel(cfg, strategy)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.softcap = cfg.final_logit_softcapping
-
-    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
-        h = self.model(ids, ctx)
-        if ctx.logit_rows is not None:
-            h = h[ctx.logit_rows]
-        logits = self.lm_head(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        super().__init__(cfg, Gemma4TextModel(cfg, strategy))

@@ -22,6 +22,7 @@ from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
+from freetoken.models.blocks import CausalLM
 from freetoken.moe.registry import make_experts
 from freetoken.moe.strategy import ExpertShape, StrategyPlan
 
@@ -101,18 +102,6 @@ class GptOssModel(nn.Module):
         return self.norm(x)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = GptOssModel(cfg, strategy)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
-        h = self.model(ids, ctx)
-        if ctx.logit_rows is not None:
-            h = h[ctx.logit_rows]
-        return self.lm_head(h).float()
+        super().__init__(cfg, GptOssModel(cfg, strategy))

@@ -14,10 +14,9 @@ from torch import nn
 from freetoken.config import ModelConfig
 from freetoken.layers.context import ForwardContext
 from freetoken.layers.embedding import Embedding
-from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import MLP, Attention, MoEBlock
+from freetoken.models.blocks import MLP, Attention, CausalLM, MoEBlock
 from freetoken.moe.strategy import StrategyPlan
 
 if TYPE_CHECKING:
@@ -64,18 +63,6 @@ class Qwen3MoeModel(nn.Module):
         return self.norm(x)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Qwen3MoeModel(cfg, strategy)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T)."""
-        h = self.model(ids, ctx)
-        if ctx.logit_rows is not None:
-            h = h[ctx.logit_rows]
-        return self.lm_head(h).float()
+        super().__init__(cfg, Qwen3MoeModel(cfg, strategy))

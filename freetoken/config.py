@@ -109,8 +109,11 @@ class ModelConfig:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @staticmethod
-    def from_hf(cfg: dict[str, Any]) -> ModelConfig:
-        """From a parsed ``config.json``. Raises CheckpointError for unknown architectures."""
+    def from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        """From a parsed ``config.json`` and, where the checkpoint has one, its parsed
+        ``generation_config.json``: the stop tokens are both files' ``eos_token_id`` (GPT-OSS
+        lists ``<|return|>`` and ``<|call|>`` there, Gemma-4 its end-of-turn ids), config.json's
+        first, each once. Raises CheckpointError for unknown architectures."""
         arch = (cfg.get("architectures") or ["?"])[0]
         family = HF_ARCHITECTURES.get(arch)
         if family is None:
@@ -140,7 +143,8 @@ class ModelConfig:
             intermediate_size=int(cfg.get("intermediate_size", 0)),
             hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_ids(cfg.get("eos_token_id")),
+            eos_token_ids=tuple(dict.fromkeys(
+                _ids(cfg.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id")))),
         )
         if family in ("gemma4", "gpt_oss"):
             make = _gemma4_hf if family == "gemma4" else _gpt_oss_hf

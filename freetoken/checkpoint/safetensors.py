@@ -91,7 +91,13 @@ class HFCheckpoint:
             self.hf_config = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from e
-        self.config = ModelConfig.from_hf(self.hf_config)
+        gen = self.path / "generation_config.json"
+        try:
+            self.generation_config: dict[str, Any] = \
+                json.loads(gen.read_text()) if gen.exists() else {}
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{gen} is not valid JSON: {e}") from e
+        self.config = ModelConfig.from_hf(self.hf_config, self.generation_config)
         files = sorted(self.path.glob("*.safetensors"))
         index = self.path / "model.safetensors.index.json"
         if index.exists():
@@ -107,8 +113,6 @@ class HFCheckpoint:
         if not files:
             raise CheckpointError(f"{self.path} has no *.safetensors weights")
         self._files = [_SafetensorsFile(f) for f in files]
-        gen = self.path / "generation_config.json"
-        self.generation_config: dict[str, Any] = json.loads(gen.read_text()) if gen.exists() else {}
         self.chat_template = _chat_template(self.path)
 
     def tensor_names(self) -> list[str]:

@@ -70,11 +70,13 @@ HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{
                     "{% endif %}")
 
 
-def gpt_oss(out: Path, text: list[str]) -> Path:
+def gpt_oss(out: Path, text: list[str], stops: tuple[str, ...] = ()) -> Path:
     """A GPT-OSS directory that answers every prompt with the tokens of ``text`` (each a harmony
     special token or a word) and then its EOS, ``<|endoftext|>``: a token the harmony parser
-    does not know, so only its being dropped keeps it out of the content."""
-    from transformers import GptOssConfig, GptOssForCausalLM
+    does not know, so only its being dropped keeps it out of the content. ``stops``: special
+    tokens generation_config.json lists beside the EOS, as gpt-oss's lists ``<|return|>`` and
+    ``<|call|>``; the output ends at the first of them in ``text``."""
+    from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
     words = [t for t in text if t not in HARMONY_SPECIALS]
     out.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,9 @@ def gpt_oss(out: Path, text: list[str]) -> Path:
     model = GptOssForCausalLM(cfg)
     force(model, [ids[t] for t in text] + [eos])
     model.save_pretrained(out)
+    if stops:
+        GenerationConfig(eos_token_id=[eos, *(ids[s] for s in stops)], pad_token_id=eos,
+                         ).save_pretrained(out)
     return out
 
 

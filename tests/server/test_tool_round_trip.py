@@ -1,0 +1,152 @@
+"""A tool call that parses, end to end through a live ``ft serve`` and the official clients:
+the call comes back as ``tool_calls`` / a ``tool_use`` block, and the tool's result goes back
+in the next request through the chat template. Also GPT-OSS, whose ``<|call|>`` is a stop
+token (generation_config.json lists it): its output ends inside the call, which still parses.
+
+The models are tiny checkpoints whose greedy output is fixed (``forced.py``): whatever the
+prompt, they make the same call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server import forced
+from tests.server.conftest import Server
+from tests.server.test_output_serve import ASK, clients, serve
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+QWEN = ["<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>"]
+HARMONY = ["<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json",
+           "<|message|>", json.dumps(CALL["arguments"]), "<|call|>"]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": SCHEMA}}]
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather now",
+                    "input_schema": SCHEMA}]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("forced")
+    server = serve(forced.qwen3_moe(d / "qwen3_moe", QWEN), d / "qwen3.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("forced")
+    model = forced.gpt_oss(d / "gpt_oss", HARMONY, stops=("<|return|>", "<|call|>"))
+    server = serve(model, d / "harmony.log")
+    yield server
+    server.stop()
+
+
+def streamed_calls(client, **kw) -> tuple[list[tuple[str, str]], str | None]:
+    """((name, arguments) per call index, finish_reason) from a streamed chat completion."""
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="m", messages=ASK, stream=True, **kw):
+        choice = chunk.choices[0]
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, ["", ""])
+            call[0] += (d.function.name or "") if d.function else ""
+            call[1] += (d.function.arguments or "") if d.function else ""
+        finish = choice.finish_reason or finish
+    return [(n, a) for _, (n, a) in sorted(calls.items())], finish
+
+
+def check_openai_call(oai) -> Any:
+    """The call through chat completions, plain and streamed; the plain response's call."""
+    choice = oai.chat.completions.create(model="m", messages=ASK, tools=TOOLS).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    (streamed,), finish = streamed_calls(oai, tools=TOOLS)
+    assert finish == "tool_calls"
+    assert streamed[0] == "get_weather" and json.loads(streamed[1]) == {"city": "Paris"}
+    return call
+
+
+def check_anthropic_call(anth) -> Any:
+    reply = anth.messages.create(model="m", max_tokens=64, messages=ASK, tools=ANTHROPIC_TOOLS)
+    assert reply.stop_reason == "tool_use"
+    (block,) = [b for b in reply.content if b.type != "text" or b.text]
+    assert block.type == "tool_use" and block.id
+    assert (block.name, block.input) == ("get_weather", {"city": "Paris"})
+    with anth.messages.stream(model="m", max_tokens=64, messages=ASK,
+                              tools=ANTHROPIC_TOOLS) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == \
+        [("get_weather", {"city": "Paris"})]
+    return block
+
+
+def test_qwen3_tool_call_and_its_result_round_trip_through_openai(qwen):
+    oai, _ = clients(qwen)
+    call = check_openai_call(oai)
+
+    def answered(result: str):
+        said = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]}
+        back = {"role": "tool", "tool_call_id": call.id, "content": result}
+        return oai.chat.completions.with_raw_response.create(
+            model="m", messages=[*ASK, said, back], tools=TOOLS)
+
+    first = oai.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
+    short, long = answered("sunny"), answered("sunny" + "X" * 10)
+    assert short.http_response.status_code == long.http_response.status_code == 200
+    short, long = short.parse(), long.parse()
+    # the result is in the prompt, byte for byte: ten more bytes are ten more tokens
+    assert long.usage.prompt_tokens - short.usage.prompt_tokens == 10
+    assert short.usage.prompt_tokens > first.usage.prompt_tokens + len("sunny")
+    assert short.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_qwen3_tool_call_and_its_result_round_trip_through_anthropic(qwen):
+    _, anth = clients(qwen)
+    block = check_anthropic_call(anth)
+
+    def answered(result: str) -> list[dict[str, Any]]:
+        return [*ASK,
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": block.id, "name": block.name,
+                     "input": block.input}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": block.id, "content": result}]}]
+
+    def count(messages: list[dict[str, Any]]) -> int:
+        return anth.messages.count_tokens(model="m", messages=messages,
+                                          tools=ANTHROPIC_TOOLS).input_tokens
+
+    assert count(answered("sunny" + "X" * 10)) - count(answered("sunny")) == 10
+    assert count(answered("sunny")) > count(ASK) + len("sunny")
+    raw = anth.messages.with_raw_response.create(
+        model="m", max_tokens=64, messages=answered("sunny"), tools=ANTHROPIC_TOOLS)
+    assert raw.http_response.status_code == 200
+    reply = raw.parse()
+    assert reply.usage.input_tokens == count(answered("sunny"))
+    assert reply.stop_reason == "tool_use"
+
+
+def test_harmony_call_ends_at_its_call_stop_token_and_still_parses(harmony):
+    oai, anth = clients(harmony)
+    check_openai_call(oai)
+    check_anthropic_call(anth)
+    # the output stops at <|call|>: generation_config.json made it a stop token, and the
+    # model's own EOS after it is never generated
+    done = httpx.post(f"{harmony.url}/v1/chat/completions", timeout=120, json={
+        "model": "m", "messages": ASK, "tools": TOOLS}).json()
+    assert done["usage"]["completion_tokens"] == len(HARMONY)
+    assert done["choices"][0]["finish_reason"] == "tool_calls"

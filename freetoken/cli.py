@@ -324,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="S",
         help="a step phase that lasts longer than S seconds (or an engine thread burning a "
-        "core while the CPU pool idles and steps crawl) logs one line naming the phase and "
-        "where the engine thread is, and shows in /health and /v1/stats; 0 turns it off",
+        "core for 10 s while the CPU pool idles and steps crawl) logs one line naming the "
+        "phase and where the engine thread is, and shows in /health and /v1/stats; 0 turns "
+        "it off",
     )
     v.set_defaults(func=_serve)
 

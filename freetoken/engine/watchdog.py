@@ -78,16 +78,20 @@ class Watchdog:
     """Watches the thread that creates it (the engine thread).
 
     ``stall_s``: a phase that lasts longer than this is stuck. ``interval_s``: how often to
-    look (and the window over which CPU shares are measured). ``on_change``: called on the
+    look (and the window over which CPU shares are measured). ``spin_s``: how long the engine
+    thread must burn its core beside an idle pool, look after look, to count as spinning (a
+    long prefill has seconds of torch work on that thread alone). ``on_change``: called on the
     watchdog's thread with :attr:`state` when an episode starts or ends (the engine process
     sends it to the API process, whose engine thread may be the one stuck).
     """
 
-    def __init__(self, stall_s: float, interval_s: float = 1.0,
+    def __init__(self, stall_s: float, interval_s: float = 1.0, spin_s: float = 10.0,
                  on_change: Callable[[dict[str, Any]], None] | None = None) -> None:
         if stall_s <= 0:
             raise ValueError(f"the watchdog's stall time must be > 0 s, got {stall_s}")
         self.stall_s, self.interval_s, self.on_change = stall_s, interval_s, on_change
+        self.spin_s = spin_s
+        self._spinning_since: float | None = None  # when the spin condition began to hold
         self.phase, self.since, self.steps = IDLE, time.monotonic(), 0
         self.state: dict[str, Any] = {"stuck": False}
         self._ident, self._tid = threading.get_ident(), threading.get_native_id()
@@ -135,9 +139,14 @@ class Watchdog:
         engine, pool, rate = self._shares(now)
         for_s = now - since
         stuck = phase != IDLE and for_s > self.stall_s
-        spinning = (phase != IDLE and engine is not None and engine >= SPIN_SHARE
-                    and pool is not None and pool < POOL_IDLE_SHARE
-                    and rate is not None and rate < SLOW_STEPS_PER_S)
+        burning = (phase != IDLE and engine is not None and engine >= SPIN_SHARE
+                   and pool is not None and pool < POOL_IDLE_SHARE
+                   and rate is not None and rate < SLOW_STEPS_PER_S)
+        if not burning:
+            self._spinning_since = None
+        elif self._spinning_since is None:
+            self._spinning_since = now - self.interval_s  # the look's window held it already
+        spinning = burning and now - self._spinning_since >= self.spin_s
         state: dict[str, Any] = {"stuck": stuck or spinning, "phase": phase,
                                  "for_s": round(for_s, 1), "engine_cpu": engine,
                                  "pool_cpu": pool, "steps_per_s": rate}

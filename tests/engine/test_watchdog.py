@@ -93,7 +93,7 @@ def test_an_engine_thread_spinning_while_the_pool_idles_is_reported(monkeypatch)
     box: dict = {}
 
     def main():
-        box["w"] = Watchdog(stall_s=30, interval_s=0.25, on_change=changes.append)
+        box["w"] = Watchdog(stall_s=30, interval_s=0.25, spin_s=0.5, on_change=changes.append)
         try:
             spin_beside_a_pool(box["w"], 1.5)
         finally:
@@ -106,6 +106,26 @@ def test_an_engine_thread_spinning_while_the_pool_idles_is_reported(monkeypatch)
     assert changes[0]["engine_cpu"] >= 0.5 and changes[0]["pool_cpu"] < wd.POOL_IDLE_SHARE
     assert "spin_beside_a_pool" in changes[0]["at"] or "test_watchdog.py" in changes[0]["at"]
     assert not changes[-1]["stuck"]
+
+
+@pytest.mark.skipif(cx.available() is not None, reason=f"no CPU library: {cx.available()}")
+def test_a_burn_shorter_than_the_spin_time_is_not_reported(monkeypatch):
+    """A second of torch-like work on the engine thread beside an idle pool (a long prefill's
+    attention) is work, not a spin: only a burn that lasts ``spin_s`` is reported."""
+    monkeypatch.setattr(wd, "SPIN_SHARE", 0.5)
+    changes: list[dict] = []
+
+    def main():
+        w = Watchdog(stall_s=30, interval_s=0.25, spin_s=5.0, on_change=changes.append)
+        try:
+            spin_beside_a_pool(w, 1.0)
+        finally:
+            w.close()
+
+    t = threading.Thread(target=main)
+    t.start()
+    t.join(timeout=30)
+    assert changes == []
 
 
 def test_a_stall_time_must_be_positive():

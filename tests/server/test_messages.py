@@ -173,7 +173,9 @@ def test_bad_requests_are_anthropic_400s(gemma_server, anthropic_client, change,
     assert words in err["error"]["message"]
     ok = anthropic_client.messages.create(model=MODEL, max_tokens=2,
                                           messages=[{"role": "user", "content": "hi"}])
-    assert ok.usage.output_tokens == 2  # still serving
+    # still serving (sampled at the default temperature, a reply may end at its first token)
+    assert ok.usage.input_tokens > 0 and 1 <= ok.usage.output_tokens <= 2
+    assert ok.stop_reason in ("max_tokens", "end_turn")
 
 
 def test_client_raises_anthropic_errors(anthropic_client):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from .events import ContentDelta, Event, ReasoningDelta, ToolCall
-from .scan import find_marker
+from .scan import BodyScanner, find_marker
 
 
 def new_call_id() -> str:
@@ -70,6 +70,7 @@ class OutputParser(ABC):
     # Where the assistant's turn begins in a rendered prompt; ``prime`` reads what the template
     # wrote after it (an opened ``<think>``, an empty thought channel) to start in the right state.
     anchor: ClassVar[str | None] = None
+    scanner: BodyScanner | None = None  # the open tool call's body, while one is open
     # Whether region edges are trimmed (see ``_Trim``); the passthrough parser keeps every byte.
     trims: ClassVar[bool] = True
     # Whether the family's markers are special tokens, so the output must be decoded with
@@ -139,6 +140,24 @@ class OutputParser(ABC):
         for name, arguments in calls:
             self._out.append(ToolCall(self._calls, self.new_id(), name, arguments))
             self._calls += 1
+
+    def _close_call(self, opener: str,
+                    parse: Callable[[str], Sequence[tuple[str, str]] | None],
+                    final: bool) -> str | None:
+        """The open tool call, whose body ``self.scanner`` watches, once its closer is in the
+        buffer (or the output has ended inside it): the body ``parse``d into calls, or given
+        back as text with ``opener`` and the closer when it does not parse, and consumed.
+        Returns the closer ("" when the output ended inside the call), or None while the call
+        is still open."""
+        assert self.scanner is not None
+        hit = self.scanner.find(self.buf, final)
+        if hit is None and not final:
+            return None
+        end, closer = hit if hit is not None else (len(self.buf), "")
+        body = self.buf[:end]
+        self._calls_or_text(opener + body + closer, parse(body))
+        self.buf = self.buf[end + len(closer):]
+        return closer
 
     def _plain_step(self, kind: type[ReasoningDelta] | type[ContentDelta], markers: Sequence[str],
                     final: bool) -> str | None:

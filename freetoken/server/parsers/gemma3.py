@@ -62,7 +62,6 @@ class Gemma3Parser(OutputParser):
     anchor = "<start_of_turn>model\n"
 
     in_call = False
-    scanner: BodyScanner | None = None
 
     def _step(self, final: bool) -> None:
         while True:
@@ -80,14 +79,9 @@ class Gemma3Parser(OutputParser):
                 self._begin(ContentDelta)
 
     def _call_step(self, final: bool) -> bool:
-        assert self.scanner is not None
-        hit = self.scanner.find(self.buf, final)
-        if hit is None and not final:
+        closer = self._close_call(CALL, read_calls, final)
+        if closer is None:
             return False
-        end, closer = hit if hit is not None else (len(self.buf), "")
-        body = self.buf[:end]
-        self._calls_or_text(CALL + body + closer, read_calls(body))
-        self.buf = self.buf[end + len(closer):]
         self.in_call = False
         self._begin(ContentDelta)
-        return hit is not None
+        return closer != ""

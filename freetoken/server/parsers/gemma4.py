@@ -42,7 +42,6 @@ class Gemma4Parser(OutputParser):
     special_tokens = True
 
     state = "content"  # or "reasoning", "call"
-    scanner: BodyScanner | None = None
 
     def _step(self, final: bool) -> None:
         while True:
@@ -67,15 +66,13 @@ class Gemma4Parser(OutputParser):
                 self._begin(ContentDelta)
 
     def _call_step(self, final: bool) -> bool:
-        assert self.scanner is not None
-        hit = self.scanner.find(self.buf, final)
-        if hit is None and not final:
+        def parse(body: str) -> list[tuple[str, str]] | None:
+            call = read_call(body)
+            return None if call is None else [call]
+
+        closer = self._close_call(CALL, parse, final)
+        if closer is None:
             return False
-        end, closer = hit if hit is not None else (len(self.buf), "")
-        body = self.buf[:end]
-        call = read_call(body)
-        self._calls_or_text(CALL + body + closer, None if call is None else [call])
-        self.buf = self.buf[end + len(closer):]
         self.state = "content"
         self._begin(ContentDelta)
-        return hit is not None
+        return closer != ""

@@ -50,7 +50,6 @@ class HarmonyParser(OutputParser):
     head = ""  # the open message's header text, markers included
     kind: type[ReasoningDelta] | type[ContentDelta] = ContentDelta  # the open body's
     tool: str | None = None  # the open call's function
-    scanner: BodyScanner | None = None
 
     def _step(self, final: bool) -> None:
         while self._advance(final):
@@ -100,16 +99,16 @@ class HarmonyParser(OutputParser):
         return True
 
     def _call_step(self, final: bool) -> bool:
-        assert self.scanner is not None and self.tool is not None
-        hit = self.scanner.find(self.buf, final)
-        if hit is None and not final:
+        tool = self.tool
+        assert tool is not None
+
+        def parse(body: str) -> list[tuple[str, str]] | None:
+            args = arguments_json(body)
+            return None if args is None else [(tool, args)]
+
+        closer = self._close_call(self.head + MESSAGE, parse, final)
+        if closer is None:
             return False
-        end, closer = hit if hit is not None else (len(self.buf), "")
-        body = self.buf[:end]
-        args = arguments_json(body)
-        raw = self.head + MESSAGE + body + closer
-        self._calls_or_text(raw, None if args is None else [(self.tool, args)])
-        self.buf = self.buf[end + len(closer):]
         self.head = ""
         self._open(closer)
-        return hit is not None
+        return closer != ""

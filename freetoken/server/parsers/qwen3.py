@@ -24,7 +24,6 @@ class Qwen3Parser(OutputParser):
     anchor = "<|im_start|>assistant\n"
 
     state = "content"  # or "reasoning", "call"
-    scanner: BodyScanner | None = None
 
     def _step(self, final: bool) -> None:
         while True:
@@ -51,15 +50,12 @@ class Qwen3Parser(OutputParser):
 
     def _call_step(self, final: bool) -> bool:
         """Finish the open call if its closer (or the end) is here; False while it is not."""
-        assert self.scanner is not None
-        hit = self.scanner.find(self.buf, final)
-        if hit is None and not final:
+        def parse(body: str) -> list[tuple[str, str]] | None:
+            call = named_call(body.strip())
+            return None if call is None else [call]
+
+        if self._close_call(CALL, parse, final) is None:
             return False
-        end, closer = hit if hit is not None else (len(self.buf), "")
-        body = self.buf[:end]
-        call = named_call(body.strip())
-        self._calls_or_text(CALL + body + closer, None if call is None else [call])
-        self.buf = self.buf[end + len(closer):]
         self.state = "content"
         self._begin(ContentDelta)
         return True

@@ -7,5 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 build_cpu_library
-python3 -m pytest -m cuda -q -p no:cacheprovider ${TESTS:-tests} 2>&1 \
-  | grep -E "^(FAILED|ERROR|E  )|passed|failed|skipped" | head -40 | tee "$OUT/cuda_tests.log"
+# The embedded Gemma-3 package is too large to carry there: its tests are left out.
+python3 -m pytest -m cuda -q -p no:cacheprovider -rfE ${TESTS:-tests} \
+  --deselect tests/engine/test_moeified_gemma.py > "$OUT/cuda_tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -40

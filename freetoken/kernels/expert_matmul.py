@@ -37,8 +37,9 @@ class ExpertBias:
         return ExpertBias(self.gate[ids], self.up[ids], self.down[ids])
 
 
-# expert id -> its (gate (I, H), up (I, H), down (H, I)) weights in the compute dtype
-WeightsOf = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# one expert's (gate (I, H), up (I, H), down (H, I)) weights in the compute dtype
+Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+WeightsOf = Callable[[int], Weights]  # by expert id
 
 
 def use_gather(x: torch.Tensor, ids: torch.Tensor) -> bool:

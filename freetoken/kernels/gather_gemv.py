@@ -28,16 +28,19 @@ from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as, get_format
 
 Act = Callable[[torch.Tensor], torch.Tensor]
-BLOCK_ROWS = 16  # output rows per program: enough programs to fill the GPU at one token
 
 
 @dataclass(frozen=True)
 class FusedKernel:
-    """A format's gather-GEMV: the kernel of that name in :mod:`.triton_gemv` and blocks per
-    loop step; its block (weights and bytes) is the quant format's."""
+    """A format's gather-GEMV: the kernel of that name in :mod:`.triton_gemv`, blocks per loop
+    step, output rows per program (enough programs to fill the GPU at one token) and warps per
+    program (tuned on the H200 by ``benchmarks/gather_gemv.py --sweep``); its block (weights
+    and bytes) is the quant format's."""
 
     fmt: str
     step: int = 1
+    rows: int = 16
+    warps: int = 4
 
     @property
     def block(self) -> int:
@@ -83,10 +86,10 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     if x.dim() != 2 or x.shape[1] != nb * spec.block or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} does not fit {nb * spec.block} inputs")
     out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
-    grid = (index.numel(), triton.cdiv(R, BLOCK_ROWS))
+    grid = (index.numel(), triton.cdiv(R, spec.rows))
     kernel = getattr(triton_gemv, fmt)
     kernel[grid](data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0),
-                 out.stride(0), NB=nb, BLOCK_R=BLOCK_ROWS, STEP=spec.step)
+                 out.stride(0), NB=nb, BLOCK_R=spec.rows, STEP=spec.step, num_warps=spec.warps)
     return out
 
 

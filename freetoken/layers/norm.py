@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from freetoken.cpu.library import optional
+from freetoken.kernels.rms_norm import rms_norm, usable
 
 
 def _native() -> Any:
@@ -21,8 +22,9 @@ class RMSNorm(nn.Module):
     Qwen casts the normalised input back to the input dtype before scaling; Gemma (and, with
     ``float_scale``, Gemma-4 and GPT-OSS on a plain ``w``) scale in float32 and cast last. Both
     orders are kept so bf16 runs match their references. Float32
-    rows on the CPU go through one native call (its slow twin is :meth:`reference`): at decode
-    the torch path's dispatch costs more than its arithmetic.
+    rows on the CPU go through one native call, GPU rows through one Triton kernel (the slow
+    twin of both is :meth:`reference`): at decode the torch path's dispatch and launches cost
+    more than its arithmetic.
     """
 
     def __init__(self, dim: int, eps: float, unit_offset: bool = False,
@@ -35,6 +37,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if usable(x, w):  # one GPU kernel (kernels/rms_norm.py)
+            y = rms_norm(x, w, self.eps, self.mode)
+            if y is not None:
+                return y
         if x.dtype is torch.float32 and x.is_cpu and w.dtype is torch.float32 and w.is_cpu \
                 and x.shape[-1] == w.numel():
             fn = _native()
@@ -46,6 +52,12 @@ class RMSNorm(nn.Module):
                    self.unit_offset, y.data_ptr())
                 return y
         return self.reference(x)
+
+    @property
+    def mode(self) -> str:
+        """How the scale is applied (``kernels/rms_norm.py:MODES``)."""
+        return "unit_offset" if self.unit_offset else "float_scale" if self.float_scale \
+            else "qwen"
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

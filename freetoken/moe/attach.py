@@ -18,6 +18,7 @@ from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
 from freetoken.moe.plan import ExpertGroup, MoEPlan, plan_moe_cache
+from freetoken.moe.resident import ResidentExperts, keeps_blocks
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.stats import MoEStats
 from freetoken.moe.strategy import Experts, Shared
@@ -41,7 +42,23 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
     if cached:
         offloaded = [m for m in cached if isinstance(m, OffloadExperts)]
         choose_gpu_kernels(offloaded, offloaded[0].device)
+    _log_resident([m for m in layers if isinstance(m, ResidentExperts)])
     return runtime
+
+
+def _log_resident(layers: list[ResidentExperts]) -> None:
+    """One line for resident layers on a GPU: how many keep their file's blocks (fused
+    kernels) and how many were dequantised to the compute dtype (and why)."""
+    if not layers or layers[0].device.type != "cuda":
+        return
+    blocks = sorted({k for m in layers if (k := m.in_blocks) is not None})
+    n = sum(1 for m in layers if m.in_blocks is not None)
+    why = "" if keeps_blocks(layers[0].device) else (
+        " (FREETOKEN_GPU_EXPERT_KERNEL=dequant or no triton)")
+    log.info("resident experts: %d layer%s kept as blocks read by the fused kernels%s, %d "
+             "dequantised to %s%s", n, "" if n == 1 else "s",
+             f" ({'; '.join(blocks)})" if blocks else "", len(layers) - n,
+             str(layers[0].dtype).split(".")[-1], why)
 
 
 def _expert_cache(layers: list[Experts], sizing: CacheSizing) -> OffloadRuntime:

@@ -177,15 +177,18 @@ class BankBuilder:
         return ExpertLayout(tuple(formats), tuple(shapes), tuple(parts),  # type: ignore[arg-type]
                             offset)
 
-    def build(self, pinned: bool) -> HostBank:
-        """Copy every expert into one new region (pinned for CUDA copies when ``pinned``)."""
+    def build(self, pinned: bool, device: torch.device | None = None) -> HostBank:
+        """Copy every expert into one new region: host memory (pinned for CUDA copies when
+        ``pinned``), or on ``device`` when it is a GPU (resident experts kept as blocks)."""
         missing = self.missing()
         if missing:
             raise ConfigError(f"layer {self.layer}: the checkpoint lacks expert weights "
                               f"{', '.join(missing[:5])}")
         layout = self.layout()
-        rows = allocate_bank(self.E * layout.row_bytes, pinned, self.layer).view(
-            self.E, layout.row_bytes)
+        nbytes = self.E * layout.row_bytes
+        rows = (torch.empty(nbytes, dtype=torch.uint8, device=device)
+                if device is not None and device.type != "cpu"
+                else allocate_bank(nbytes, pinned, self.layer)).view(self.E, layout.row_bytes)
         for e in range(self.E):
             for p in layout.parts:
                 qt = self.expert(p.proj, e)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from freetoken.kernels.activation import expert_activation
-from freetoken.kernels.expert_matmul import grouped, use_gather
+from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference, raised_by_triton
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
@@ -44,8 +44,6 @@ from freetoken.quant import QuantTensor
 log = logging.getLogger(__name__)
 
 STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a layer's experts
-
-Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class OffloadExperts(Experts):

@@ -21,11 +21,13 @@ from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig, human_b
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import CorePlan, core_plan, usable_cores
 from freetoken.errors import ConfigError
+from freetoken.kernels.gather_gemv import fused
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
 from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span
 from freetoken.moe.profile import Match, load_profile_or_empty, lookup, plan_fractions
 from freetoken.moe.registry import AUTO, needs_of
+from freetoken.moe.resident import keeps_blocks
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs
 
 log = logging.getLogger(__name__)
@@ -151,10 +153,19 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
 
 
 def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:
-    """Device bytes of the dense weights and of one MoE layer's experts, resident, at the
-    compute dtype (weights are dequantised to it there)."""
+    """Device bytes of the dense weights (dequantised to the compute dtype) and of one MoE
+    layer's experts resident: their file's bytes where every expert tensor is in a format
+    resident keeps as blocks on a GPU (``moe/resident.py``), else at the compute dtype."""
     mc, size = ckpt.config, getattr(torch, cfg.dtype).itemsize
-    dense = sum(math.prod(qt.shape) for n, qt in ckpt.tensors() if ".experts." not in n)
+    dense, blocks, formats = 0, 0, set()
+    for n, qt in ckpt.tensors():
+        if ".experts." not in n:
+            dense += math.prod(qt.shape)
+        elif len(qt.shape) >= 2 and not n.endswith("_bias"):
+            blocks += qt.nbytes
+            formats.add(qt.fmt)
+    if formats and fused(tuple(formats)) and keeps_blocks(torch.device("cuda")):
+        return dense * size, blocks // max(1, sum(mc.moe_layers))
     return dense * size, 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size
 
 
@@ -164,8 +175,9 @@ def resident_budget(free: int, cap: int | None, moe_bytes: int) -> int:
     layer resident at the compute dtype. Without a cache flag (``cap`` None) layers go resident
     while they fit in ``free``. A cache flag caps all expert memory, resident layers included:
     every layer goes resident when they all fit in the cap (and in ``free``), else none does and
-    the whole cap is the cache, whose slots hold experts in their file's format (a resident
-    layer is dequantised to the compute dtype, so the cap serves more experts as cache)."""
+    the whole cap is the cache, whose slots hold experts in their file's format (as resident
+    layers kept as blocks do; dequantised ones take more), so a cap the model does not fit in
+    serves more experts as cache than as some resident layers."""
     if cap is None:
         return free
     return moe_bytes if moe_bytes <= min(cap, free) else 0

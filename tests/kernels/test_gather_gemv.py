@@ -114,7 +114,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from freetoken.kernels import triton_gemv
-from freetoken.kernels.gather_gemv import BLOCK_ROWS, KERNELS
+from freetoken.kernels.gather_gemv import KERNELS
 fmt, dtype = sys.argv[1], sys.argv[2]
 spec = KERNELS[fmt]
 nb = 2048 // spec.block
@@ -122,7 +122,7 @@ sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R
        "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
        "out_stride": "i32", "NB": "constexpr", "BLOCK_R": "constexpr", "STEP": "constexpr"}
 src = ASTSource(fn=getattr(triton_gemv, fmt), signature=sig,
-                constexprs={"NB": nb, "BLOCK_R": BLOCK_ROWS, "STEP": spec.step})
+                constexprs={"NB": nb, "BLOCK_R": spec.rows, "STEP": spec.step})
 kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
 assert kernel.asm["cubin"], "no cubin"
 """

@@ -57,7 +57,7 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(g.replay, replays) / calls
 
 
-SWEEP = {"rows": (4, 8, 16, 32), "step": (2, 4, 8), "warps": (2, 4, 8)}
+SWEEP = {"rows": (2, 4, 8), "step": (4, 8, 16, 32, 64), "warps": (1, 2, 4)}
 
 
 def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@
 # The CUDA tests of the packages it touches; the fused kernels timed in a CUDA graph with a
 # sweep of their launch choices (benchmarks/gather_gemv.py --sweep); then decode on a LAYERS
 # (default 12) layer default-router qwen3-30b-a3b q8_0 file at temperature 1, each strategy
-# with its `+dequant` twin in the same run; and a torch.profiler kernel list of resident.
+# with its `+dequant` twin in the same run (CACHE: default 1GB, 4 GB's share of 48 layers);
+# and a torch.profiler kernel list of resident.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/resident_blocks.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,7 +16,7 @@ python3 -m pytest -m cuda -q -p no:cacheprovider -rfE tests/moe tests/kernels te
   > "$OUT/cuda_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -20
 [ -n "${SKIP_SWEEP:-}" ] || python3 benchmarks/gather_gemv.py --sweep --shape 2048x768 \
-  --formats ${FORMATS:-q8_0,q4_k/q4_k/q6_k} --label h200-sweep-2048x768 --out "$OUT" \
+  --formats ${FORMATS:-q8_0} --label h200-sweep-2048x768 --out "$OUT" \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^  rows"
 L=${LAYERS:-12}
 M=/tmp/qwen3-30b-a3b-${L}l.gguf
@@ -23,7 +24,7 @@ M=/tmp/qwen3-30b-a3b-${L}l.gguf
   --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
 python3 benchmarks/decode_moe.py --model $M --device cuda --temperature 1 \
   --strategies ${STRATEGIES:-resident+dequant,resident,offload,hybrid-online} \
-  --moe-cache-mem 4GB --moe-cpu-threads 15 --tokens 64 --repeats 2 \
+  --moe-cache-mem ${CACHE:-1GB} --moe-cpu-threads 15 --tokens 64 --repeats 2 \
   --label qwen3-30b-a3b-${L}l-blocks --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 \
   | grep -v "^Loading" | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|resident experts'
 python3 benchmarks/plan_profile.py --model $M --strategy resident --tokens 24 --trace \

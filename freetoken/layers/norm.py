@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from freetoken.cpu.library import optional
-from freetoken.kernels.rms_norm import rms_norm, usable
+from freetoken.kernels.token_steps import rms_norm, usable
 
 
 def _native() -> Any:
@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if usable(x, w):  # one GPU kernel (kernels/rms_norm.py)
+        if usable(x, w):  # one GPU kernel (kernels/token_steps.py)
             y = rms_norm(x, w, self.eps, self.mode)
             if y is not None:
                 return y
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
 
     @property
     def mode(self) -> str:
-        """How the scale is applied (``kernels/rms_norm.py:MODES``)."""
+        """How the scale is applied (``kernels/token_steps.py:MODES``)."""
         return "unit_offset" if self.unit_offset else "float_scale" if self.float_scale \
             else "qwen"
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from freetoken.config import RopeSpec
 from freetoken.cpu.library import optional
+from freetoken.kernels.token_steps import rotary, rotary_usable
 
 
 def _native() -> Any:
@@ -39,8 +40,13 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` (T, heads, head_dim) at ``positions`` (T,). Float32 on the CPU is one
-        native call (same bits as :meth:`reference`, its slow twin)."""
+        native call, a GPU one Triton kernel (both the bits of :meth:`reference`, their slow
+        twin)."""
         cos = self.cos
+        if rotary_usable(x, cos, positions):  # one GPU kernel (kernels/token_steps.py)
+            y = rotary(x, cos, self.sin, positions)
+            if y is not None:
+                return y
         if x.dtype is torch.float32 and x.is_cpu and cos.dtype is torch.float32 and cos.is_cpu \
                 and x.dim() == 3 and x.shape[2] == cos.shape[-1] \
                 and positions.numel() == x.shape[0]:

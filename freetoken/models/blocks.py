@@ -14,6 +14,7 @@ from freetoken.config import ModelConfig
 from freetoken.cpu.library import ACTIVATIONS as NATIVE_ACTIVATIONS
 from freetoken.cpu.library import optional
 from freetoken.kernels.activation import ACTIVATIONS
+from freetoken.kernels.token_steps import route, route_usable
 from freetoken.layers.attention import attention
 from freetoken.layers.context import ForwardContext
 from freetoken.layers.linear import Linear
@@ -115,6 +116,10 @@ class MoEBlock(nn.Module):
                 fn(logits.data_ptr(), logits.shape[0], logits.shape[1], self.top_k,
                    self.norm_topk_prob, ids.data_ptr(), weights.data_ptr())
                 return ids, weights.to(x.dtype)
+        if route_usable(logits, self.top_k):  # one GPU kernel (kernels/token_steps.py)
+            got = route(logits, self.top_k, self.norm_topk_prob, x.dtype)
+            if got is not None:
+                return got
         return self.choose(logits, x.dtype)
 
     def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

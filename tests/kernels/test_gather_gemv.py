@@ -140,3 +140,33 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str) -> None:
     run = subprocess.run([sys.executable, "-c", _COMPILE, fmt, dtype], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
+    """An expert row holds up's blocks right after gate's: the two are one launch over 2I
+    rows, with the bits of two launches."""
+    from freetoken.kernels.gather_gemv import stacked
+
+    gate, up, _ = _pool(3, [("q8_0", 8, 64), ("q8_0", 8, 64), ("q8_0", 64, 32)], seed=1)
+    both = stacked(QuantTensor("q8_0", (3, 8, 64), gate), QuantTensor("q8_0", (3, 8, 64), up))
+    assert both is not None and torch.equal(both[:, :8], gate) and torch.equal(both[:, 8:], up)
+    assert stacked(QuantTensor("q8_0", (3, 8, 64), up),
+                   QuantTensor("q8_0", (3, 8, 64), gate)) is None  # up does not follow
+    assert stacked(QuantTensor("q8_0", (3, 8, 64), gate),
+                   QuantTensor("q5_0", (3, 8, 64), up)) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_stack_has_the_bits_of_two_launches(kernels, device):
+    gate, up, down = _pool(4, [("q8_0", 32, 96), ("q8_0", 32, 96), ("q8_0", 96, 32)], seed=2,
+                           device=device)
+    qts = [QuantTensor("q8_0", (4, r, k), v) for v, (r, k) in
+           zip((gate, up, down), ((32, 96), (32, 96), (96, 32)), strict=True)]
+    x = torch.randn(2, 96, device=device)
+    w = torch.rand(2, 2, device=device)
+    index = torch.tensor([0, 3, 2, 1], device=device)
+    act = torch.nn.functional.silu
+    one = kernels.gathered_fused(x, w, index, *qts, act)
+    apart = [QuantTensor("q8_0", q.shape, q.data.clone(), {}) for q in qts[:2]]
+    two = kernels.gathered_fused(x, w, index, *apart, qts[2], act)
+    assert kernels.stacked(*apart) is None and torch.equal(one, two)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken.kernels.activation import glu
+from freetoken.kernels.activation import ACTIVATIONS, glu
 from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as, get_format
 
@@ -72,10 +72,12 @@ KERNELS: dict[str, FusedKernel] = {
 
 
 def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
-                per: int) -> torch.Tensor:
+                per: int, act: int = 0) -> torch.Tensor:
     """``out[p] = W[index[p]] @ x[p // per]`` for ``fmt`` blocks ``data`` (S, R, K // block *
     block_bytes) uint8 (any slot and row strides), ``index`` (P,) int64, ``x`` (N, K) with
-    unit stride along K. Returns (P, R) in ``x``'s dtype."""
+    unit stride along K. Returns (P, R) in ``x``'s dtype. With ``act`` (:func:`glu_code`),
+    ``data`` is gate's rows with up's R rows right after them in every slot, and
+    ``out[p] = act(gate @ x) * (up @ x)``."""
     import triton
 
     from freetoken.kernels import triton_gemv
@@ -92,8 +94,20 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     grid = (index.numel(), triton.cdiv(R, spec.rows))
     kernel = getattr(triton_gemv, fmt)
     kernel[grid](data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0),
-                 out.stride(0), NB=nb, BLOCK_R=spec.rows, STEP=spec.step, num_warps=spec.warps)
+                 out.stride(0), NB=nb, BLOCK_R=spec.rows, STEP=spec.step, ACT=act,
+                 num_warps=spec.warps)
     return out
+
+
+def glu_code(act: Act) -> int:
+    """The kernels' code for an activation they apply to a gate/up stack themselves (1 silu,
+    2 tanh-approximated gelu: ``kernels/activation.py``'s functions), else 0: act(g) * u in
+    torch."""
+    if act is ACTIVATIONS["silu"]:
+        return 1
+    if act is ACTIVATIONS["gelu_pytorch_tanh"]:
+        return 2
+    return 0
 
 
 def raised_by_triton(e: BaseException) -> bool:
@@ -122,15 +136,20 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
     (T, H)."""
     A = w.shape[1]
     both = stacked(gate, up)
-    if both is not None:  # one launch for both: each row's sum is the same either way
-        gu = gather_gemv(gate.fmt, both, index, x, A)
-        g, u = gu[:, : gate.data.shape[1]], gu[:, gate.data.shape[1]:]
+    code = glu_code(act)
+    if both is not None and bias is None and code:  # gate, up and act(g) * u in one launch
+        h = gather_gemv(gate.fmt, gate.data, index, x, A, act=code)
     else:
-        g = gather_gemv(gate.fmt, gate.data, index, x, A)
-        u = gather_gemv(up.fmt, up.data, index, x, A)
-    if bias is not None:
-        g, u = g + bias.gate.to(g.dtype), u + bias.up.to(u.dtype)
-    y = gather_gemv(down.fmt, down.data, index, glu(act, g, u), 1)  # (T*A, H)
+        if both is not None:  # one launch for both: each row's sum is the same either way
+            gu = gather_gemv(gate.fmt, both, index, x, A)
+            g, u = gu[:, : gate.data.shape[1]], gu[:, gate.data.shape[1]:]
+        else:
+            g = gather_gemv(gate.fmt, gate.data, index, x, A)
+            u = gather_gemv(up.fmt, up.data, index, x, A)
+        if bias is not None:
+            g, u = g + bias.gate.to(g.dtype), u + bias.up.to(u.dtype)
+        h = glu(act, g, u)
+    y = gather_gemv(down.fmt, down.data, index, h, 1)  # (T*A, H)
     if bias is not None:
         y = y + bias.down.to(y.dtype)
     return weigh_pairs(y, w)

@@ -3,7 +3,9 @@ only when a kernel is first used: triton is needed on GPU machines, not on CPU i
 
 Every kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (program axis
 0) and BLOCK_R output rows (axis 1), W's blocks read from uint8 ``w_ptr`` at ``slot * slot_stride
-+ row * row_stride`` bytes, NB blocks per row, float32 accumulation.
++ row * row_stride`` bytes, NB blocks per row, float32 accumulation. With ACT (a gate and up
+stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
+sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu).
 
 The helpers carry no type annotations: compiled code may read only constexpr globals, and the
 compiler counts an annotation such as ``Any`` as a read (the interpreter does not).
@@ -35,10 +37,19 @@ def _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride, x_stride,
 
 
 @triton.jit
-def q8_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
+def _glu(g, u, ACT: tl.constexpr):
+    """act(g) * u in float32: ACT 1 silu, 2 gelu with the tanh approximation."""
+    if ACT == 1:
+        a = g / (1.0 + tl.exp(-g))
+    else:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
+        a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))  # 1 + tanh(z)
+    return a * u
+
+
+@triton.jit
+def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+               STEP: tl.constexpr):
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
@@ -55,14 +66,25 @@ def q8_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_st
             x_row + blocks[:, None] * 32 + lane[None, :], mask=(blocks < NB)[:, None], other=0.0
         ).to(tl.float32)
         acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * d, axis=1)
+    return acc
+
+
+@triton.jit
+def q8_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
+         ACT: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
+    acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    if ACT:
+        up = _q8_0_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
+        acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def q5_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
+def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+               STEP: tl.constexpr):
     half = tl.arange(0, 2)[:, None]  # weight i = 16 * half + j: qs[j]'s low or high nibble
     j = tl.arange(0, 16)[None, :]
     i = 16 * half + j  # (2, 16)
@@ -84,6 +106,19 @@ def q5_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_st
         ).to(tl.float32)  # (STEP, 2, 16)
         dot = tl.sum(tl.sum((q.to(tl.float32) - 16.0) * x[None], axis=3), axis=2)
         acc += tl.sum(dot * d, axis=1)
+    return acc
+
+
+@triton.jit
+def q5_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
+         ACT: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
+    acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    if ACT:
+        up = _q5_0_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
+        acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -102,10 +137,7 @@ def _k4_scale_min(at, s, ok):
 
 
 @triton.jit
-def q4_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
+def _q4_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
     k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -128,14 +160,24 @@ def q4_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_st
         sum_hi = tl.sum(x_hi, axis=1)[None, :]
         acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
         acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+    return acc
+
+
+@triton.jit
+def q4_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
+         ACT: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
+    acc = _q4_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    if ACT:
+        up = _q4_k_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R)
+        acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def q6_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
+def _q6_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
     # weight 128 h + 32 s + 16 u + v (half h, quarter s, sub-block 8 h + 2 s + u)
     h = tl.arange(0, 2)[:, None, None]
     u = tl.arange(0, 2)[None, :, None]
@@ -159,4 +201,17 @@ def q6_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_st
             ).to(tl.int8, bitcast=True)
             part += tl.sum(tl.sum(sc.to(tl.float32) * dot, axis=2), axis=1)
         acc += d * part
+    return acc
+
+
+@triton.jit
+def q6_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
+         ACT: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
+    acc = _q6_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    if ACT:
+        up = _q6_k_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R)
+        acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)

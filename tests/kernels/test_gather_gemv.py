@@ -120,11 +120,13 @@ spec = KERNELS[fmt]
 nb = 2048 // spec.block
 sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
        "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
-       "out_stride": "i32", "NB": "constexpr", "BLOCK_R": "constexpr", "STEP": "constexpr"}
-src = ASTSource(fn=getattr(triton_gemv, fmt), signature=sig,
-                constexprs={"NB": nb, "BLOCK_R": spec.rows, "STEP": spec.step})
-kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-assert kernel.asm["cubin"], "no cubin"
+       "out_stride": "i32", "NB": "constexpr", "BLOCK_R": "constexpr", "STEP": "constexpr",
+       "ACT": "constexpr"}
+for act in (0, 1, 2):
+    src = ASTSource(fn=getattr(triton_gemv, fmt), signature=sig,
+                    constexprs={"NB": nb, "BLOCK_R": spec.rows, "STEP": spec.step, "ACT": act})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"], "no cubin"
 """
 
 
@@ -165,8 +167,30 @@ def test_one_stack_has_the_bits_of_two_launches(kernels, device):
     x = torch.randn(2, 96, device=device)
     w = torch.rand(2, 2, device=device)
     index = torch.tensor([0, 3, 2, 1], device=device)
-    act = torch.nn.functional.silu
-    one = kernels.gathered_fused(x, w, index, *qts, act)
-    apart = [QuantTensor("q8_0", q.shape, q.data.clone(), {}) for q in qts[:2]]
-    two = kernels.gathered_fused(x, w, index, *apart, qts[2], act)
-    assert kernels.stacked(*apart) is None and torch.equal(one, two)
+    both = kernels.stacked(qts[0], qts[1])
+    one = kernels.gather_gemv("q8_0", both, index, x, 2)
+    two = torch.cat([kernels.gather_gemv("q8_0", q.data, index, x, 2) for q in qts[:2]], 1)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q5_0", 96), ("q4_k", 256), ("q6_k", 256)])
+def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fmt, K):
+    """gate, up and act(g) * u in one launch where the activation has a code (gelu without
+    the tanh has none: torch applies it), close to the two sums rounded then combined."""
+    from freetoken.kernels.activation import ACTIVATIONS, glu
+
+    gate, up, down = _pool(4, [(fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)], seed=3,
+                           device=device)
+    qts = [QuantTensor(f, (4, r, k), v) for v, (f, r, k) in
+           zip((gate, up, down), ((fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)), strict=True)]
+    x = torch.randn(2, K, device=device)
+    w = torch.rand(2, 2, device=device)
+    index = torch.tensor([0, 3, 2, 1], device=device)
+    fn = ACTIVATIONS[act]
+    assert kernels.glu_code(fn) == {"silu": 1, "gelu_pytorch_tanh": 2, "gelu": 0}[act]
+    got = kernels.gathered_fused(x, w, index, *qts, fn)
+    g, u = (kernels.gather_gemv(fmt, q.data, index, x, 2) for q in qts[:2])
+    want = kernels.weigh_pairs(kernels.gather_gemv("q8_0", down, index, glu(fn, g, u), 1), w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.cpu.library import optional
+from freetoken.kernels import paged_attention as paged
 from freetoken.layers.context import ForwardContext
 
 
@@ -66,6 +67,12 @@ def attention(
         ctx.kv.store(layer, ctx.slots, _to_row(k, pool), _to_row(v, pool))
     else:
         ctx.kv.store(layer, ctx.slots, k, v)
+    if ctx.decode and sinks is None and (Hkv, D) == pool \
+            and paged.usable(q, ctx.kv.k[layer], ctx.positions):  # one GPU kernel
+        out = paged.decode_attention(q, ctx.kv.k[layer], ctx.kv.v[layer], ctx.k_slots,
+                                     ctx.positions, scale, window)
+        if out is not None:
+            return out
     if not ctx.decode and not ctx.single and q.device.type == "cpu" and ctx.spans:
         return torch.cat([_one_sequence(q, ctx, layer, scale, window, sinks, b, Hkv, D)
                           for b in range(len(ctx.spans))])

@@ -5,16 +5,19 @@
 # (default 12) layer default-router qwen3-30b-a3b q8_0 file at temperature 1, each strategy
 # with its `+dequant` twin in the same run (CACHE: default 1GB, 4 GB's share of 48 layers);
 # and a torch.profiler kernel list of resident.
+# SKIP_TESTS, SKIP_SWEEP and STRATEGIES=none leave those parts out.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/resident_blocks.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 build_cpu_library
 moe_bench_setup
-python3 -m pytest -m cuda -q -p no:cacheprovider -rfE tests/moe tests/kernels tests/layers \
-  tests/engine tests/models --deselect tests/engine/test_moeified_gemma.py \
-  > "$OUT/cuda_tests.log" 2>&1
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -20
+if [ -z "${SKIP_TESTS:-}" ]; then
+  python3 -m pytest -m cuda -q -p no:cacheprovider -rfE tests/moe tests/kernels tests/layers \
+    tests/engine tests/models --deselect tests/engine/test_moeified_gemma.py \
+    > "$OUT/cuda_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -20
+fi
 [ -n "${SKIP_SWEEP:-}" ] || python3 benchmarks/gather_gemv.py --sweep --shape 2048x768 \
   --formats ${FORMATS:-q8_0} --label h200-sweep-2048x768 --out "$OUT" \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^  rows"
@@ -22,7 +25,7 @@ L=${LAYERS:-12}
 M=/tmp/qwen3-30b-a3b-${L}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --layers $L \
   --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
-python3 benchmarks/decode_moe.py --model $M --device cuda --temperature 1 \
+[ "${STRATEGIES:-}" = none ] || python3 benchmarks/decode_moe.py --model $M --device cuda --temperature 1 \
   --strategies ${STRATEGIES:-resident+dequant,resident,offload,hybrid-online} \
   --moe-cache-mem ${CACHE:-1GB} --moe-cpu-threads 15 --tokens 64 --repeats 2 \
   --label qwen3-30b-a3b-${L}l-blocks --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 \

@@ -1,9 +1,11 @@
-"""Decode attention as one GPU kernel (Triton) reading keys and values where they are in the
-paged KV cache, over each sequence's own length.
+"""Decode attention as one GPU kernel (Triton): the new key and value stored in their slots,
+then keys and values read where they are in the paged KV cache, over each sequence's own
+length.
 
 The torch path (``layers/attention.py``) gathers every sequence's keys and values into a
 padded (B, S) batch, S the longest sequence (in a decode graph: the whole context), then runs
-SDPA with a mask: two copies and a masked kernel over the padding at every layer. Here one
+SDPA with a mask: two stores, two copies and a masked kernel over the padding at every
+layer. Here one
 program per (sequence, KV head) walks that sequence's slots up to its position (from
 ``pos - window + 1`` with a window) with an online softmax, its query heads of the group
 together, in float32. The torch path is its slow twin; the sums are in another order, so the
@@ -22,21 +24,27 @@ BLOCK_S = 64  # keys per loop step
 _failed: list[str] = []  # the first build failure, once logged; the torch path from then on
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor, positions: torch.Tensor) -> bool:
-    """Whether :func:`decode_attention` takes these: GPU queries (B, Hq, D) one per sequence,
-    a cache (slots, Hkv, D) of the same head size and dtype, Hq a multiple of Hkv."""
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+           positions: torch.Tensor) -> bool:
+    """Whether :func:`decode_attention` takes these: GPU queries (B, Hq, D) and new keys and
+    values (B, Hkv, D) one per sequence, a cache (slots, Hkv, D) of the same
+    shape and dtype, Hq a multiple of Hkv."""
     return (q.is_cuda and not _failed and q.dim() == 3 and k_cache.dim() == 3
+            and tuple(k.shape) == (q.shape[0], *k_cache.shape[1:])
             and q.shape[2] == k_cache.shape[2] and q.shape[1] % k_cache.shape[1] == 0
-            and q.dtype == k_cache.dtype and positions.numel() == q.shape[0]
-            and q.stride(2) == 1 and k_cache.is_contiguous())
+            and q.dtype == k.dtype == k_cache.dtype and positions.numel() == q.shape[0]
+            and v.shape == k.shape and v.dtype == k.dtype and q.stride(2) == 1
+            and k.stride(2) == 1 and v.stride(2) == 1 and k_cache.is_contiguous())
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     k_slots: torch.Tensor, positions: torch.Tensor, scale: float,
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, k_slots: torch.Tensor,
+                     positions: torch.Tensor, scale: float,
                      window: int = 0) -> torch.Tensor | None:
-    """q (B, Hq, D), caches (slots, Hkv, D) holding every sequence's keys already (the new
-    one included), k_slots (B, S) the slots of keys 0..S-1 in order, positions (B,) ->
-    (B, Hq, D); None when the kernel failed to build (logged once)."""
+    """q (B, Hq, D) and the new k, v (B, Hkv, D), stored first at ``slots`` (B,) of the
+    caches (slots, Hkv, D); k_slots (B, S) the slots of keys 0..S-1 in order, positions
+    (B,) -> (B, Hq, D); None (nothing stored) when the kernel failed to build (logged
+    once)."""
     import triton
 
     from freetoken.kernels import triton_attention
@@ -52,7 +60,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         triton_attention.decode_attention[(B, Hkv)](
             q, k_cache, v_cache, k_slots, positions, out, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_slots.stride(0), out.stride(0),
-            out.stride(1), scale, window, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
+            out.stride(1), scale, window, k, v, slots, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), GROUP=group, GP=max(16, triton.next_power_of_2(group)),
             D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S, num_warps=4)
     except Exception as e:  # noqa: BLE001 - only Triton's own failures are caught
         if not raised_by_triton(e):

@@ -57,18 +57,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: str) -> torch.T
     from freetoken.kernels import triton_token_steps
 
     dim = x.shape[-1]
-    rows = x.reshape(-1, dim)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if x.dim() == 3 and x.stride(2) == 1:  # (T, heads, dim) at its strides: no copy
+        rows, heads, tok, head = x, x.shape[1], x.stride(0), x.stride(1)
+    else:
+        rows = x.reshape(-1, dim)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        heads, tok, head = 1, rows.stride(0), 0
+    n = x.numel() // dim
+    out = torch.empty(n, dim, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(dim)
 
     def launch() -> None:
-        triton_token_steps.rms_norm[(rows.shape[0],)](
-            rows, w, out, dim, rows.stride(0), out.stride(0), eps, MODE=MODES[mode],
+        triton_token_steps.rms_norm[(n,)](
+            rows, w, out, dim, heads, tok, head, out.stride(0), eps, MODE=MODES[mode],
             BLOCK=block, num_warps=max(1, min(8, block // 256)))
 
-    return out.view(x.shape) if _built(launch, "RMSNorm") else None
+    return out.view(x.shape) if n == 0 or _built(launch, "RMSNorm") else None
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:

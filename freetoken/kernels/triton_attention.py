@@ -9,17 +9,22 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, q_tok, q_head, kv_slot,
-                     kv_head, slots_row, out_tok, out_head, scale, window,
+                     kv_head, slots_row, out_tok, out_head, scale, window, k_new_ptr, v_new_ptr,
+                     new_slot_ptr, k_tok, k_head, v_tok, v_head,
                      GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                      DP: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Sequence b (axis 0), KV head h (axis 1): its GROUP query heads against keys 0..pos of
-    the sequence (pos - window < j with a window), read from their slots, online softmax,
-    all in float32 (at one query per sequence the products are few: the loads set the
-    pace)."""
+    """Sequence b (axis 0), KV head h (axis 1): the new key and value of head h stored in
+    their slot first, then its GROUP query heads against keys 0..pos of the sequence
+    (pos - window < j with a window), read from their slots, online softmax, all in float32
+    (at one query per sequence the products are few: the loads set the pace)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
+    new = tl.load(new_slot_ptr + b).to(tl.int64) * kv_slot + h * kv_head + d
+    tl.store(k_ptr + new, tl.load(k_new_ptr + b * k_tok + h * k_head + d, mask=d < D), mask=d < D)
+    tl.store(v_ptr + new, tl.load(v_new_ptr + b * v_tok + h * v_head + d, mask=d < D), mask=d < D)
+    tl.debug_barrier()  # the program's own stores, seen by all its threads below
     q_ok = (g < GROUP)[:, None] & (d < D)[None, :]
     q = tl.load(q_ptr + b * q_tok + (h * GROUP + g)[:, None] * q_head + d[None, :], mask=q_ok,
                 other=0.0).to(tl.float32)

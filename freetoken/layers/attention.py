@@ -63,16 +63,16 @@ def attention(
         if fn is not None:
             return _decode_on_cpu(fn, q, k, v, ctx, layer, scale, window)
     Hkv, D = k.shape[1:]
+    if ctx.decode and sinks is None and (Hkv, D) == pool \
+            and paged.usable(q, k, v, ctx.kv.k[layer], ctx.positions):  # one GPU kernel, stores too
+        out = paged.decode_attention(q, k, v, ctx.slots, ctx.kv.k[layer], ctx.kv.v[layer],
+                                     ctx.k_slots, ctx.positions, scale, window)
+        if out is not None:
+            return out
     if (Hkv, D) != pool:
         ctx.kv.store(layer, ctx.slots, _to_row(k, pool), _to_row(v, pool))
     else:
         ctx.kv.store(layer, ctx.slots, k, v)
-    if ctx.decode and sinks is None and (Hkv, D) == pool \
-            and paged.usable(q, ctx.kv.k[layer], ctx.positions):  # one GPU kernel
-        out = paged.decode_attention(q, ctx.kv.k[layer], ctx.kv.v[layer], ctx.k_slots,
-                                     ctx.positions, scale, window)
-        if out is not None:
-            return out
     if not ctx.decode and not ctx.single and q.device.type == "cpu" and ctx.spans:
         return torch.cat([_one_sequence(q, ctx, layer, scale, window, sinks, b, Hkv, D)
                           for b in range(len(ctx.spans))])

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from freetoken.config import ModelConfig
@@ -17,7 +18,7 @@ from freetoken.kernels.activation import ACTIVATIONS
 from freetoken.kernels.token_steps import route, route_usable
 from freetoken.layers.attention import attention
 from freetoken.layers.context import ForwardContext
-from freetoken.layers.linear import Linear
+from freetoken.layers.linear import Linear, stack_rows
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.pool_linear import PoolLinear
 from freetoken.layers.rotary import Rotary
@@ -48,12 +49,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, unit_offset_norm)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, unit_offset_norm)
         self.rotary = rotary
+        # on a GPU q, k and v are one matmul over a stacked weight (their weights its views)
+        self.qkv = stack_rows([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.n_q, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(T, self.n_kv, self.head_dim))
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        T, D = x.shape[0], self.head_dim
+        if self.qkv is not None:
+            qkv = F.linear(x, self.qkv)
+            nq, nk = self.n_q * D, self.n_kv * D
+            q, k = qkv[:, :nq].view(T, self.n_q, D), qkv[:, nq:nq + nk].view(T, self.n_kv, D)
+            v = qkv[:, nq + nk:].view(T, self.n_kv, D)
+        else:
+            q = self.q_proj(x).view(T, self.n_q, D)
+            k = self.k_proj(x).view(T, self.n_kv, D)
+            v = self.v_proj(x).view(T, self.n_kv, D)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
         o = attention(q, k, v, ctx, self.layer, self.scale, self.window)
         return self.o_proj(o.reshape(T, -1))

@@ -61,9 +61,18 @@ def test_kernel_follows_the_torch_path(kernel, device, dtype, window, Hq, Hkv, D
         used += need
     ctx = ForwardContext.build(kv, segs, torch.device(device), (window,))
     q = torch.randn(len(lengths), Hq, D).to(device, dtype)
+    k = torch.randn(len(lengths), Hkv, D).to(device, dtype)
+    v = torch.randn(len(lengths), 3 * Hkv * D).to(device, dtype)[:, D:D + Hkv * D].view(
+        len(lengths), Hkv, D)  # a slice of a wider row, as from a fused projection
     scale = D ** -0.5
-    want = _torch_path(q, kv, ctx, window, scale)
-    got = kernel(q, kv.k[0], kv.v[0], ctx.k_slots, ctx.positions, scale, window)
+    theirs = PagedKV(1, 64, page, Hkv, D, dtype, device)
+    theirs.k.copy_(kv.k)
+    theirs.v.copy_(kv.v)
+    theirs.store(0, ctx.slots, k, v)
+    want = _torch_path(q, theirs, ctx, window, scale)
+    got = kernel(q, k, v, ctx.slots, kv.k[0], kv.v[0], ctx.k_slots, ctx.positions, scale,
+                 window)
+    assert torch.equal(kv.k, theirs.k) and torch.equal(kv.v, theirs.v)  # stored as torch does
     tol = 1e-5 if dtype is torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
@@ -78,7 +87,8 @@ dt = sys.argv[1]
 sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "slots_ptr": "*i64", "pos_ptr": "*i64",
        "out_ptr": dt, "q_tok": "i64", "q_head": "i64", "kv_slot": "i64", "kv_head": "i64",
        "slots_row": "i64", "out_tok": "i64", "out_head": "i64", "scale": "fp32", "window": "i32",
-       "GROUP": "constexpr", "GP": "constexpr", "D": "constexpr", "DP": "constexpr",
+       "k_new_ptr": dt, "v_new_ptr": dt, "new_slot_ptr": "*i64", "k_tok": "i64",
+       "k_head": "i64", "v_tok": "i64", "v_head": "i64", "GROUP": "constexpr", "GP": "constexpr", "D": "constexpr", "DP": "constexpr",
        "BLOCK_S": "constexpr"}
 src = ASTSource(fn=triton_attention.decode_attention, signature=sig,
                 constexprs={"GROUP": 8, "GP": 16, "D": 128, "DP": 128, "BLOCK_S": 64})
@@ -109,7 +119,7 @@ def test_a_model_decodes_through_it(tiny_qwen3_moe, monkeypatch):
     want = our_logits(model, ids, prefill=4)
     calls = []
 
-    def on_cpu(q, k_cache, positions):
+    def on_cpu(q, k, v, k_cache, positions):
         calls.append(q.shape[0])
         return q.dim() == 3 and q.shape[2] == k_cache.shape[2]
 

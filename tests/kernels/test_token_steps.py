@@ -64,6 +64,8 @@ def test_rows_with_a_stride_are_read_as_rows(kernel=None):
     n = _norm(64, torch.float32, "cpu")
     x = torch.randn(5, 128)[:, :64]  # every row 128 apart
     torch.testing.assert_close(rms_norm(x, n.weight, n.eps, n.mode), n.reference(x))
+    heads = torch.randn(3, 320)[:, 64:256].view(3, 3, 64)  # (T, heads, D) of a wider row
+    torch.testing.assert_close(rms_norm(heads, n.weight, n.eps, n.mode), n.reference(heads))
 
 
 _COMPILE = """
@@ -73,8 +75,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from freetoken.kernels import triton_token_steps
 dtype, mode = sys.argv[1], int(sys.argv[2])
-sig = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "dim": "i32", "x_stride": "i64",
-       "out_stride": "i64", "eps": "fp32", "MODE": "constexpr", "BLOCK": "constexpr"}
+sig = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "dim": "i32", "heads": "i32",
+       "x_tok": "i64", "x_head": "i64", "out_stride": "i64", "eps": "fp32",
+       "MODE": "constexpr", "BLOCK": "constexpr"}
 src = ASTSource(fn=triton_token_steps.rms_norm, signature=sig, constexprs={"MODE": mode, "BLOCK": 2048})
 assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
 """

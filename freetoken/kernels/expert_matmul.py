@@ -65,8 +65,7 @@ def gathered(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Ten
 def weigh_pairs(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Pair outputs y (T*A, H), pairs token-major, weighted by w (T, A) and summed per token."""
     T, A = w.shape
-    # one batched (1 x A) @ (A x H) per token: one launch where a multiply and a sum are two
-    return torch.bmm(w.unsqueeze(1).to(y.dtype), y.view(T, A, -1)).squeeze(1)
+    return (y.view(T, A, -1) * w.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
 def grouped(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, num_experts: int,

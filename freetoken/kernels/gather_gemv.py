@@ -91,10 +91,11 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     if x.dim() != 2 or x.shape[1] != nb * spec.block or x.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} does not fit {nb * spec.block} inputs")
     out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
-    grid = (index.numel(), triton.cdiv(R, spec.rows))
+    rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
+    grid = (index.numel(), triton.cdiv(R, rows))
     kernel = getattr(triton_gemv, fmt)
     kernel[grid](data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0),
-                 out.stride(0), NB=nb, BLOCK_R=spec.rows, STEP=spec.step, ACT=act,
+                 out.stride(0), NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act,
                  num_warps=spec.warps)
     return out
 

@@ -8,8 +8,9 @@ SDPA with a mask: two stores, two copies and a masked kernel over the padding at
 layer. Here one
 program per (sequence, KV head) walks that sequence's slots up to its position (from
 ``pos - window + 1`` with a window) with an online softmax, its query heads of the group
-together, in float32. The torch path is its slow twin; the sums are in another order, so the
-two agree to rounding, not bit for bit.
+together. The torch path is its slow twin; the sums are in another order (and in bf16 the
+probabilities are rounded before the product with the values), so the two agree to
+rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ log = logging.getLogger(__name__)
 
 BLOCK_S = 64  # keys per loop step
 _failed: list[str] = []  # the first build failure, once logged; the torch path from then on
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter (the CPU in tests) multiplies 16-bit blocks wrongly: float32 there."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -62,7 +70,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
             k_cache.stride(0), k_cache.stride(1), k_slots.stride(0), out.stride(0),
             out.stride(1), scale, window, k, v, slots, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), GROUP=group, GP=max(16, triton.next_power_of_2(group)),
-            D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S, num_warps=4)
+            D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S,
+            MMA=q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(), num_warps=4)
     except Exception as e:  # noqa: BLE001 - only Triton's own failures are caught
         if not raised_by_triton(e):
             raise

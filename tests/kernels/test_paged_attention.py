@@ -89,9 +89,10 @@ sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "slots_ptr": "*i64", "pos_ptr": "*
        "slots_row": "i64", "out_tok": "i64", "out_head": "i64", "scale": "fp32", "window": "i32",
        "k_new_ptr": dt, "v_new_ptr": dt, "new_slot_ptr": "*i64", "k_tok": "i64",
        "k_head": "i64", "v_tok": "i64", "v_head": "i64", "GROUP": "constexpr", "GP": "constexpr", "D": "constexpr", "DP": "constexpr",
-       "BLOCK_S": "constexpr"}
+       "BLOCK_S": "constexpr", "MMA": "constexpr"}
 src = ASTSource(fn=triton_attention.decode_attention, signature=sig,
-                constexprs={"GROUP": 8, "GP": 16, "D": 128, "DP": 128, "BLOCK_S": 64})
+                constexprs={"GROUP": 8, "GP": 16, "D": 128, "DP": 128, "BLOCK_S": 64,
+                            "MMA": dt != "*fp32"})
 assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
 """
 

@@ -17,6 +17,35 @@ import matplotlib.ticker  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def resident_gpu_plot() -> None:
+    """Resident decode on the 12-layer qwen3 q8_0 file per commit, beside llama.cpp all on the
+    GPU (docs/benchmarks.md, "Resident from the file's blocks")."""
+    runs = []
+    for p in sorted((ROOT / "benchmarks/results").glob("decode_moe-qwen3-30b-a3b-12l-*.json")):
+        r = json.loads(p.read_text())
+        rows = {s["strategy"]: s for s in r.get("strategies", [])}
+        if "resident" in rows and r.get("params", {}).get("temperature") == 1.0:
+            runs.append((r["timestamp"] if "timestamp" in r else p.stem.split("-")[-1],
+                         r["sha"], rows["resident"]["decode_tokens_per_s"]))
+    peers = [json.loads(p.read_text()) for p in sorted((ROOT / "benchmarks/results").glob(
+        "peer_gpu-qwen3-30b-a3b-12l-*.json"))]
+    if not runs:
+        return
+    runs.sort()
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(range(len(runs)), [t for _, _, t in runs], color="#3a6ea5", label="ours, resident")
+    for peer in peers[-1:]:
+        ax.axhline(peer["llamacpp"]["gpu"]["tokens_per_s"], color="#aa3333", ls="--",
+                   label="llama.cpp, all on the GPU")
+    ax.set_xticks(range(len(runs)), [sha for _, sha, _ in runs], rotation=30, fontsize=8)
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title("12-layer qwen3-30b-a3b q8_0, H200", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/resident_gpu.png", dpi=120)
+    plt.close(fig)
+
+
 def generate_plot() -> None:
     runs = [json.loads(p.read_text()) for p in sorted((ROOT / "benchmarks/results").glob(
         "generate-*.json"))]
@@ -103,3 +132,4 @@ if __name__ == "__main__":
     generate_plot()
     serve_plot()
     decode_moe_plot()
+    resident_gpu_plot()

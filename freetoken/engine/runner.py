@@ -107,6 +107,24 @@ class ModelRunner:
                  tokens, tokens * per_token / 1e9)
         return tokens
 
+    def _split_mixed(self, tokens: list[list[int]],
+                     segments: list[Segment]) -> torch.Tensor | None:
+        """A step that mixes decode tokens with prefill chunks, on the CPU, as two forwards:
+        the decode tokens through the decode path (native layers, decode attention), the
+        chunks through prefill's. In one forward a decode token takes prefill's path, whose
+        bits differ (the int8 activations amplify it), so a greedy request's text would depend
+        on whether another request's prompt arrived during its decode. None: not mixed."""
+        decode = [i for i, s in enumerate(segments) if s.count == 1 and s.start > 0]
+        if not decode or len(decode) == len(segments):
+            return None
+        rest = [i for i in range(len(segments)) if i not in set(decode)]
+        out: list[torch.Tensor | None] = [None] * len(segments)
+        for part in (decode, rest):
+            logits = self.forward([tokens[i] for i in part], [segments[i] for i in part])
+            for row, i in enumerate(part):
+                out[i] = logits[row]
+        return torch.stack(out)  # type: ignore[arg-type]
+
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
@@ -119,6 +137,10 @@ class ModelRunner:
         """
         if self.graphs and not all_logits and self.graphs.fits(segments):
             return self.graphs.run(tokens, segments)
+        if self.device.type == "cpu" and not all_logits:
+            split = self._split_mixed(tokens, segments)
+            if split is not None:
+                return split
         flat = [t for seq in tokens for t in seq]
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         ctx = ForwardContext.build(self.kv, segments, self.device, self.windows, all_logits)

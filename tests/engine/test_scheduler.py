@@ -113,3 +113,25 @@ def test_graph_decode_matches_eager(fixture, request):
     a, b = eager.forward(step, segs(eager)), graphs.forward(step, segs(graphs))
     assert graphs.graphs is not None and graphs.graphs.fits(segs(graphs))
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+def test_a_decode_token_beside_a_prefill_has_its_solo_bits():
+    """On the CPU a step that mixes one sequence's decode token with another's prompt runs
+    them as two forwards: the decode token keeps the bits it has alone (the embedded Gemma-3
+    on the pool: in one forward it took prefill's path and its logits moved by ~0.3), and the
+    prompt the bits of its own prefill."""
+    from freetoken.checkpoint import default_model_path
+    from freetoken.layers.context import Segment
+
+    cfg = EngineConfig(model=str(default_model_path()), device="cpu", dtype="float32",
+                       moe_strategy="resident", max_seq_len=256, cpu_dense="pool",
+                       moe_cpu_threads=1)
+    runner = ModelRunner(cfg, kv_tokens=512, page_size=16, progress=False)
+    a = [2, 651, 4281, 529, 6081, 563, 506, 5279, 529, 9405, 236764]
+    b = [2, 9259, 1902, 236764, 1217, 659, 611, 236881, 1599, 795]
+    pa, pb = runner.kv.allocate(2), runner.kv.allocate(2)
+    tok = int(runner.forward([a], [Segment(pa, 0, len(a))])[0].argmax())
+    solo_decode = runner.forward([[tok]], [Segment(pa, len(a), 1)])[0]
+    solo_prompt = runner.forward([b], [Segment(pb, 0, len(b))])[0]
+    mixed = runner.forward([[tok], b], [Segment(pa, len(a), 1), Segment(pb, 0, len(b))])
+    assert torch.equal(mixed[0], solo_decode) and torch.equal(mixed[1], solo_prompt)

@@ -1,4 +1,5 @@
-"""Cached experts gathered and multiplied in one pass on the GPU (Triton), for decode.
+"""Experts kept as blocks (expert cache slots, resident layers) gathered and multiplied in one
+pass on the GPU (Triton), for decode.
 
 A decode call's (token, expert) pairs each read one expert's weights: in the expert cache those
 are GGUF blocks in the slots. The slow twin (:func:`gathered_reference`) copies the pairs' slots
@@ -7,10 +8,10 @@ widened, written and read again. The fused kernels read each weight byte once, s
 slot, and accumulate in float32: one program per pair and block of output rows, looping over the
 row's blocks, the pair's activation row broadcast over them.
 
-One kernel per format, registered in :data:`KERNELS` (Q8_0, Q5_0, Q4_K, Q6_K: the formats of
-Q8_0 and Q4_K_M checkpoints' experts); a layer is fused when all three of its projections have
-one. Block layouts are those of ``freetoken/quant`` (GGUF's); scales are read byte by byte, so
-any slot or row stride works.
+One kernel compiled per format, its launch choices in :data:`KERNELS` (Q8_0, Q5_0, Q4_K,
+Q6_K: the formats of Q8_0 and Q4_K_M checkpoints' experts); a layer is fused when all three of
+its projections have one. Block layouts are those of ``freetoken/quant`` (GGUF's); scales are
+read byte by byte, so any slot or row stride works.
 
 Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a projection:
 ``data`` uint8 (S, R, K // block * block_bytes), S slots (or experts), R output rows, K inputs.
@@ -32,7 +33,7 @@ Act = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class FusedKernel:
-    """A format's gather-GEMV: the kernel of that name in :mod:`.triton_gemv`, blocks per loop
+    """A format's gather-GEMV (:mod:`.triton_gemv` compiled for it): blocks per loop
     step, output rows per program (enough programs to fill the GPU at one token) and warps per
     program (tuned on the H200 by ``benchmarks/gather_gemv.py --sweep``); its block (weights
     and bytes) is the quant format's."""
@@ -93,10 +94,9 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
     rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
     grid = (index.numel(), triton.cdiv(R, rows))
-    kernel = getattr(triton_gemv, fmt)
-    kernel[grid](data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0),
-                 out.stride(0), NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act,
-                 num_warps=spec.warps)
+    triton_gemv.gather_gemv[grid](
+        data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
+        FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, num_warps=spec.warps)
     return out
 
 

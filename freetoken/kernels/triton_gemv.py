@@ -1,7 +1,7 @@
-"""The Triton kernels of :mod:`freetoken.kernels.gather_gemv`, one per weight format (imported
-only when a kernel is first used: triton is needed on GPU machines, not on CPU installs).
+"""The Triton kernel of :mod:`freetoken.kernels.gather_gemv`, compiled once per weight format
+(FMT; imported only when first used: triton is needed on GPU machines, not on CPU installs).
 
-Every kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (program axis
+The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (program axis
 0) and BLOCK_R output rows (axis 1), W's blocks read from uint8 ``w_ptr`` at ``slot * slot_stride
 + row * row_stride`` bytes, NB blocks per row, float32 accumulation. With ACT (a gate and up
 stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
@@ -69,17 +69,6 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
     return acc
 
 
-@triton.jit
-def q8_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
-         ACT: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
-    acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
-    if ACT:
-        up = _q8_0_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
-        acc = _glu(acc, up, ACT)
-    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -109,17 +98,6 @@ def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
     return acc
 
 
-@triton.jit
-def q5_0(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
-         ACT: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
-    acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
-    if ACT:
-        up = _q5_0_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
-        acc = _glu(acc, up, ACT)
-    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -163,17 +141,6 @@ def _q4_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
     return acc
 
 
-@triton.jit
-def q4_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
-         ACT: tl.constexpr):
-    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
-                                              x_stride, BLOCK_R)
-    acc = _q4_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
-    if ACT:
-        up = _q4_k_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R)
-        acc = _glu(acc, up, ACT)
-    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -205,13 +172,28 @@ def _q6_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
-def q6_k(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
-         out_stride, NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
-         ACT: tl.constexpr):
+def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
+          BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+    """The rows' sums of format FMT (chosen when the kernel is compiled)."""
+    if FMT == "q8_0":
+        acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    elif FMT == "q5_0":
+        acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    elif FMT == "q4_k":
+        acc = _q4_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    else:
+        acc = _q6_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    return acc
+
+
+@triton.jit
+def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+                out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                STEP: tl.constexpr, ACT: tl.constexpr):
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
-    acc = _q6_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     if ACT:
-        up = _q6_k_rows(w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R)
+        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -3,8 +3,6 @@ against their slow twin; on the CPU through Triton's interpreter, on the GPU com
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from freetoken.quant import QuantTensor, get_format
+from tests.kernels.conftest import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -21,14 +20,10 @@ GGUF_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q5_0": GGMLQuantizationType.Q5_
 
 
 @pytest.fixture
-def kernels(request, monkeypatch):
+def kernels(triton_runs):
     """The kernel module, on the CPU only through Triton's interpreter."""
     from freetoken.kernels import gather_gemv
 
-    if request.node.callspec.params["device"] == "cpu" and os.environ.get(
-            "TRITON_INTERPRET") != "1":
-        pytest.skip("compiled Triton kernels need a GPU; without one tests/conftest.py "
-                    "selects the interpreter")
     return gather_gemv
 
 
@@ -108,40 +103,20 @@ def test_shapes_that_do_not_fit_are_refused():
     assert fused(("q4_k", "q4_k", "q6_k")) and not fused(("q4_k", "q4_k", "bf16"))
 
 
-_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from freetoken.kernels import triton_gemv
-from freetoken.kernels.gather_gemv import KERNELS
-fmt, dtype = sys.argv[1], sys.argv[2]
-spec = KERNELS[fmt]
-nb = 2048 // spec.block
-sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
-       "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
-       "out_stride": "i32", "NB": "constexpr", "BLOCK_R": "constexpr", "STEP": "constexpr",
-       "ACT": "constexpr"}
-for act in (0, 1, 2):
-    src = ASTSource(fn=getattr(triton_gemv, fmt), signature=sig,
-                    constexprs={"NB": nb, "BLOCK_R": spec.rows, "STEP": spec.step, "ACT": act})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    assert kernel.asm["cubin"], "no cubin"
-"""
-
-
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 @pytest.mark.parametrize("fmt", list(GGUF_TYPE))
-def test_kernels_compile_for_a_gpu(fmt: str, dtype: str) -> None:
-    """Each kernel through Triton's whole compiler for an sm_90 GPU, which needs no GPU: the
-    interpreter runs what the compiler rejects (say, a non-constexpr global)."""
-    import subprocess
-    import sys
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
+    from freetoken.kernels.gather_gemv import KERNELS
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, fmt, dtype], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    spec = KERNELS[fmt]
+    sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
+           "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
+           "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
+           "STEP": "constexpr", "ACT": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
+                     {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
+                      "STEP": spec.step, "ACT": act})
 
 
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
@@ -165,7 +140,6 @@ def test_one_stack_has_the_bits_of_two_launches(kernels, device):
     qts = [QuantTensor("q8_0", (4, r, k), v) for v, (r, k) in
            zip((gate, up, down), ((32, 96), (32, 96), (96, 32)), strict=True)]
     x = torch.randn(2, 96, device=device)
-    w = torch.rand(2, 2, device=device)
     index = torch.tensor([0, 3, 2, 1], device=device)
     both = kernels.stacked(qts[0], qts[1])
     one = kernels.gather_gemv("q8_0", both, index, x, 2)

@@ -5,8 +5,6 @@ on the CPU through Triton's interpreter, on the GPU compiled."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.attention import _gather
 from freetoken.layers.context import ForwardContext, Segment
+from tests.kernels.conftest import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
@@ -22,11 +21,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.fixture
-def kernel(request):
-    if request.node.callspec.params["device"] == "cpu" and os.environ.get(
-            "TRITON_INTERPRET") != "1":
-        pytest.skip("compiled Triton kernels need a GPU; without one tests/conftest.py "
-                    "selects the interpreter")
+def kernel(triton_runs):
     from freetoken.kernels.paged_attention import decode_attention
 
     return decode_attention
@@ -77,32 +72,18 @@ def test_kernel_follows_the_torch_path(kernel, device, dtype, window, Hq, Hkv, D
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from freetoken.kernels import triton_attention
-dt = sys.argv[1]
-sig = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "slots_ptr": "*i64", "pos_ptr": "*i64",
-       "out_ptr": dt, "q_tok": "i64", "q_head": "i64", "kv_slot": "i64", "kv_head": "i64",
-       "slots_row": "i64", "out_tok": "i64", "out_head": "i64", "scale": "fp32", "window": "i32",
-       "k_new_ptr": dt, "v_new_ptr": dt, "new_slot_ptr": "*i64", "k_tok": "i64",
-       "k_head": "i64", "v_tok": "i64", "v_head": "i64", "GROUP": "constexpr", "GP": "constexpr", "D": "constexpr", "DP": "constexpr",
-       "BLOCK_S": "constexpr", "MMA": "constexpr"}
-src = ASTSource(fn=triton_attention.decode_attention, signature=sig,
-                constexprs={"GROUP": 8, "GP": 16, "D": 128, "DP": 128, "BLOCK_S": 64,
-                            "MMA": dt != "*fp32"})
-assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
-"""
-
-
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_kernel_compiles_for_a_gpu(dtype: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, dtype], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    sig = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "slots_ptr": "*i64",
+           "pos_ptr": "*i64", "out_ptr": dtype, "q_tok": "i64", "q_head": "i64",
+           "kv_slot": "i64", "kv_head": "i64", "slots_row": "i64", "out_tok": "i64",
+           "out_head": "i64", "scale": "fp32", "window": "i32", "k_new_ptr": dtype,
+           "v_new_ptr": dtype, "new_slot_ptr": "*i64", "k_tok": "i64", "k_head": "i64",
+           "v_tok": "i64", "v_head": "i64", "GROUP": "constexpr", "GP": "constexpr",
+           "D": "constexpr", "DP": "constexpr", "BLOCK_S": "constexpr", "MMA": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_attention", "decode_attention", sig,
+                     {"GROUP": 8, "GP": 16, "D": 128, "DP": 128, "BLOCK_S": 64,
+                      "MMA": dtype != "*fp32"})
 
 
 def test_a_model_decodes_through_it(tiny_qwen3_moe, monkeypatch):

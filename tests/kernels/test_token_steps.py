@@ -1,28 +1,25 @@
-"""The fused RMSNorm kernel against its slow twin (``RMSNorm.reference``) in each of its three
-scale orders; on the CPU through Triton's interpreter, on the GPU compiled."""
+"""The per-token step kernels against their slow twins: RMSNorm (``RMSNorm.reference``) in each
+of its three scale orders, rotary (``Rotary.reference``), routing (``MoEBlock.choose``); on the
+CPU through Triton's interpreter, on the GPU compiled."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from freetoken.layers.norm import RMSNorm
+from tests.kernels.conftest import compile_for_sm90
 
 triton = pytest.importorskip("triton")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+STEPS = "freetoken.kernels.triton_token_steps"
 
 
 @pytest.fixture
-def kernel(request):
-    if request.node.callspec.params["device"] == "cpu" and os.environ.get(
-            "TRITON_INTERPRET") != "1":
-        pytest.skip("compiled Triton kernels need a GPU; without one tests/conftest.py "
-                    "selects the interpreter")
+def kernel(triton_runs):
     from freetoken.kernels.token_steps import rms_norm
 
     return rms_norm
@@ -68,36 +65,17 @@ def test_rows_with_a_stride_are_read_as_rows(kernel=None):
     torch.testing.assert_close(rms_norm(heads, n.weight, n.eps, n.mode), n.reference(heads))
 
 
-_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from freetoken.kernels import triton_token_steps
-dtype, mode = sys.argv[1], int(sys.argv[2])
-sig = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "dim": "i32", "heads": "i32",
-       "x_tok": "i64", "x_head": "i64", "out_stride": "i64", "eps": "fp32",
-       "MODE": "constexpr", "BLOCK": "constexpr"}
-src = ASTSource(fn=triton_token_steps.rms_norm, signature=sig, constexprs={"MODE": mode, "BLOCK": 2048})
-assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
-"""
-
-
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_kernel_compiles_for_a_gpu(dtype: str, mode: int) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, dtype, str(mode)], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    sig = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "dim": "i32", "heads": "i32",
+           "x_tok": "i64", "x_head": "i64", "out_stride": "i64", "eps": "fp32",
+           "MODE": "constexpr", "BLOCK": "constexpr"}
+    compile_for_sm90(STEPS, "rms_norm", sig, {"MODE": mode, "BLOCK": 2048})
 
 
 @pytest.fixture
-def rotary_kernel(request):
-    if request.node.callspec.params["device"] == "cpu" and os.environ.get(
-            "TRITON_INTERPRET") != "1":
-        pytest.skip("compiled Triton kernels need a GPU; without one tests/conftest.py "
-                    "selects the interpreter")
+def rotary_kernel(triton_runs):
     from freetoken.kernels.token_steps import rotary
 
     return rotary
@@ -124,36 +102,16 @@ def test_rotary_kernel_follows_the_reference(rotary_kernel, device, dtype, T, he
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.03)
 
 
-_COMPILE_ROTARY = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from freetoken.kernels import triton_token_steps
-dtype, rnd = sys.argv[1], sys.argv[2] == "1"
-sig = {"x_ptr": dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
-       "out_ptr": dtype, "heads": "i32", "x_tok": "i64", "x_head": "i64", "out_tok": "i64",
-       "HALF": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr"}
-src = ASTSource(fn=triton_token_steps.rotary_neox, signature=sig,
-                constexprs={"HALF": 64, "BLOCK": 64, "ROUND": rnd})
-assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
-"""
-
-
-@pytest.mark.parametrize("dtype,rnd", [("*bf16", "1"), ("*fp32", "0")])
-def test_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_ROTARY, dtype, rnd], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+@pytest.mark.parametrize("dtype,rnd", [("*bf16", True), ("*fp32", False)])
+def test_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: bool) -> None:
+    sig = {"x_ptr": dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
+           "out_ptr": dtype, "heads": "i32", "x_tok": "i64", "x_head": "i64", "out_tok": "i64",
+           "HALF": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr"}
+    compile_for_sm90(STEPS, "rotary_neox", sig, {"HALF": 64, "BLOCK": 64, "ROUND": rnd})
 
 
 @pytest.fixture
-def route_kernel(request):
-    if request.node.callspec.params["device"] == "cpu" and os.environ.get(
-            "TRITON_INTERPRET") != "1":
-        pytest.skip("compiled Triton kernels need a GPU; without one tests/conftest.py "
-                    "selects the interpreter")
+def route_kernel(triton_runs):
     from freetoken.kernels.token_steps import route
 
     return route
@@ -192,24 +150,8 @@ def test_routing_kernel_takes_the_lower_id_on_a_tie():
     torch.testing.assert_close(w.sum(), torch.tensor(1.0))
 
 
-_COMPILE_ROUTE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from freetoken.kernels import triton_token_steps
-sig = {"logits_ptr": sys.argv[1], "ids_ptr": "*i64", "w_ptr": sys.argv[1], "E": "i32",
-       "stride": "i64", "K": "constexpr", "KB": "constexpr", "BLOCK": "constexpr",
-       "NORM": "constexpr"}
-src = ASTSource(fn=triton_token_steps.route_topk, signature=sig,
-                constexprs={"K": 8, "KB": 8, "BLOCK": 128, "NORM": True})
-assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
-"""
-
-
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 def test_routing_kernel_compiles_for_a_gpu(dtype: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_ROUTE, dtype], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    sig = {"logits_ptr": dtype, "ids_ptr": "*i64", "w_ptr": dtype, "E": "i32", "stride": "i64",
+           "K": "constexpr", "KB": "constexpr", "BLOCK": "constexpr", "NORM": "constexpr"}
+    compile_for_sm90(STEPS, "route_topk", sig, {"K": 8, "KB": 8, "BLOCK": 128, "NORM": True})

@@ -244,3 +244,33 @@ def test_worker_states_say_what_each_worker_is_doing() -> None:
         [("waiting (asleep)", 2, ex.cores[0])]
     assert states[0]["items"] > 0 and states[0]["for_ms"] >= 0
     assert "pool worker ft-moe-0" in ex.describe_workers()
+
+
+def test_waiting_on_a_slow_job_spins_at_most_a_millisecond() -> None:
+    """By CPU time: a caller that only waits (join off) spends about the bounded spin (1 ms)
+    of a job's 50+ ms; one that joins (the default) spends its share of the items, and the
+    process no more than the two threads' work."""
+    bank = make_bank("bf16", 512, 512)
+    ex = cx.CpuMoeExecutor(threads=1, isa="scalar")
+    ex.add_layer(0, *stacks(bank))
+    x = torch.randn(16, 512)
+    ids = torch.arange(E).repeat(16, 1)
+    w = torch.rand(16, E)
+    ex.submit(x, ids, w, 0).wait()  # warm
+
+    def one_job() -> tuple[float, float, float]:
+        wall0, proc0 = time.perf_counter(), time.process_time()
+        fut = ex.submit(x, ids, w, 0)
+        mine0 = time.thread_time()
+        fut.wait()
+        return (time.thread_time() - mine0, time.perf_counter() - wall0,
+                time.process_time() - proc0)
+
+    ex.set_join(False)
+    mine, wall, proc = one_job()
+    assert wall > 0.05, f"the job is too quick to tell ({wall:.3f} s)"
+    assert mine < 0.005, (mine, wall)  # the 1 ms spin, the futex and the call around it
+    assert proc < 1.1 * wall + 0.01, (proc, wall)  # the worker's work alone
+    ex.set_join(True)
+    mine, wall, proc = one_job()
+    assert proc < 2.1 * wall + 0.01, (proc, wall)

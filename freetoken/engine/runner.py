@@ -117,7 +117,7 @@ class ModelRunner:
         decode = [i for i, s in enumerate(segments) if s.count == 1 and s.start > 0]
         if not decode or len(decode) == len(segments):
             return None
-        rest = [i for i in range(len(segments)) if i not in set(decode)]
+        rest = sorted(set(range(len(segments))) - set(decode))
         out: list[torch.Tensor | None] = [None] * len(segments)
         for part in (decode, rest):
             logits = self.forward([tokens[i] for i in part], [segments[i] for i in part])

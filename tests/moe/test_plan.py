@@ -126,3 +126,27 @@ def test_auto_keeps_to_the_expert_memory_it_is_given():
     uncapped = plan_auto(kinds, n, layer, resident_budget(10 * layer, None, n * layer),
                          recommend)
     assert uncapped == ("resident",) * 10 + ("offload",) * (n - 10)
+
+
+def test_resident_layers_kept_as_blocks_count_their_file_bytes(q8_gguf, tmp_path, monkeypatch):
+    """What ``auto`` budgets for one resident layer: on a GPU that keeps the blocks, the file's
+    bytes of its experts (here q8_0: 34 bytes per 32 weights); dequantised (or in a format
+    without a kernel), the compute dtype's."""
+    from freetoken.moe import plan
+    from freetoken.moe.host_banks import expert_bytes
+
+    ckpt = open_checkpoint(q8_gguf)
+    mc = ckpt.config
+    cfg = dataclasses.replace(_cfg(q8_gguf, "auto"), dtype="bfloat16")
+    at_dtype = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * 2
+    monkeypatch.setattr(plan, "keeps_blocks", lambda device: True)
+    _, blocks = plan._device_bytes(cfg, ckpt)
+    assert blocks == expert_bytes(ckpt) // sum(mc.moe_layers)
+    assert blocks == at_dtype // 2 * 34 // 32  # q8_0 is 17/32 of bf16's bytes
+    monkeypatch.setattr(plan, "keeps_blocks", lambda device: False)
+    assert plan._device_bytes(cfg, ckpt)[1] == at_dtype
+    monkeypatch.setattr(plan, "keeps_blocks", lambda device: True)
+    bf16 = convert_to_gguf(ckpt, tmp_path / "bf16.gguf",
+                           lambda n, s: "bf16" if ".experts." in n else "f32")
+    cfg32 = dataclasses.replace(cfg, dtype="float32")  # bf16 blocks have no kernel: float32
+    assert plan._device_bytes(cfg32, open_checkpoint(bf16))[1] == 2 * at_dtype

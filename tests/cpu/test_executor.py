@@ -77,14 +77,17 @@ def test_torch_threads_leave_the_pool_alone() -> None:
         torch.set_num_threads(before)
 
 
-def test_submit_returns_before_the_work_is_done_and_wait_releases_the_gil() -> None:
-    # A slow job: the scalar kernels, every token on every expert.
+def _slow_job():
+    """A one-worker pool and a slow job for it: the scalar kernels, every token on every
+    expert."""
     bank = make_bank("bf16", 512, 512)
     ex = cx.CpuMoeExecutor(threads=1, isa="scalar")
     ex.add_layer(0, *stacks(bank))
-    x = torch.randn(16, 512)
-    ids = torch.arange(E).repeat(16, 1)
-    w = torch.rand(16, E)
+    return bank, ex, torch.randn(16, 512), torch.arange(E).repeat(16, 1), torch.rand(16, E)
+
+
+def test_submit_returns_before_the_work_is_done_and_wait_releases_the_gil() -> None:
+    bank, ex, x, ids, w = _slow_job()
     ticks = 0
     stop = threading.Event()
 
@@ -250,12 +253,7 @@ def test_waiting_on_a_slow_job_spins_at_most_a_millisecond() -> None:
     """By CPU time: a caller that only waits (join off) spends about the bounded spin (1 ms)
     of a job's 50+ ms; one that joins (the default) spends its share of the items, and the
     process no more than the two threads' work."""
-    bank = make_bank("bf16", 512, 512)
-    ex = cx.CpuMoeExecutor(threads=1, isa="scalar")
-    ex.add_layer(0, *stacks(bank))
-    x = torch.randn(16, 512)
-    ids = torch.arange(E).repeat(16, 1)
-    w = torch.rand(16, E)
+    _, ex, x, ids, w = _slow_job()
     ex.submit(x, ids, w, 0).wait()  # warm
 
     def one_job() -> tuple[float, float, float]:

@@ -111,19 +111,6 @@ def glu_code(act: Act) -> int:
     return 0
 
 
-def raised_by_triton(e: BaseException) -> bool:
-    """Whether ``e`` is Triton's (its own error types, or raised from inside triton: a launcher
-    stub that will not compile, an assembler that rejects the GPU)."""
-    if type(e).__module__.startswith("triton"):
-        return True
-    tb = e.__traceback__
-    while tb is not None:
-        if "/triton/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def fused(formats: tuple[str, ...]) -> bool:
     """Whether every projection format has a fused kernel."""
     return all(f in KERNELS for f in formats)

@@ -15,20 +15,18 @@ rounding, not bit for bit.
 
 from __future__ import annotations
 
-import logging
+import os
 
 import torch
 
-log = logging.getLogger(__name__)
+from freetoken.kernels.build import KernelSwitch
 
 BLOCK_S = 64  # keys per loop step
-_failed: list[str] = []  # the first build failure, once logged; the torch path from then on
+SWITCH = KernelSwitch("attention takes the torch path")
 
 
 def _interpreted() -> bool:
     """Triton's interpreter (the CPU in tests) multiplies 16-bit blocks wrongly: float32 there."""
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -37,7 +35,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Ten
     """Whether :func:`decode_attention` takes these: GPU queries (B, Hq, D) and new keys and
     values (B, Hkv, D) one per sequence, a cache (slots, Hkv, D) of the same
     shape and dtype, Hq a multiple of Hkv."""
-    return (q.is_cuda and not _failed and q.dim() == 3 and k_cache.dim() == 3
+    return (q.is_cuda and SWITCH.on and q.dim() == 3 and k_cache.dim() == 3
             and tuple(k.shape) == (q.shape[0], *k_cache.shape[1:])
             and q.shape[2] == k_cache.shape[2] and q.shape[1] % k_cache.shape[1] == 0
             and q.dtype == k.dtype == k_cache.dtype and positions.numel() == q.shape[0]
@@ -56,7 +54,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     import triton
 
     from freetoken.kernels import triton_attention
-    from freetoken.kernels.gather_gemv import raised_by_triton
 
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -64,7 +61,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    try:
+
+    def launch() -> None:
         triton_attention.decode_attention[(B, Hkv)](
             q, k_cache, v_cache, k_slots, positions, out, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_slots.stride(0), out.stride(0),
@@ -72,11 +70,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
             v.stride(1), GROUP=group, GP=max(16, triton.next_power_of_2(group)),
             D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S,
             MMA=q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(), num_warps=4)
-    except Exception as e:  # noqa: BLE001 - only Triton's own failures are caught
-        if not raised_by_triton(e):
-            raise
-        _failed.append(f"{type(e).__name__}: {e}")
-        log.warning("the decode attention kernel failed to build (%s); attention takes the "
-                    "torch path", _failed[0])
-        return None
-    return out
+
+    return out if SWITCH.launch(launch, "decode attention") else None

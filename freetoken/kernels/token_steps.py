@@ -15,37 +15,20 @@ launch costs more than its arithmetic.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-log = logging.getLogger(__name__)
+from freetoken.kernels.build import KernelSwitch
 
 MODES = {"qwen": 0, "unit_offset": 1, "float_scale": 2}  # how the scale is applied
 MAX_DIM = 16384  # one row per program, held in registers
-_failed: list[str] = []  # the first build failure, once logged; the torch path from then on
-
-
-def _built(launch: object, what: str) -> bool:
-    """Run ``launch`` (a kernel launch); False, logged once, where Triton failed to build it."""
-    from freetoken.kernels.gather_gemv import raised_by_triton
-
-    try:
-        launch()  # type: ignore[operator]
-    except Exception as e:  # noqa: BLE001 - only Triton's own failures are caught
-        if not raised_by_triton(e):
-            raise
-        _failed.append(f"{type(e).__name__}: {e}")
-        log.warning("the fused %s kernel failed to build (%s); norms, rotary and routing "
-                    "take the torch path", what, _failed[0])
-        return False
-    return True
+# one switch for the three: a GPU whose compiler rejects one kernel rejects its kind
+SWITCH = KernelSwitch("norms, rotary and routing take the torch path")
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` takes these: a GPU row of at most MAX_DIM, the weight in x's
     dtype (so the output dtype is the torch path's), and no earlier build failure."""
-    return (x.is_cuda and not _failed and x.dtype == w.dtype and x.shape[-1] == w.numel()
+    return (x.is_cuda and SWITCH.on and x.dtype == w.dtype and x.shape[-1] == w.numel()
             <= MAX_DIM)
 
 
@@ -73,13 +56,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: str) -> torch.T
             rows, w, out, dim, heads, tok, head, out.stride(0), eps, MODE=MODES[mode],
             BLOCK=block, num_warps=max(1, min(8, block // 256)))
 
-    return out.view(x.shape) if n == 0 or _built(launch, "RMSNorm") else None
+    return out.view(x.shape) if n == 0 or SWITCH.launch(launch, "RMSNorm") else None
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:
     """Whether :func:`rotary` takes these: GPU (T, heads, D) rows, float32 tables of D
     columns, one position per token, no earlier build failure."""
-    return (x.is_cuda and not _failed and x.dim() == 3 and x.shape[2] % 2 == 0
+    return (x.is_cuda and SWITCH.on and x.dim() == 3 and x.shape[2] % 2 == 0
             and cos.dtype is torch.float32 and cos.shape[-1] == x.shape[2]
             and positions.numel() == x.shape[0] and x.stride(2) == 1)
 
@@ -103,7 +86,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             ROUND=x.dtype != torch.float32, num_warps=1,
             enable_fp_fusion=False)  # torch's float32 path multiplies, rounds, then adds
 
-    return out if T == 0 or _built(launch, "rotary") else None
+    return out if T == 0 or SWITCH.launch(launch, "rotary") else None
 
 
 MAX_EXPERTS = 1024  # router logits of one token in one program
@@ -111,7 +94,7 @@ MAX_EXPERTS = 1024  # router logits of one token in one program
 
 def route_usable(logits: torch.Tensor, top_k: int) -> bool:
     """Whether :func:`route` takes these: GPU (T, E) logits, E at most MAX_EXPERTS, k <= E."""
-    return (logits.is_cuda and not _failed and logits.dim() == 2
+    return (logits.is_cuda and SWITCH.on and logits.dim() == 2
             and top_k <= logits.shape[1] <= MAX_EXPERTS and logits.stride(1) == 1)
 
 
@@ -133,4 +116,4 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
             KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(E),
             NORM=renormalise, num_warps=1 if E <= 256 else 4)
 
-    return (ids, weights) if T == 0 or _built(launch, "routing") else None
+    return (ids, weights) if T == 0 or SWITCH.launch(launch, "routing") else None

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from freetoken.kernels.activation import expert_activation
+from freetoken.kernels.build import raised_by_triton
 from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
-from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference, raised_by_triton
+from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.pieces import HostCopies

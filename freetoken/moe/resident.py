@@ -21,12 +21,12 @@ from torch import nn
 
 from freetoken import env
 from freetoken.kernels.activation import expert_activation, glu
+from freetoken.kernels.build import raised_by_triton
 from freetoken.kernels.expert_matmul import Weights, gathered, grouped, use_gather
 from freetoken.kernels.gather_gemv import (
     fused,
     gathered_fused,
     gathered_reference,
-    raised_by_triton,
     unavailable,
 )
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank

@@ -47,6 +47,12 @@ def timed(owner: Any, name: str, label: str) -> None:
     setattr(owner, name, wrapper)
 
 
+def sampling(args: argparse.Namespace, tokens: int | None = None) -> SamplingParams:
+    """The run's sampling: ``tokens`` (default ``--tokens``) at ``--temperature``, seeded."""
+    return SamplingParams(max_tokens=tokens or args.tokens, ignore_eos=True,
+                          temperature=args.temperature, seed=0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)
@@ -54,9 +60,13 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--moe-cache-mem", default="4GB")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature (0: greedy; 1: what chat clients send)")
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--trace", action="store_true", help="also a torch.profiler run: GPU busy "
                    "time against the wall, CUDA runtime calls; the trace saved (gzip)")
+    p.add_argument("--cprofile", action="store_true", help="also a run under cProfile: the "
+                   "Python functions that take the host's time (own time, per token)")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
@@ -73,7 +83,7 @@ def main() -> None:
                        moe_hybrid_online=args.online)
     engine = Engine(cfg)
     ids = engine.encode("The history of computing")
-    engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.generate(ids, sampling(args, 8))
     cls = HybridExperts if args.strategy == "hybrid" else OffloadExperts
     # (_plan and _finish are held by the captured graphs as bound methods: time what they
     # call)
@@ -90,7 +100,7 @@ def main() -> None:
     timed(cx.CpuMoeFuture, "wait", "CpuMoeFuture.wait")
     TOTALS.clear()
     t0 = time.perf_counter()
-    engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+    engine.generate(ids, sampling(args))
     wall = time.perf_counter() - t0
     rows = {k: {"us_per_call": 1e6 * s / n, "calls": n, "share_of_wall": s / wall}
             for k, (s, n) in sorted(TOTALS.items(), key=lambda kv: -kv[1][0])}
@@ -99,6 +109,8 @@ def main() -> None:
               "tokens_per_s": args.tokens / wall, "steps": rows}
     if args.trace:
         result["trace"] = traced(engine, ids, args)
+    if args.cprofile:
+        result["cprofile"] = profiled(engine, ids, args)
     print(json.dumps(result, indent=1))
     save_result(args.out, f"plan_profile-{Path(args.model).stem}-{args.strategy}", result)
 
@@ -107,10 +119,8 @@ def traced(engine: Any, ids: list[int], args: argparse.Namespace) -> dict[str, A
     """A decode run under torch.profiler, summarised from its Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
-    from freetoken.engine.sample import SamplingParams
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(ids, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+        engine.generate(ids, sampling(args))
     path = args.out / f"trace-{Path(args.model).stem}-{args.strategy}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
@@ -119,6 +129,23 @@ def traced(engine: Any, ids: list[int], args: argparse.Namespace) -> dict[str, A
         json.dump(events, f)
     path.unlink()
     return summarise_trace(events)
+
+
+def profiled(engine: Any, ids: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """A decode run under cProfile: the 40 functions with the most own time, per token."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(ids, sampling(args))
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:40]
+    return [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_token": n / args.tokens,
+             "own_us_per_token": 1e6 * own / args.tokens,
+             "total_us_per_token": 1e6 * total / args.tokens}
+            for (f, line, name), (_, n, own, total, _) in rows]
 
 
 def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 # torch.profiler run (GPU busy time against the wall, the kernels that fill it, CUDA runtime
 # calls; the trace gzipped). PRESET (default gemma4-26b-a4b), LAYERS (default: the preset's),
 # ROUTER (default the skewed router "--router-skew 1 --router-locality 0.5"; "" for the
-# default one), STRATEGIES and TOKENS vary it.
+# default one), STRATEGIES, TOKENS and TEMPERATURE (default 1) vary it; CPROFILE=1 adds a
+# cProfile run (the Python functions with the most own time per token).
 # Run as: GIT_SHA=<commit> bash benchmarks/device/plan_trace.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,6 +16,7 @@ M=/tmp/$PRESET-${LAYERS:-all}.gguf
   --device cuda ${ROUTER---router-skew 1 --router-locality 0.5} --out $M 2>&1 | tail -1
 for s in ${STRATEGIES:-offload hybrid}; do
   python3 benchmarks/plan_profile.py --model $M --strategy $s --tokens ${TOKENS:-24} --trace \
+    --temperature ${TEMPERATURE:-1} ${CPROFILE:+--cprofile} \
     --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" > "$OUT/trace_$s.log"
   python3 - "$OUT/trace_$s.log" ${TOKENS:-24} <<'PY'
 import json, sys
@@ -29,5 +31,8 @@ print(f"  GPU span {t.get('gpu_span_us', 0) / n:.0f} us/token, busy {t.get('gpu_
 for k, v in (t.get("kernels") or {}).items():
     print(f"  {v['us_total'] / n:8.1f} us/token {v['calls'] / n:6.1f}/token  {k}")
 print(json.dumps(t.get("runtime_calls"), indent=1)[:1500])
+for r in (d.get("cprofile") or [])[:30]:
+    print(f"  {r['own_us_per_token']:8.0f} us own {r['total_us_per_token']:8.0f} total "
+          f"{r['calls_per_token']:6.1f}/token  {r['function']}")
 PY
 done

@@ -13,9 +13,10 @@ import argparse
 import functools
 import gzip
 import json
+import logging
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from freetoken.cpu import executor as cx
     from freetoken.moe.expert_cache import SlotPool
     from freetoken.moe.hybrid import HybridExperts
@@ -102,11 +104,14 @@ def main() -> None:
     t0 = time.perf_counter()
     engine.generate(ids, sampling(args))
     wall = time.perf_counter() - t0
+    kernels = Counter(m.gpu_kernel for m in engine.model.modules()
+                      if isinstance(m, OffloadExperts))
     rows = {k: {"us_per_call": 1e6 * s / n, "calls": n, "share_of_wall": s / wall}
             for k, (s, n) in sorted(TOTALS.items(), key=lambda kv: -kv[1][0])}
     result = {"bench": "plan_profile", **git_state(args.git_sha), **host(),
               "params": vars(args) | {"out": str(args.out)}, "wall_s": wall,
-              "tokens_per_s": args.tokens / wall, "steps": rows}
+              "tokens_per_s": args.tokens / wall, "steps": rows,
+              "gpu_expert_kernels": dict(kernels)}
     if args.trace:
         result["trace"] = traced(engine, ids, args)
     if args.cprofile:

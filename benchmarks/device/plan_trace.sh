@@ -17,13 +17,14 @@ M=/tmp/$PRESET-${LAYERS:-all}.gguf
 for s in ${STRATEGIES:-offload hybrid}; do
   python3 benchmarks/plan_profile.py --model $M --strategy $s --tokens ${TOKENS:-24} --trace \
     --temperature ${TEMPERATURE:-1} ${CPROFILE:+--cprofile} \
-    --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" > "$OUT/trace_$s.log"
+    --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | tr '\r' '\n' | grep -v "^Loading" > "$OUT/trace_$s.log"
+  grep -E "^(WARNING|ERROR)|GPU expert kernel" "$OUT/trace_$s.log"
   python3 - "$OUT/trace_$s.log" ${TOKENS:-24} <<'PY'
 import json, sys
 text = open(sys.argv[1]).read()
-d = json.loads(text[text.index("{"):])
+d = json.loads(text[text.index("\n{") + 1:])
 n = int(sys.argv[2])
-print(d["params"]["strategy"], f"{d['tokens_per_s']:.1f} tok/s")
+print(d["params"]["strategy"], f"{d['tokens_per_s']:.1f} tok/s", d.get("gpu_expert_kernels"))
 for k, v in list(d["steps"].items())[:8]:
     print(f"  {k}: {v['us_per_call']:.0f} us x {v['calls']}")
 t = d.get("trace") or {}

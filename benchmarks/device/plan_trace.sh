@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU machine: where decode time goes (4 GB cache): host time per plan step, and a
-# torch.profiler run (GPU busy time against the wall, the kernels that fill it, CUDA runtime
+# GPU machine: where decode time goes (4 GB cache, FORMAT experts, default q8_0): host time
+# per plan step, and a torch.profiler run (GPU busy time against the wall, the kernels that fill it, CUDA runtime
 # calls; the trace gzipped). PRESET (default gemma4-26b-a4b), LAYERS (default: the preset's),
 # ROUTER (default the skewed router "--router-skew 1 --router-locality 0.5"; "" for the
 # default one), STRATEGIES, TOKENS and TEMPERATURE (default 1) vary it; CPROFILE=1 adds a
@@ -11,9 +11,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
 PRESET=${PRESET:-gemma4-26b-a4b}
-M=/tmp/$PRESET-${LAYERS:-all}.gguf
+FORMAT=${FORMAT:-q8_0}
+M=/tmp/$PRESET-${LAYERS:-all}-$FORMAT.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET ${LAYERS:+--layers $LAYERS} \
-  --device cuda ${ROUTER---router-skew 1 --router-locality 0.5} --out $M 2>&1 | tail -1
+  --expert-format $FORMAT --device cuda ${ROUTER---router-skew 1 --router-locality 0.5} --out $M 2>&1 | tail -1
 for s in ${STRATEGIES:-offload hybrid}; do
   python3 benchmarks/plan_profile.py --model $M --strategy $s --tokens ${TOKENS:-24} --trace \
     --temperature ${TEMPERATURE:-1} ${CPROFILE:+--cprofile} \

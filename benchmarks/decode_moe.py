@@ -20,7 +20,8 @@ Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no
 hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online); all
 but cpu decode through CUDA graphs (pieces around host-planned experts), offload-eager without.
 A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantise + matmul
-instead of the fused gather-GEMV kernels.
+instead of the fused gather-GEMV kernels; ``+nolookahead`` (``hybrid-online+nolookahead``)
+turns look-ahead off (``--moe-lookahead off``).
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -50,7 +51,7 @@ from freetoken.engine.sample import SamplingParams  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 
 COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
-            "cpu_experts", "cpu_s", "plan_s")
+            "cpu_experts", "cpu_s", "plan_s", "prefetched", "lookahead_used", "lookahead_needed")
 
 
 def sync(device: torch.device) -> None:
@@ -92,6 +93,8 @@ def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> di
     lookups = d["hits"] + d["misses"] + d["cpu_experts"]
     d["hit_rate"] = d["hits"] / lookups if lookups else 0.0
     d["bytes_per_token"] = d["bytes_fetched"] / d["tokens"] if d["tokens"] else 0.0
+    d["lookahead_hit_rate"] = (d["lookahead_used"] / d["lookahead_needed"]
+                               if d["lookahead_needed"] else None)
     d["layers"] = {
         k: {c: after["layers"][k][c] - before["layers"][k][c] for c in COUNTERS[1:]}
         for k in after["layers"]}
@@ -134,9 +137,13 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
 
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
-    by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels."""
-    base, _, kernel = name.partition("+")
-    os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = kernel or "auto"
+    by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
+    ``+nolookahead`` turns look-ahead off."""
+    base, *options = name.split("+")
+    unknown = set(options) - {"dequant", "nolookahead"}
+    if unknown:
+        raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
+    os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     capture = capture and strategy != "cpu" and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
@@ -145,7 +152,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                        cuda_graph_max_bs=graphs, moe_cpu_threads=args.moe_cpu_threads,
                        moe_cpu_spin_us=args.moe_cpu_spin_us,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
-                       moe_hybrid_max_fetch=max_fetch, moe_hybrid_online=online)
+                       moe_hybrid_max_fetch=max_fetch, moe_hybrid_online=online,
+                       moe_lookahead="nolookahead" not in options)
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load_s = time.perf_counter() - t0
@@ -190,6 +198,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
         out |= {
             "cache_slots": rt.cache.num_slots, "cache_bytes": rt.cache.nbytes,
             "hit_rate": moe["hit_rate"], "miss_bytes_per_token": moe["bytes_per_token"],
+            "lookahead_hit_rate": moe["lookahead_hit_rate"], "prefetched_per_token":
+                moe["prefetched"] / moe["tokens"] if moe["tokens"] else 0.0,
             "gather_bytes_per_s": gather, "pcie_roofline_tokens_per_s": roofline,
             "fraction_of_roofline": best["decode_tokens_per_s"] / roofline,
             "share_fetch": moe["fetch_s"] / seconds, "share_expert_compute":

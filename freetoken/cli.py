@@ -99,6 +99,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "finish together, from the times measured while serving",
     )
     g.add_argument(
+        "--moe-lookahead",
+        default="on",
+        choices=("on", "off"),
+        help="offload and hybrid: while a layer computes, fetch the experts the next layer's "
+        "router picks for its input into the cache (outputs are unchanged; it costs link time "
+        "when the prediction is wrong; /v1/stats shows its hit rate)",
+    )
+    g.add_argument(
         "--cpu-dense",
         default="auto",
         choices=("auto", "torch", "pool"),

@@ -27,7 +27,7 @@ python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPER
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
   --moe-cpu-threads ${THREADS:-15} --tokens 64 --repeats 2 --label $LABEL --out "$OUT" \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
-  | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|MoE plan'
+  | grep -E '"(strategy|decode_tokens_per_s|hit_rate|lookahead_hit_rate)"|rror|MoE plan'
 LB=${LCB:-/tmp/lcb}/bin/llama-bench
 T=${THREADS:-15}
 for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do

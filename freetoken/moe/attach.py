@@ -15,6 +15,7 @@ from torch import nn
 
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.moe import lookahead
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
 from freetoken.moe.plan import ExpertGroup, MoEPlan, plan_moe_cache
@@ -42,6 +43,11 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
     if cached:
         offloaded = [m for m in cached if isinstance(m, OffloadExperts)]
         choose_gpu_kernels(offloaded, offloaded[0].device)
+        if plan.lookahead:
+            n = lookahead.link(model, OffloadExperts)
+            log.info("look-ahead: %d of %d cached layers fetch the next layer's predicted "
+                     "experts while they compute (--moe-lookahead off to stop)", n,
+                     len(offloaded))
     _log_resident([m for m in layers if isinstance(m, ResidentExperts)])
     return runtime
 

@@ -220,8 +220,9 @@ class HybridExperts(OffloadExperts):
         meanwhile."""
         fetched, on_cpu = self._split(flat, misses)
         future, overhead = self._submit(x, ids, w, flat, on_cpu, host)
-        _, fetch = self._fetch(pool, hits, fetched)
+        slot_of, fetch = self._fetch(pool, hits, fetched)
         pool.publish(self.shape.layer)
+        self._prefetch(x if host is None else host.x, set(slot_of.values()))
         plan_s = time.perf_counter() - t0
         self.calls.pending = _Pending(x, hits, fetched, on_cpu, fetch, future, overhead, host,
                                       plan_s)
@@ -248,6 +249,7 @@ class HybridExperts(OffloadExperts):
         fetched, on_cpu = self._split(flat, misses)
         future, overhead = self._submit(x, topk_ids, topk_weights, flat, on_cpu)
         slot_of, fetch = self._fetch(pool, hits, fetched)
+        self._prefetch(x, set(slot_of.values()))
         compute = rt.stats.span()
         out = (self._compute(x, topk_ids, topk_weights, pool, slot_of) if slot_of
                else torch.zeros_like(x))

@@ -35,6 +35,7 @@ from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
+from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.prefill_stream import PrefillStream
 from freetoken.moe.runtime import OffloadRuntime
@@ -67,6 +68,8 @@ class OffloadExperts(Experts):
         self.runtime: OffloadRuntime | None = None
         self._pool_views: dict[str, QuantTensor] = {}
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
+        self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
+        self.predicted: set[int] | None = None  # what the layer before predicted for us
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -104,7 +107,8 @@ class OffloadExperts(Experts):
         host (:meth:`_finish`). While decode graphs are captured, the plan and the finish run
         between pieces and their results come from static buffers."""
         if rt.capture is not None:
-            static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS)
+            reads = self.PLAN_READS_INPUTS or self.lookahead is not None
+            static = rt.capture.host(self._plan, x, ids, w, reads)
             out = self._from_table(x, ids, w) + static
             if self.FINISHES_LATE:
                 out = out + rt.capture.after(self._finish, x)
@@ -128,7 +132,12 @@ class OffloadExperts(Experts):
         assert self.runtime is not None
         pool = self.runtime.cache.pool(self.shape.layer)
         flat = ids.reshape(-1).tolist()
-        hits, misses = pool.lookup(self.shape.layer, sorted(set(flat)))
+        needed = sorted(set(flat))
+        if self.predicted is not None:  # the layer before's look-ahead, scored
+            pred, self.predicted = self.predicted, None
+            self.runtime.stats.record_lookahead(self.shape.layer, len(pred),
+                                                len(pred.intersection(needed)), len(needed))
+        hits, misses = pool.lookup(self.shape.layer, needed)
         return flat, pool, hits, misses
 
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
@@ -153,8 +162,9 @@ class OffloadExperts(Experts):
         """What :meth:`_plan` does with a call's misses (``t0``: when the plan began)."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        _, fetch = self._fetch(pool, hits, misses)
+        slot_of, fetch = self._fetch(pool, hits, misses)
         pool.publish(self.shape.layer)
+        self._prefetch(x if host is None else host.x, set(slot_of.values()))
         rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
                         len(misses) * bank.expert_bytes, fetch=fetch,
                         plan_s=time.perf_counter() - t0)
@@ -198,6 +208,7 @@ class OffloadExperts(Experts):
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         slot_of, fetch = self._fetch(pool, hits, misses)
+        self._prefetch(x, set(slot_of.values()))
         compute = rt.stats.span()
         out = self._compute(x, ids, w, pool, slot_of)
         rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
@@ -211,9 +222,32 @@ class OffloadExperts(Experts):
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         slots = pool.admit(self.shape.layer, misses, set(hits.values()))
-        fetch, done = rt.copy(pool.data, slots, bank, misses) if misses else (None, None)
-        rt.wait(done)
+        fetch = rt.copy(pool.data, slots, bank, misses)[0] if misses else None
+        rt.wait_copies()  # these and what look-ahead fetched for this call
         return hits | dict(zip(misses, slots, strict=True)), fetch
+
+    def _prefetch(self, x: torch.Tensor, keep: set[int]) -> None:
+        """Look-ahead (:mod:`.lookahead`): the experts the next layer's router picks for ``x``
+        fetched into the cache now, on the copy stream behind this call's copies, into slots
+        other than ``keep`` (this call's, which its compute still reads). Calls of more tokens
+        than look-ahead predicts for, or when no layer follows, do nothing."""
+        la, rt = self.lookahead, self.runtime
+        if la is None or rt is None or not (budget := la.budget(x.shape[0])):
+            return
+        if x.is_cuda:  # an eager call: the host has synced on the routed ids already
+            x = x.float().cpu()
+        experts = la.predict(x)
+        la.target.predicted = set(experts)
+        pool = rt.cache.pool(la.layer)
+        hits, misses = pool.lookup(la.layer, experts)
+        busy = set(hits.values()) | (keep if pool is rt.cache.pool(self.shape.layer) else set())
+        misses = misses[: max(0, min(budget, pool.num_slots - len(busy)))]
+        if not misses:
+            return
+        bank = la.target.bank
+        slots = pool.admit(la.layer, misses, busy)
+        span, _ = rt.copy(pool.data, slots, bank, misses)
+        rt.stats.record_prefetch(la.layer, len(misses), len(misses) * bank.expert_bytes, span)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
                  slot_of: dict[int, int]) -> torch.Tensor:
@@ -242,6 +276,7 @@ class OffloadExperts(Experts):
         """Misses through the staging buffers, hits from their slots; the cache is unchanged."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
+        rt.wait_copies()  # hits that look-ahead fetched (before the stream's own copies)
         stream = PrefillStream(rt, bank, misses)
         compute = rt.stats.span()
 

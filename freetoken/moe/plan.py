@@ -48,6 +48,7 @@ class MoEPlan:
     pool_threads: int = 0
     pool_spin_us: int = MOE_CPU_SPIN_US
     cores: CorePlan | None = None
+    lookahead: bool = True  # cached layers fetch the next layer's predicted experts early
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -99,7 +100,7 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
         cores = core_plan(list(cores.usable), False)
     elif cores.shrink_note():
         log.warning("%s", cores.shrink_note())
-    plan = MoEPlan(tuple(layers), cache, pool, cfg.moe_cpu_spin_us, cores)
+    plan = MoEPlan(tuple(layers), cache, pool, cfg.moe_cpu_spin_us, cores, cfg.moe_lookahead)
     _log(plan, moe)
     log.info("%s", cores.line())
     return plan

@@ -27,6 +27,7 @@ class OffloadRuntime:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._staging: dict[int, list[torch.Tensor]] = {}
         self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
+        self.copied: torch.cuda.Event | None = None  # the end of the last copy not waited for
 
     def staging(self, row_bytes: int) -> list[torch.Tensor]:
         if row_bytes not in self._staging:
@@ -54,8 +55,15 @@ class OffloadRuntime:
             for r, e in zip(dst_rows, experts, strict=True):
                 dst[r].copy_(bank.rows[e], non_blocking=True)
             span.stop()
+        self.copied = span.end
         return span, span.end  # the span's end event marks the copies' end
 
     def wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+    def wait_copies(self) -> None:
+        """The compute stream waits for every copy queued so far (the copy stream runs them
+        in order): a call's own fetches and what look-ahead fetched for it earlier."""
+        event, self.copied = self.copied, None
+        self.wait(event)

@@ -28,6 +28,10 @@ class LayerStats:
     # (the copies and slot table queued; hybrid's wait for the CPU comes after)
     cpu_experts: int = 0  # misses computed on the CPU (hybrid)
     cpu_s: float = 0.0  # the CPU pool's time on its jobs, submit to last item (hybrid)
+    prefetched: int = 0  # experts look-ahead fetched for this layer (in bytes_fetched too)
+    lookahead_predicted: int = 0  # experts the layer before predicted for this one's calls
+    lookahead_used: int = 0  # of those, the experts the calls routed to
+    lookahead_needed: int = 0  # experts those calls routed to (used / needed: the hit rate)
 
 
 KIND_TIMES = ("fetch_s", "compute_s", "cpu_s", "plan_s")  # summed per layer kind
@@ -102,6 +106,20 @@ class MoEStats:
         if len(self._pending) > 4096:
             self._collect(block=True)
 
+    def record_prefetch(self, layer: int, experts: int, nbytes: int, fetch: Span) -> None:
+        """Look-ahead fetched ``experts`` for ``layer``'s next call."""
+        s = self.layers[layer]
+        s.prefetched += experts
+        s.bytes_fetched += nbytes
+        self._pending.append((layer, "fetch_s", fetch))
+
+    def record_lookahead(self, layer: int, predicted: int, used: int, needed: int) -> None:
+        """A call of ``layer`` scored the prediction made for it."""
+        s = self.layers[layer]
+        s.lookahead_predicted += predicted
+        s.lookahead_used += used
+        s.lookahead_needed += needed
+
     def _collect(self, block: bool = False) -> None:
         keep = []
         for layer, kind, span in self._pending:
@@ -128,6 +146,7 @@ class MoEStats:
             "tokens": tokens,
             "hit_rate": tot.hits / lookups if lookups else 0.0,
             "bytes_per_token": tot.bytes_fetched / tokens if tokens else 0.0,
+            "lookahead_hit_rate": _rate(tot),
         }
         kinds: dict[str, dict[str, float]] = {}
         for layer, s in self.layers.items():
@@ -141,7 +160,13 @@ class MoEStats:
         if kinds:
             out["kinds"] = kinds
         if per_layer:
-            out["layers"] = {str(k): asdict(v) for k, v in self.layers.items()}
+            out["layers"] = {str(k): asdict(v) | {"lookahead_hit_rate": _rate(v)}
+                             for k, v in self.layers.items()}
             for k, f in self.fractions.items():
                 out["layers"][str(k)]["fetch_fraction"] = f
         return out
+
+
+def _rate(s: LayerStats) -> float | None:
+    """The share of routed experts look-ahead had predicted (None: nothing predicted)."""
+    return s.lookahead_used / s.lookahead_needed if s.lookahead_needed else None

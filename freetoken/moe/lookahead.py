@@ -1,0 +1,88 @@
+"""Look-ahead: the next MoE layer's router applied to this layer's expert input predicts the
+experts the next layer will route to, and their misses are fetched into the cache while this
+layer computes, so the link works during the GPU's own time.
+
+The residual stream changes little from one layer to the next (each layer adds one attention
+and one MoE branch to it), so ``router_{L+1}(x_L)``, with ``x_L`` the normalised hidden state
+layer L's experts get, picks most of the experts ``router_{L+1}(x_{L+1})`` picks. A prediction
+only moves experts into cache slots earlier: the next layer finds them as hits, with the same
+bytes it would have fetched, so outputs do not change (offload gives the same bits with or
+without it); a wrong prediction costs link time and a slot.
+
+Per prediction the next layer's call scores it: ``lookahead_needed`` experts it routed to,
+``lookahead_used`` of them predicted (the hit rate of the prediction is used / needed),
+``lookahead_predicted`` predicted in all, ``prefetched`` the predicted misses copied.
+
+Threads: the engine's main thread only (as the expert cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
+PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
+
+
+@dataclass
+class Lookahead:
+    """Layer ``layer``'s router (weight (E, H) and bias, float32 on the host) for the layer
+    before it to predict with, and ``target``: that layer's experts (their bank and cache)."""
+
+    layer: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    top_k: int
+    target: Any  # the next layer's OffloadExperts (a plain reference, not a submodule)
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        """Experts the next layer will likely need for the tokens ``x`` (T, H) on the host,
+        most often predicted first (ties: lower id)."""
+        logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
+        ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+        counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[-1])
+        order = torch.argsort(-counts, stable=True)
+        return order[: int((counts > 0).sum())].tolist()
+
+    def budget(self, tokens: int) -> int:
+        """Predicted misses fetched for a call of ``tokens`` at most (0: too many tokens to
+        predict for: a prefill chunk streams its experts anyway)."""
+        if tokens > PREDICT_MAX_TOKENS:
+            return 0
+        return int(PREFETCH_PER_TOKEN * self.top_k * tokens)
+
+
+def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The router of an MoE block when it is a plain linear layer, logits = x W^T (+ b):
+    ``gate`` in Qwen3-MoE and the moeified families, ``router`` in GPT-OSS; None otherwise
+    (Gemma-4's router normalises and scales its input itself: no look-ahead there)."""
+    experts = block.experts.shape.num_experts
+    for name in ("gate", "router"):
+        r = getattr(block, name, None)
+        w = getattr(r, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == experts:
+            return r
+    return None
+
+
+def link(model: torch.nn.Module, experts_type: type) -> int:
+    """Give every ``experts_type`` layer whose next MoE layer is one too (same model, so the
+    same expert cache) a :class:`Lookahead` on that layer's router; returns how many."""
+    blocks = [(m.experts, r) for m in model.modules()
+              if isinstance(getattr(m, "experts", None), torch.nn.Module)
+              and (r := router_of(m)) is not None]
+    blocks.sort(key=lambda b: b[0].shape.layer)
+    n = 0
+    for (this, _), (nxt, router) in pairwise(blocks):
+        if not (isinstance(this, experts_type) and isinstance(nxt, experts_type)):
+            continue
+        w = router.weight.detach().float().cpu().contiguous()
+        b = router.bias
+        b = None if b is None else b.detach().float().cpu()
+        this.lookahead = Lookahead(nxt.shape.layer, w, b, nxt.shape.top_k, nxt)
+        n += 1
+    return n

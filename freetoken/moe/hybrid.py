@@ -75,18 +75,18 @@ class SplitPolicy:
     _probe_pcie: int = PROBE_FIRST
     _seen_cpu: int = 0  # observations with CPU work (the first is the warm-up)
     _seen_pcie: int = 0
-    _probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side one expert to time it
+    probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side one expert to time it
 
     def n_fetch(self, misses: int) -> int:
         n = misses if self.fraction is None else round(self.fraction * misses)
         if self.max_fetch is not None:
             n = min(n, self.max_fetch)
-        self._probing = ""
+        self.probing = ""
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
             if n == 0 and (self.c_pcie is None or self._idle_pcie >= self._probe_pcie):
-                n, self._probing = 1, "pcie"
+                n, self.probing = 1, "pcie"
             if n == misses and (self.c_cpu is None or self._idle_cpu >= self._probe_cpu):
-                n, self._probing = misses - 1, "cpu"
+                n, self.probing = misses - 1, "cpu"
         return n
 
     def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
@@ -113,10 +113,10 @@ class SplitPolicy:
         # a probed side that still loses waits twice as long for its next probe; a side
         # the split itself uses is probed soon once it goes idle
         if n_cpu:
-            lost = self._probing == "cpu" and best == m
+            lost = self.probing == "cpu" and best == m
             self._probe_cpu = min(2 * self._probe_cpu, REMEASURE_EVERY) if lost else PROBE_FIRST
         if n_fetch:
-            lost = self._probing == "pcie" and best == 0
+            lost = self.probing == "pcie" and best == 0
             self._probe_pcie = (min(2 * self._probe_pcie, REMEASURE_EVERY) if lost
                                 else PROBE_FIRST)
         target = best / m
@@ -264,8 +264,19 @@ class HybridExperts(OffloadExperts):
         self._observe_last()
         uses = Counter(flat)
         by_use = sorted(misses, key=lambda e: (-uses[e], e))
-        n = self.policy.n_fetch(len(misses))
+        # experts look-ahead fetched count as fetched: the split is over the misses there
+        # would have been without it
+        n = self.policy.n_fetch(len(misses) + self.arrived) - self.arrived
+        if self.policy.probing == "pcie":  # a probe still times one fetch
+            n = max(n, 1)
+        n = max(0, min(n, len(misses)))
         return sorted(by_use[:n]), set(by_use[n:])
+
+    def prefetch_share(self, misses: int) -> int:
+        """The share of predicted misses the split would fetch (none before it has one)."""
+        p = self.policy
+        n = 0 if p.fraction is None else round(p.fraction * misses)
+        return n if p.max_fetch is None else min(n, p.max_fetch)
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
                 on_cpu: set[int], host: HostCopies | None = None,

@@ -70,6 +70,8 @@ class OffloadExperts(Experts):
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
         self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
         self.predicted: set[int] | None = None  # what the layer before predicted for us
+        self.prefetched: set[int] = set()  # of those, the misses it fetched for our next call
+        self.arrived = 0  # experts of the last call that look-ahead had fetched
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -137,6 +139,8 @@ class OffloadExperts(Experts):
             pred, self.predicted = self.predicted, None
             self.runtime.stats.record_lookahead(self.shape.layer, len(pred),
                                                 len(pred.intersection(needed)), len(needed))
+        self.arrived = len(self.prefetched.intersection(needed))
+        self.prefetched = set()
         hits, misses = pool.lookup(self.shape.layer, needed)
         return flat, pool, hits, misses
 
@@ -241,9 +245,11 @@ class OffloadExperts(Experts):
         pool = rt.cache.pool(la.layer)
         hits, misses = pool.lookup(la.layer, experts)
         busy = set(hits.values()) | (keep if pool is rt.cache.pool(self.shape.layer) else set())
-        misses = misses[: max(0, min(budget, pool.num_slots - len(busy)))]
+        n = la.target.prefetch_share(len(misses))
+        misses = misses[: max(0, min(n, budget, pool.num_slots - len(busy)))]
         if not misses:
             return
+        la.target.prefetched = set(misses)
         bank = la.target.bank
         slots = pool.admit(la.layer, misses, busy)
         span, _ = rt.copy(pool.data, slots, bank, misses)
@@ -256,6 +262,11 @@ class OffloadExperts(Experts):
         return grouped(x, ids, w, self.shape.num_experts,
                        lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
                        only=slot_of, bias=self.bias())
+
+    def prefetch_share(self, misses: int) -> int:
+        """How many of ``misses`` predicted misses look-ahead may fetch for this layer: all
+        (hybrid: the share its split would fetch)."""
+        return misses
 
     def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
         """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""

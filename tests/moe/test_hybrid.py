@@ -229,11 +229,11 @@ def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatc
 
     def counting(misses: int) -> int:
         n = n_fetch(misses)
-        made.append(policy._probing)
+        made.append(policy.probing)
         return n
 
     def watching(*args, **kwargs) -> None:
-        seen.append(policy._probing)
+        seen.append(policy.probing)
         observe(*args, **kwargs)
 
     monkeypatch.setattr(policy, "n_fetch", counting)

@@ -20,8 +20,8 @@ Strategies: resident, offload, cpu, hybrid-cap1 (fetch 1 miss per layer step, no
 hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected online); all
 but cpu decode through CUDA graphs (pieces around host-planned experts), offload-eager without.
 A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantise + matmul
-instead of the fused gather-GEMV kernels; ``+nolookahead`` (``hybrid-online+nolookahead``)
-turns look-ahead off (``--moe-lookahead off``).
+instead of the fused gather-GEMV kernels; ``+lookahead`` / ``+nolookahead``
+(``hybrid-online+lookahead``) set ``--moe-lookahead on`` / ``off`` (default: auto).
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -138,9 +138,9 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
     by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
-    ``+nolookahead`` turns look-ahead off."""
+    ``+lookahead`` / ``+nolookahead`` set --moe-lookahead on / off (else auto)."""
     base, *options = name.split("+")
-    unknown = set(options) - {"dequant", "nolookahead"}
+    unknown = set(options) - {"dequant", "lookahead", "nolookahead"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -153,7 +153,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                        moe_cpu_spin_us=args.moe_cpu_spin_us,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
                        moe_hybrid_max_fetch=max_fetch, moe_hybrid_online=online,
-                       moe_lookahead="nolookahead" not in options)
+                       moe_lookahead="off" if "nolookahead" in options
+                       else "on" if "lookahead" in options else "auto")
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load_s = time.perf_counter() - t0

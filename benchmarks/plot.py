@@ -46,6 +46,39 @@ def resident_gpu_plot() -> None:
     plt.close(fig)
 
 
+def lookahead_plot() -> None:
+    """Offload and hybrid decode with look-ahead on and off, per run on the 12-layer qwen3
+    q8_0 file (docs/benchmarks.md, "Look-ahead")."""
+    names = ("offload", "offload+nolookahead", "hybrid-online", "hybrid-online+nolookahead")
+    runs = []
+    for p in sorted((ROOT / "benchmarks/results").glob("decode_moe-qwen3-30b-a3b-12l-*.json")):
+        r = json.loads(p.read_text())
+        rows = {s["strategy"]: s["decode_tokens_per_s"] for s in r.get("strategies", [])
+                if "decode_tokens_per_s" in s}
+        if any(n.endswith("+nolookahead") and n in rows for n in names):
+            runs.append((p.stem.split("-")[-1], r["sha"], rows))
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / len(names)
+    colors = ("#3a6ea5", "#9bb8d8", "#c46f2a", "#e8b98f")
+    # in these runs hybrid-online had look-ahead on (the default until 965c7bf)
+    labels = ("offload, look-ahead", "offload, none", "hybrid (online), look-ahead",
+              "hybrid (online), none")
+    for i, (name, color, label) in enumerate(zip(names, colors, labels, strict=True)):
+        xs = [k + i * width for k in range(len(runs)) if name in runs[k][2]]
+        ax.bar(xs, [r[name] for _, _, r in runs if name in r], width, color=color,
+               label=label)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(runs))],
+                  [f"{sha} run {k + 1}" for k, (_, sha, _) in enumerate(runs)], fontsize=8)
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title("12-layer qwen3-30b-a3b q8_0, 4 GB expert cache, H200", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/lookahead.png", dpi=120)
+    plt.close(fig)
+
+
 def generate_plot() -> None:
     runs = [json.loads(p.read_text()) for p in sorted((ROOT / "benchmarks/results").glob(
         "generate-*.json"))]
@@ -133,3 +166,4 @@ if __name__ == "__main__":
     serve_plot()
     decode_moe_plot()
     resident_gpu_plot()
+    lookahead_plot()

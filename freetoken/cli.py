@@ -100,11 +100,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--moe-lookahead",
-        default="on",
-        choices=("on", "off"),
-        help="offload and hybrid: while a layer computes, fetch the experts the next layer's "
-        "router picks for its input into the cache (outputs are unchanged; it costs link time "
-        "when the prediction is wrong; /v1/stats shows its hit rate)",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="while an offloaded layer computes, fetch the experts the next layer's router "
+        "picks for its input into the cache (outputs are unchanged; a wrong prediction costs "
+        "link time; /v1/stats shows its hit rate). auto: offload layers only (on: hybrid "
+        "too, where it fetches its split's share of the predicted misses)",
     )
     g.add_argument(
         "--cpu-dense",

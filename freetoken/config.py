@@ -536,5 +536,7 @@ class EngineConfig:
     # hybrid: experts fetched per layer call at most, or "auto" (from the profile row)
     moe_hybrid_max_fetch: int | str = "auto"
     moe_hybrid_online: bool = True  # hybrid corrects its fetch fraction from measured times
-    moe_lookahead: bool = True  # offload/hybrid fetch the next layer's predicted experts early
+    # cached layers fetch the next layer's predicted experts early: "auto" (offload only),
+    # "on" (hybrid too) or "off"
+    moe_lookahead: str = "auto"
     cpu_dense: str = "torch"  # dense layers on the CPU: "torch" (f32/bf16) or "pool" (own format)

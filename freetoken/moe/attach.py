@@ -43,11 +43,13 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
     if cached:
         offloaded = [m for m in cached if isinstance(m, OffloadExperts)]
         choose_gpu_kernels(offloaded, offloaded[0].device)
-        if plan.lookahead:
-            n = lookahead.link(model, OffloadExperts)
+        if plan.lookahead != "off":
+            every = plan.lookahead == "on"
+            n = lookahead.link(model, lambda m: isinstance(m, OffloadExperts) and (
+                every or type(m).LOOKAHEAD_BY_DEFAULT))
             log.info("look-ahead: %d of %d cached layers fetch the next layer's predicted "
-                     "experts while they compute (--moe-lookahead off to stop)", n,
-                     len(offloaded))
+                     "experts while they compute (--moe-lookahead %s)", n, len(offloaded),
+                     "off to stop" if n else "on for hybrid layers too")
     _log_resident([m for m in layers if isinstance(m, ResidentExperts)])
     return runtime
 

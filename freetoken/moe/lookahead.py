@@ -18,6 +18,7 @@ Threads: the engine's main thread only (as the expert cache).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -69,16 +70,16 @@ def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def link(model: torch.nn.Module, experts_type: type) -> int:
-    """Give every ``experts_type`` layer whose next MoE layer is one too (same model, so the
-    same expert cache) a :class:`Lookahead` on that layer's router; returns how many."""
+def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool]) -> int:
+    """Give every ``eligible`` experts layer whose next MoE layer is eligible too (same model,
+    so the same expert cache) a :class:`Lookahead` on that layer's router; returns how many."""
     blocks = [(m.experts, r) for m in model.modules()
               if isinstance(getattr(m, "experts", None), torch.nn.Module)
               and (r := router_of(m)) is not None]
     blocks.sort(key=lambda b: b[0].shape.layer)
     n = 0
     for (this, _), (nxt, router) in pairwise(blocks):
-        if not (isinstance(this, experts_type) and isinstance(nxt, experts_type)):
+        if not (eligible(this) and eligible(nxt)):
             continue
         w = router.weight.detach().float().cpu().contiguous()
         b = router.bias

@@ -54,6 +54,7 @@ class OffloadExperts(Experts):
     NEEDS = Needs(host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
     FINISHES_LATE = False  # the plan leaves host work for :meth:`_finish` (graph step after it)
+    LOOKAHEAD_BY_DEFAULT = True  # --moe-lookahead auto links these layers
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()

@@ -48,7 +48,7 @@ class MoEPlan:
     pool_threads: int = 0
     pool_spin_us: int = MOE_CPU_SPIN_US
     cores: CorePlan | None = None
-    lookahead: bool = True  # cached layers fetch the next layer's predicted experts early
+    lookahead: str = "auto"  # --moe-lookahead: auto (offload layers), on (hybrid too), off
 
     @property
     def strategies(self) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from freetoken.moe.plan import plan_moe
 
 def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
               strategy: str = "resident", cache: CacheSizing | None = None, threads: int = 1,
-              max_fetch: int | str = "auto", lookahead: bool = True) -> torch.nn.Module:
+              max_fetch: int | str = "auto", lookahead: str = "auto") -> torch.nn.Module:
     """Our model on ``device`` as the runner builds it, without a KV pool: the MoE plan for
     ``strategy``, offloaded layers with an expert cache sized by ``cache``, a CPU pool of one
     worker (planned as ``threads``, the count a profile row is looked up for) where needed;

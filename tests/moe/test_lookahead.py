@@ -40,9 +40,14 @@ def test_each_cached_layer_predicts_with_the_next_moe_layers_router(tiny_qwen3_m
     assert la is not None and la.layer == 2 and la.target is blocks[2].experts
     assert torch.equal(la.weight, router_of(blocks[2]).weight.float())
     assert blocks[2].experts.lookahead is None  # no MoE layer after it
-    off = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4),
-                    lookahead=False)
-    assert all(m.lookahead is None for m in off.modules() if isinstance(m, OffloadExperts))
+    for strategy, mode in (("offload", "off"), ("hybrid", "auto")):  # hybrid: only with "on"
+        off = load_ours(tiny_qwen3_moe, strategy=strategy, cache=CacheSizing("size", 4),
+                        lookahead=mode)
+        assert all(m.lookahead is None for m in off.modules() if isinstance(m, OffloadExperts))
+    on = load_ours(tiny_qwen3_moe, strategy="hybrid", cache=CacheSizing("size", 4),
+                   lookahead="on")
+    assert sum(m.lookahead is not None for m in on.modules()
+               if isinstance(m, OffloadExperts)) == 1
 
 
 def test_prediction_orders_experts_by_how_many_tokens_pick_them():
@@ -64,7 +69,8 @@ def test_lookahead_changes_no_output(tiny_qwen3_moe, tmp_path, strategy):
                            lambda n, s: "q8_0" if ".experts." in n else "f32")
     runs = {}
     for on in (True, False):
-        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 4), lookahead=on,
+        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 4),
+                          lookahead="on" if on else "off",
                           max_fetch=1_000 if strategy == "hybrid" else "auto")
         runs[on] = our_logits(model, IDS, prefill=1), offload_stats(model)
     if strategy == "offload":
@@ -84,7 +90,7 @@ def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):
     logits, stats = {}, {}
     for on in (True, False):
         model = load_ours(synth_moe, strategy="offload", cache=CacheSizing("size", 40),
-                          lookahead=on)
+                          lookahead="auto" if on else "off")
         logits[on] = our_logits(model, list(range(300, 340)), prefill=1)
         stats[on] = offload_stats(model)
     assert torch.equal(logits[True], logits[False])

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's chat limit)
+
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]  # the token's, then the top (id, lp)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +33,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N: each token's log-probability and the top N
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -41,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -54,6 +61,18 @@ def apply_penalties(logits: torch.Tensor, output: list[int], p: SamplingParams) 
     ids = ids.to(logits.device)
     penalty = counts.to(logits) * p.frequency_penalty + p.presence_penalty
     return logits.index_put((ids,), -penalty, accumulate=True)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The log-probability of ``token`` under the model's distribution (log-softmax of the
+    logits in float32, before penalties, temperature and filters) and the ``top`` most
+    likely (id, log-probability), most likely first (ties: lower id)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.sort(lp, descending=True, stable=True)
+        best = tuple(zip(ids[:top].tolist(), values[:top].tolist(), strict=True))
+    return float(lp[token]), best
 
 
 def generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

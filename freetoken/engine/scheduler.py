@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from freetoken.engine.runner import ModelRunner
-from freetoken.engine.sample import SamplingParams, apply_penalties, generator, sample
+from freetoken.engine.sample import (
+    SamplingParams,
+    TokenLogprobs,
+    apply_penalties,
+    generator,
+    sample,
+    token_logprobs,
+)
 from freetoken.engine.watchdog import BETWEEN_STEPS, Watchdog
 from freetoken.kvcache.radix import PrefixCache
 from freetoken.layers.context import Segment
@@ -56,6 +63,7 @@ class Event:
     cached_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # the token's and the top ones, when asked for
 
 
 @dataclass
@@ -149,13 +157,15 @@ class Scheduler:
             seq.computed += segment.count
             if seq.prefilling:
                 continue
-            row = apply_penalties(row, seq.output, seq.params)
+            raw, row = row, apply_penalties(row, seq.output, seq.params)
             token = sample(row, seq.params, seq.generator)
             seq.output.append(token)
             reason = self._finish_reason(seq, token)
             if reason:
                 self._finish(seq)
-            events.append(self._event(seq, token, reason))
+            lp = seq.params.logprobs
+            events.append(self._event(seq, token, reason,
+                                      None if lp is None else token_logprobs(raw, token, lp)))
         tm = self.times
         tm.steps += 1
         tm.tokens += len(events)
@@ -200,8 +210,10 @@ class Scheduler:
         self.kv.release(seq.pages)
         seq.pages = []
 
-    def _event(self, seq: Sequence, token: int | None, reason: str | None) -> Event:
-        return Event(seq.rid, token, reason, len(seq.prompt), seq.cached, len(seq.output))
+    def _event(self, seq: Sequence, token: int | None, reason: str | None,
+               logprobs: TokenLogprobs | None = None) -> Event:
+        return Event(seq.rid, token, reason, len(seq.prompt), seq.cached, len(seq.output),
+                     logprobs=logprobs)
 
     def stats(self) -> dict[str, Any]:
         used = self.kv.num_pages - self.kv.free_pages

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
 from freetoken.engine.detok import Detokenizer
-from freetoken.engine.sample import SamplingParams
+from freetoken.engine.sample import SamplingParams, TokenLogprobs
 from freetoken.engine.scheduler import Event
 from freetoken.server.errors import APIError
 from freetoken.server.state import GONE, SHUTDOWN, ServerState
@@ -43,6 +43,9 @@ class Outcome:
     cached_tokens: int = 0
     completion_tokens: int = 0
     malformed_tool_call: bool = False
+    # with logprobs asked for: (token id, its log-probability and the top ones) per output
+    # token, the token that ends the turn (EOS, a stop token id) left out
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -120,6 +123,10 @@ async def generate(state: ServerState, rid: str, ids: list[int], params: Samplin
                 first = out.completion_tokens == 1
                 (m.ttft if first else m.itl).observe(now - (t0 if first else last))
                 last = now
+                ends = e.finish_reason == "stop" and (e.token in params.stop_token_ids
+                                                      or e.token in state.end_token_ids)
+                if e.logprobs is not None and not ends:
+                    out.logprobs.append((e.token, e.logprobs))
                 if e.finish_reason != "stop" or e.token not in params.stop_token_ids:
                     delta, hit = matcher.push(detok.push(e.token))
             if hit:

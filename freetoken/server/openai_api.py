@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from freetoken.engine.sample import SamplingParams
+from freetoken.engine.sample import SamplingParams, TokenLogprobs
 from freetoken.server.errors import APIError, error_body
 from freetoken.server.generate import (
     Outcome,
@@ -48,11 +48,12 @@ def openai_routes(state: ServerState) -> APIRouter:
         params = sampling_params(state, req, prompt.ids)
         admit(state)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        lps = None if params.logprobs is None else (lambda e: chat_logprobs(state, e))
         parser = output_parser(state, prompt, tools=bool(tools))
         if req.stream:
             events = parsed(generate(state, rid, prompt.ids, params, req.stops(),
                                      keep_special=parser.special_tokens), parser)
-            return StreamingResponse(chat_stream(rid, events, _include_usage(req)),
+            return StreamingResponse(chat_stream(rid, events, _include_usage(req), lps),
                                      media_type="text/event-stream")
         evs, out = await gathered(parsed(
             generate(state, rid, prompt.ids, params, req.stops(), watch=request,
@@ -64,7 +65,8 @@ def openai_routes(state: ServerState) -> APIRouter:
         message = chat_message(evs)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": state.model_name, "usage": usage_openai(out),
-                "choices": [{"index": 0, "message": message, "logprobs": None,
+                "choices": [{"index": 0, "message": message,
+                             "logprobs": lps and lps(out.logprobs),
                              "finish_reason": finish_reason(out, "tool_calls" in message)}]}
 
     @router.post("/v1/completions", response_model=None)
@@ -75,10 +77,11 @@ def openai_routes(state: ServerState) -> APIRouter:
         params = sampling_params(state, req, ids, prompt_field="prompt")
         admit(state)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        asked = params.logprobs is not None
         if req.stream:
             return StreamingResponse(
                 completion_stream(rid, generate(state, rid, ids, params, req.stops()),
-                                  _include_usage(req)),
+                                  _include_usage(req), asked),
                 media_type="text/event-stream")
         out = await run(generate(state, rid, ids, params, req.stops(), watch=request))
         if out.finish_reason == GONE:
@@ -87,12 +90,14 @@ def openai_routes(state: ServerState) -> APIRouter:
             raise err
         return {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": state.model_name, "usage": usage_openai(out),
-                "choices": [{"index": 0, "text": out.text, "logprobs": None,
+                "choices": [{"index": 0, "text": out.text, "logprobs":
+                             completion_logprobs(state, out.logprobs) if asked else None,
                              "finish_reason": out.finish_reason}]}
 
     async def chat_stream(rid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
-                          include_usage: bool) -> AsyncIterator[str]:
-        chunks = ChatChunks(rid, state.model_name)
+                          include_usage: bool, logprobs: Logprobs | None,
+                          ) -> AsyncIterator[str]:
+        chunks = ChatChunks(rid, state.model_name, logprobs)
         out = Outcome()
         try:
             yield chunks.first()
@@ -108,11 +113,17 @@ def openai_routes(state: ServerState) -> APIRouter:
             await events.aclose()  # type: ignore[attr-defined]
 
     async def completion_stream(rid: str, events: AsyncIterator[tuple[str, Outcome]],
-                                include_usage: bool) -> AsyncIterator[str]:
+                                include_usage: bool, asked: bool) -> AsyncIterator[str]:
         created = int(time.time())
+        sent = shown = 0  # tokens whose logprobs went out; characters of text before them
 
         def chunk(text: str, finish: str | None, **extra: Any) -> str:
-            choices = [] if extra else [{"index": 0, "text": text, "logprobs": None,
+            nonlocal sent, shown
+            lps = None
+            if asked and not extra:
+                lps = completion_logprobs(state, out.logprobs[sent:], shown)
+                sent, shown = len(out.logprobs), shown + len(text)
+            choices = [] if extra else [{"index": 0, "text": text, "logprobs": lps,
                                          "finish_reason": finish}]
             return sse({"id": rid, "object": "text_completion", "created": created,
                         "model": state.model_name, "choices": choices, **extra})
@@ -138,12 +149,17 @@ class ChatChunks:
     """The ``chat.completion.chunk`` events of one completion, one generation step at a time
     (no I/O here)."""
 
-    def __init__(self, rid: str, model: str) -> None:
+    def __init__(self, rid: str, model: str, logprobs: Logprobs | None = None) -> None:
         self.rid, self.model, self.created = rid, model, int(time.time())
         self.called = self.failed = False
+        self.logprobs, self.sent = logprobs, 0  # the formatter; tokens whose logprobs went out
+        self.pending: list[tuple[int, TokenLogprobs]] = []
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
-        return sse(self._head() | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+        lps = None
+        if self.logprobs is not None and delta.get("role") is None:
+            lps, self.pending = self.logprobs(self.pending), []
+        return sse(self._head() | {"choices": [{"index": 0, "delta": delta, "logprobs": lps,
                                                 "finish_reason": finish}]})
 
     def first(self) -> str:
@@ -154,6 +170,8 @@ class ChatChunks:
             self.failed = True
             yield sse(error_body("openai", err.status, err.message))
             return
+        self.pending += out.logprobs[self.sent:]
+        self.sent = len(out.logprobs)
         for e in evs:
             self.called |= isinstance(e, ToolCall)
             yield self.chunk(chat_delta(e))
@@ -177,7 +195,42 @@ def sampling_params(state: ServerState, req: SamplingFields, ids: list[int],
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         max_tokens=max_tokens, seed=req.seed, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        stop_token_ids=valid_stop_ids(state, req.stop_token_ids), ignore_eos=req.ignore_eos)
+        stop_token_ids=valid_stop_ids(state, req.stop_token_ids), ignore_eos=req.ignore_eos,
+        logprobs=req.logprob_count())
+
+
+Logprobs = Callable[[list[tuple[int, TokenLogprobs]]], dict[str, Any]]
+
+
+def _token(state: ServerState, token: int) -> tuple[str, list[int]]:
+    text = state.tokenizer.decode([token])
+    return text, list(text.encode())
+
+
+def chat_logprobs(state: ServerState, entries: list[tuple[int, TokenLogprobs]]
+                  ) -> dict[str, Any]:
+    """Chat's ``logprobs``: per token its text, log-probability, UTF-8 bytes and the top ones."""
+
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text, raw = _token(state, token)
+        return {"token": text, "logprob": lp, "bytes": raw}
+
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+                        for t, (lp, top) in entries]}
+
+
+def completion_logprobs(state: ServerState, entries: list[tuple[int, TokenLogprobs]],
+                        offset: int = 0) -> dict[str, Any]:
+    """The completions API's ``logprobs``: tokens, their log-probabilities, the top ones as
+    text -> log-probability, and where each token's text starts (``offset``: the first's)."""
+    tokens, starts = [], []
+    for t, _ in entries:
+        tokens.append(_token(state, t)[0])
+        starts.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in entries],
+            "top_logprobs": [{_token(state, i)[0]: v for i, v in top} for _, (_, top) in entries],
+            "text_offset": starts}
 
 
 def prompt_ids(state: ServerState, p: str | list[int] | list[str]) -> list[int]:

@@ -40,6 +40,10 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def logprob_count(self) -> int | None:
+        """Top log-probabilities per token to return (None: no logprobs at all)."""
+        return None
+
     def unserved(self) -> None:
         """A 400 naming the first field asked for that this server does not serve."""
         if self.n != 1:
@@ -111,10 +115,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def unserved(self) -> None:
         super().unserved()
-        if self.logprobs:
-            raise APIError(400, "logprobs is not supported", "logprobs")
-        if self.top_logprobs:
-            raise APIError(400, "top_logprobs is not supported", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported (only 'text'): "
@@ -129,6 +131,9 @@ class ChatCompletionRequest(SamplingFields):
                 raise APIError(400, f"tools.{i}: expected {{'type': 'function', 'function': "
                                "{'name': ..., 'parameters': {...}}}", f"tools.{i}")
 
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         return None if self.tool_choice == "none" else self.tools
 
@@ -140,12 +145,13 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def unserved(self) -> None:
         super().unserved()
         for name in ("echo", "suffix"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", name)
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs is not supported", "logprobs")
         if (self.best_of or 1) > 1:
             raise APIError(400, "best_of > 1 is not supported", "best_of")

@@ -132,8 +132,6 @@ def test_bad_completion_requests(gemma_server, body, status, words):
 
 @pytest.mark.parametrize("path, change, field", [
     ("/v1/chat/completions", {"n": 2}, "n"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -141,7 +139,6 @@ def test_bad_completion_requests(gemma_server, body, status, words):
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages.0.tool_calls.0.function.arguments"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),

@@ -219,7 +219,8 @@ class ModelConfig:
             tie_word_embeddings=bool(meta.get("_tied_output", False)),
             intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or 0),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_ids(meta.get("tokenizer.ggml.eos_token_id")),
+            eos_token_ids=tuple(dict.fromkeys(_ids(meta.get("tokenizer.ggml.eos_token_id"))
+                                              + _ids(meta.get("_end_of_turn_ids")))),
         )
         if family in ("gemma4", "gpt_oss"):
             make = _gemma4_gguf if family == "gemma4" else _gpt_oss_gguf

@@ -69,6 +69,25 @@ class _Cursor:
         raise CheckpointError(f"{self.path} is corrupt: unknown GGUF value type {vtype}")
 
 
+# Tokens that end a generation besides tokenizer.ggml.eos_token_id, found by their text in the
+# vocabulary as llama.cpp does (llama-vocab.cpp): the chat formats' end-of-turn markers. A
+# GPT-OSS turn ends at <|return|> or <|call|>; its <|end|> closes a message mid-turn.
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+               "<|endoftext|>", "<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>")
+END_OF_TURN_BY_ARCH = {"gpt-oss": ("<|return|>", "<|call|>")}
+CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type: control, user-defined
+
+
+def end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    """Ids of the vocabulary's end-of-turn tokens (special tokens only, never plain text)."""
+    names = END_OF_TURN_BY_ARCH.get(str(meta.get("general.architecture")), END_OF_TURN)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    wanted = set(names)
+    return [i for i, t in enumerate(tokens)
+            if t in wanted and (i >= len(types) or types[i] in CONTROL_TYPES)]
+
+
 class GGUFCheckpoint:
     """A ``.gguf`` file: metadata, config, tensors as zero-copy views, tokenizer."""
 
@@ -94,6 +113,7 @@ class GGUFCheckpoint:
         # Gemma-4: full layers without attn_v take v from k's projection
         self.metadata["_k_eq_v"] = any(f"blk.{i}.attn_v.weight" not in names
                                        for i in range(blocks))
+        self.metadata["_end_of_turn_ids"] = end_of_turn_ids(self.metadata)
         freqs = [i for i in self._infos if i[0] == "rope_freqs.weight"]
         if freqs:
             self.metadata["_rope_freqs"] = self._as_float(self._view(*freqs[0])).tolist()

@@ -53,3 +53,32 @@ def test_the_union_keeps_config_json_first_each_id_once(tiny_gpt_oss, tmp_path):
 def test_a_directory_as_save_pretrained_leaves_it(tiny_gemma4):
     written = GenerationConfig.from_pretrained(tiny_gemma4).eos_token_id
     assert open_checkpoint(tiny_gemma4).config.eos_token_ids == (written,) == (1,)
+
+
+def test_a_gguf_also_stops_at_its_vocabularys_end_of_turn_token():
+    """The embedded Gemma-3 GGUF names only <eos> in tokenizer.ggml.eos_token_id; its chat
+    turns end with <end_of_turn>, which llama.cpp also stops at (by its text)."""
+    import gguf
+
+    from freetoken.checkpoint import default_model_path
+
+    path = default_model_path()
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields["tokenizer.ggml.tokens"]
+    tokens = [bytes(field.parts[i]).decode() for i in field.data]
+    eos = int(reader.fields["tokenizer.ggml.eos_token_id"].parts[-1][0])
+    assert open_checkpoint(path).config.eos_token_ids == (eos, tokens.index("<end_of_turn>"))
+
+
+def test_end_of_turn_tokens_are_special_ones_and_gpt_oss_keeps_end_mid_turn():
+    import gguf
+
+    from freetoken.checkpoint.gguf import CONTROL_TYPES, end_of_turn_ids
+
+    assert set(CONTROL_TYPES) == {gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED}
+    tokens = ["a", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>"]
+    normal, control = int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL)
+    types = [normal, control, control, control, control, normal]  # the last one is plain text
+    meta = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+    assert end_of_turn_ids(meta | {"general.architecture": "qwen3moe"}) == [1, 2]
+    assert end_of_turn_ids(meta | {"general.architecture": "gpt-oss"}) == [3, 4]

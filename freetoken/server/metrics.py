@@ -37,6 +37,9 @@ class Metrics:
             ("compute_s", "seconds spent computing offloaded experts expert by expert"),
             ("plan_s", "host seconds planning gathered expert calls (split, CPU submit, "
                        "copies, slot tables; not the wait for the CPU's share)"),
+            ("prefetched", "experts look-ahead fetched before their layer asked, since start"),
+            ("lookahead_hit_rate", "routed experts that look-ahead had predicted / routed "
+                                   "experts (NaN before any prediction)"),
         )}
 
     def engine_stats(self, stats: dict[str, Any]) -> None:
@@ -47,4 +50,5 @@ class Metrics:
             self.prefix_hits.set(stats["prefix_hit_tokens"])
             for key, gauge in self.moe.items():
                 if "moe" in stats:
-                    gauge.set(stats["moe"][key])
+                    value = stats["moe"][key]
+                    gauge.set(float("nan") if value is None else value)

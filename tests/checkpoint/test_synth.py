@@ -117,7 +117,10 @@ def test_gguf_per_layer_formats_and_same_weights_as_hf(tmp_path: Path, tiny_hf: 
     assert fmts["model.layers.0.mlp.gate.weight"] == "f32"
     assert fmts["model.layers.1.self_attn.q_proj.weight"] == "bf16"  # half the layers: bf16
     hf_cfg = open_checkpoint(tiny_hf).config
-    assert ckpt.config == replace(hf_cfg, rms_norm_eps=ckpt.config.rms_norm_eps)  # f32 in GGUF
+    # rms_norm_eps is f32 in GGUF; a GGUF also stops at its vocabulary's end-of-turn tokens
+    assert ckpt.config == replace(hf_cfg, rms_norm_eps=ckpt.config.rms_norm_eps,
+                                  eos_token_ids=ckpt.config.eos_token_ids)
+    assert ckpt.config.eos_token_ids == (*hf_cfg.eos_token_ids, spec.preset.vocab - 3)
     # all-bf16 GGUF of the same seed holds exactly the HF directory's weights
     bf16 = write_synth(resolve_spec("tiny", gguf=True, router_skew=0.5, router_locality=0.5,
                                     seed=3), tmp_path / "bf16.gguf")

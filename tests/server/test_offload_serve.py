@@ -57,8 +57,13 @@ def test_offload_server_reports_cache_stats(tiny_gguf, tmp_path, want):
         assert set(moe["layers"]) == {"0", "1"}
         assert moe["tokens"] >= sum(len(p.split()) for p in prompts) + 3 * 15
         metrics = httpx.get(f"{server.url}/metrics").text
-        line = next(m for m in metrics.splitlines() if m.startswith("freetoken_moe_misses "))
-        assert float(line.split()[1]) == moe["misses"]
+        values = {m.split()[0]: float(m.split()[1]) for m in metrics.splitlines()
+                  if m.startswith("freetoken_moe_")}
+        assert values["freetoken_moe_misses"] == moe["misses"]
+        # look-ahead (on for offload by default) fetched for layer 1 and changed no output
+        assert moe["prefetched"] > 0 and values["freetoken_moe_prefetched"] == moe["prefetched"]
+        assert 0 < moe["lookahead_hit_rate"] == values["freetoken_moe_lookahead_hit_rate"]
+        assert moe["layers"]["0"]["lookahead_hit_rate"] is None
     finally:
         assert server.stop() == 0
     log = (tmp_path / "offload.log").read_text()

@@ -145,11 +145,15 @@ async def generate(state: ServerState, rid: str, ids: list[int], params: Samplin
             state.client.abort(rid)
 
 
-async def _watch(request: Request, rid: str, queue: asyncio.Queue[Event]) -> None:
-    """Wait (blocked in the server's receive) until the client disconnects, then end the
-    request through its own queue."""
+async def disconnected(request: Request) -> None:
+    """Return when the client has disconnected (blocked in the server's receive meanwhile)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _watch(request: Request, rid: str, queue: asyncio.Queue[Event]) -> None:
+    """End the request through its own queue once the client disconnects."""
+    await disconnected(request)
     queue.put_nowait(Event(rid, None, GONE, 0, 0, 0))
 
 

@@ -6,10 +6,12 @@ in ``content`` (see ``output.py``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -20,6 +22,7 @@ from freetoken.server.generate import (
     Outcome,
     admit,
     check_model,
+    disconnected,
     ended_early,
     generate,
     run,
@@ -49,25 +52,32 @@ def openai_routes(state: ServerState) -> APIRouter:
         admit(state)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         lps = None if params.logprobs is None else (lambda e: chat_logprobs(state, e))
-        parser = output_parser(state, prompt, tools=bool(tools))
+
+        def events(i: int, watch: Request | None = None) -> ParsedSteps:
+            parser = output_parser(state, prompt, tools=bool(tools))
+            return parsed(generate(state, choice_id(rid, i), prompt.ids, choice_params(params, i),
+                                   req.stops(), watch=watch,
+                                   keep_special=parser.special_tokens), parser)
+
         if req.stream:
-            events = parsed(generate(state, rid, prompt.ids, params, req.stops(),
-                                     keep_special=parser.special_tokens), parser)
-            return StreamingResponse(chat_stream(rid, events, _include_usage(req), lps),
-                                     media_type="text/event-stream")
-        evs, out = await gathered(parsed(
-            generate(state, rid, prompt.ids, params, req.stops(), watch=request,
-                     keep_special=parser.special_tokens), parser))
-        if out.finish_reason == GONE:
+            return StreamingResponse(
+                chat_stream(rid, [events(i) for i in range(req.n)], _include_usage(req), lps),
+                media_type="text/event-stream")
+        done = await every_choice(req.n, request, lambda i, w: gathered(events(i, w)))
+        if done is None or any(out.finish_reason == GONE for _, out in done):
             return Response(status_code=499)  # nobody is listening
-        if err := ended_early(out):
-            raise err
-        message = chat_message(evs)
+        for _, out in done:
+            if err := ended_early(out):
+                raise err
+        choices = []
+        for i, (evs, out) in enumerate(done):
+            message = chat_message(evs)
+            choices.append({"index": i, "message": message,
+                            "logprobs": lps and lps(out.logprobs),
+                            "finish_reason": finish_reason(out, "tool_calls" in message)})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": state.model_name, "usage": usage_openai(out),
-                "choices": [{"index": 0, "message": message,
-                             "logprobs": lps and lps(out.logprobs),
-                             "finish_reason": finish_reason(out, "tool_calls" in message)}]}
+                "model": state.model_name, "usage": usage_of([o for _, o in done]),
+                "choices": choices}
 
     @router.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -78,69 +88,97 @@ def openai_routes(state: ServerState) -> APIRouter:
         admit(state)
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         asked = params.logprobs is not None
+
+        def steps(i: int, watch: Request | None = None) -> AsyncIterator[tuple[str, Outcome]]:
+            return generate(state, choice_id(rid, i), ids, choice_params(params, i),
+                            req.stops(), watch=watch)
+
         if req.stream:
             return StreamingResponse(
-                completion_stream(rid, generate(state, rid, ids, params, req.stops()),
-                                  _include_usage(req), asked),
+                completion_stream(rid, [steps(i) for i in range(req.n)], _include_usage(req),
+                                  asked),
                 media_type="text/event-stream")
-        out = await run(generate(state, rid, ids, params, req.stops(), watch=request))
-        if out.finish_reason == GONE:
+        outs = await every_choice(req.n, request, lambda i, w: run(steps(i, w)))
+        if outs is None or any(out.finish_reason == GONE for out in outs):
             return Response(status_code=499)
-        if err := ended_early(out):
-            raise err
+        for out in outs:
+            if err := ended_early(out):
+                raise err
         return {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": state.model_name, "usage": usage_openai(out),
-                "choices": [{"index": 0, "text": out.text, "logprobs":
+                "model": state.model_name, "usage": usage_of(outs),
+                "choices": [{"index": i, "text": out.text, "logprobs":
                              completion_logprobs(state, out.logprobs) if asked else None,
-                             "finish_reason": out.finish_reason}]}
+                             "finish_reason": out.finish_reason} for i, out in enumerate(outs)]}
 
-    async def chat_stream(rid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
-                          include_usage: bool, logprobs: Logprobs | None,
-                          ) -> AsyncIterator[str]:
-        chunks = ChatChunks(rid, state.model_name, logprobs)
-        out = Outcome()
-        try:
-            yield chunks.first()
-            async for evs, out in events:
-                for chunk in chunks.step(evs, out):
+    async def chat_stream(rid: str, choices: list[ParsedSteps], include_usage: bool,
+                          logprobs: Logprobs | None) -> AsyncIterator[str]:
+        chunks = [ChatChunks(rid, state.model_name, logprobs, i) for i in range(len(choices))]
+        outs = [Outcome() for _ in choices]
+
+        async def one(i: int) -> AsyncIterator[str]:
+            async for evs, out in choices[i]:
+                outs[i] = out
+                for chunk in chunks[i].step(evs, out):
                     yield chunk
-                if chunks.failed:
+                if chunks[i].failed:
                     return
+
+        stream = merged([one(i) for i in range(len(choices))])
+        try:
+            for c in chunks:
+                yield c.first()
+            async for chunk in stream:
+                yield chunk
+            if any(c.failed for c in chunks):
+                return
             if include_usage:
-                yield chunks.usage(out)
+                yield chunks[0].usage(outs)
             yield sse("[DONE]")
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()  # type: ignore[attr-defined]
+            for steps in choices:
+                await steps.aclose()  # type: ignore[attr-defined]
 
-    async def completion_stream(rid: str, events: AsyncIterator[tuple[str, Outcome]],
+    async def completion_stream(rid: str, choices: list[AsyncIterator[tuple[str, Outcome]]],
                                 include_usage: bool, asked: bool) -> AsyncIterator[str]:
         created = int(time.time())
-        sent = shown = 0  # tokens whose logprobs went out; characters of text before them
+        outs = [Outcome() for _ in choices]
+        failed = False
 
-        def chunk(text: str, finish: str | None, **extra: Any) -> str:
-            nonlocal sent, shown
-            lps = None
-            if asked and not extra:
-                lps = completion_logprobs(state, out.logprobs[sent:], shown)
-                sent, shown = len(out.logprobs), shown + len(text)
-            choices = [] if extra else [{"index": 0, "text": text, "logprobs": lps,
-                                         "finish_reason": finish}]
+        def chunk(choices_: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": rid, "object": "text_completion", "created": created,
-                        "model": state.model_name, "choices": choices, **extra})
+                        "model": state.model_name, "choices": choices_, **extra})
 
-        out = Outcome()
-        try:
-            async for delta, out in events:
+        async def one(i: int) -> AsyncIterator[str]:
+            nonlocal failed
+            sent = shown = 0  # tokens whose logprobs went out; characters of text before them
+            async for delta, out in choices[i]:
+                outs[i] = out
                 if err := ended_early(out):
+                    failed = True
                     yield sse(error_body("openai", err.status, err.message))
                     return
                 if delta or out.finish_reason:
-                    yield chunk(delta, out.finish_reason)
+                    lps = None
+                    if asked:
+                        lps = completion_logprobs(state, out.logprobs[sent:], shown)
+                        sent, shown = len(out.logprobs), shown + len(delta)
+                    yield chunk([{"index": i, "text": delta, "logprobs": lps,
+                                  "finish_reason": out.finish_reason}])
+
+        stream = merged([one(i) for i in range(len(choices))])
+        try:
+            async for item in stream:
+                yield item
+            if failed:
+                return
             if include_usage:
-                yield chunk("", None, usage=usage_openai(out))
+                yield chunk([], usage=usage_of(outs))
             yield sse("[DONE]")
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()  # type: ignore[attr-defined]
+            for steps in choices:
+                await steps.aclose()  # type: ignore[attr-defined]
 
     return router
 
@@ -149,8 +187,9 @@ class ChatChunks:
     """The ``chat.completion.chunk`` events of one completion, one generation step at a time
     (no I/O here)."""
 
-    def __init__(self, rid: str, model: str, logprobs: Logprobs | None = None) -> None:
-        self.rid, self.model, self.created = rid, model, int(time.time())
+    def __init__(self, rid: str, model: str, logprobs: Logprobs | None = None,
+                 index: int = 0) -> None:
+        self.rid, self.model, self.created, self.index = rid, model, int(time.time()), index
         self.called = self.failed = False
         self.logprobs, self.sent = logprobs, 0  # the formatter; tokens whose logprobs went out
         self.pending: list[tuple[int, TokenLogprobs]] = []
@@ -159,8 +198,8 @@ class ChatChunks:
         lps = None
         if self.logprobs is not None and delta.get("role") is None:
             lps, self.pending = self.logprobs(self.pending), []
-        return sse(self._head() | {"choices": [{"index": 0, "delta": delta, "logprobs": lps,
-                                                "finish_reason": finish}]})
+        return sse(self._head() | {"choices": [{"index": self.index, "delta": delta,
+                                                "logprobs": lps, "finish_reason": finish}]})
 
     def first(self) -> str:
         return self.chunk({"role": "assistant", "content": ""})
@@ -178,8 +217,8 @@ class ChatChunks:
         if out.finish_reason:
             yield self.chunk({}, finish_reason(out, self.called))
 
-    def usage(self, out: Outcome) -> str:
-        return sse(self._head() | {"choices": [], "usage": usage_openai(out)})
+    def usage(self, outs: list[Outcome]) -> str:
+        return sse(self._head() | {"choices": [], "usage": usage_of(outs)})
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
@@ -200,6 +239,73 @@ def sampling_params(state: ServerState, req: SamplingFields, ids: list[int],
 
 
 Logprobs = Callable[[list[tuple[int, TokenLogprobs]]], dict[str, Any]]
+ParsedSteps = AsyncIterator[tuple[list[Event], Outcome]]
+T = TypeVar("T")
+
+
+def choice_id(rid: str, i: int) -> str:
+    """The engine's id of choice ``i`` of a request (choice 0 keeps the request's)."""
+    return rid if i == 0 else f"{rid}-{i}"
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i``'s sampling: a seeded request's choices draw with seeds seed, seed + 1, ..."""
+    return params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+
+
+async def every_choice(n: int, request: Request,
+                       run_one: Callable[[int, Request | None], Awaitable[T]]) -> list[T] | None:
+    """``run_one(i, watch)`` for the n choices of a request, at once. One choice watches the
+    client itself; with several, one watcher for all of them cancels every choice (freeing
+    their KV) when the client goes, and the result is None."""
+    if n == 1:
+        return [await run_one(0, request)]
+    every = asyncio.gather(*(run_one(i, None) for i in range(n)))
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({every, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return every.result() if every.done() else None
+    finally:
+        gone.cancel()
+        every.cancel()
+        await asyncio.gather(every, gone, return_exceptions=True)  # retrieved: nothing logged
+
+
+async def merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of several streams as they come (one stream: itself); closing this stops
+    them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            else:
+                yield item
+    finally:  # the streams end (their requests aborted) before this returns
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage_of(outs: list[Outcome]) -> dict[str, Any]:
+    """A request's usage over its choices: the prompt once, every choice's completion."""
+    return usage_openai(replace(outs[0], completion_tokens=sum(o.completion_tokens
+                                                               for o in outs)))
 
 
 def _token(state: ServerState, token: int) -> tuple[str, list[int]]:

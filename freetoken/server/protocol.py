@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.server.errors import APIError
 
+MAX_CHOICES = 16  # n at most: each choice is a sequence in the batch, with its own KV
+
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -29,7 +31,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict[str, bool] | None = None
     ignore_eos: bool = False
@@ -46,8 +48,6 @@ class SamplingFields(BaseModel):
 
     def unserved(self) -> None:
         """A 400 naming the first field asked for that this server does not serve."""
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported; send n requests", "n")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
 

@@ -46,7 +46,8 @@ class ServeConfig:
 def decode_line(tokens_per_s: float, stats: dict[str, Any],
                 before: dict[str, Any] | None = None) -> str:
     """The periodic engine log line: throughput, batch, KV; with offloaded experts the cache
-    hit rate and the bytes each token moved host -> device; and where a decode token's time
+    hit rate (and the share of routed experts look-ahead predicted), the bytes each token
+    moved host -> device; and where a decode token's time
     went since ``before`` (the stats at the previous line): the engine thread's step split into
     scheduling, queueing the forward and sampling (which waits for the device), and within the
     forward the experts' fetch, device compute, CPU share and host plan, in ms per token."""
@@ -54,8 +55,10 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
             f"{stats['waiting']}, KV {100 * stats['kv_usage']:.0f} %")
     moe = stats.get("moe")
     if moe:
-        line += (f", expert cache hit rate {100 * moe['hit_rate']:.1f} %, "
-                 f"{moe['bytes_per_token'] / 1e6:.1f} MB/token fetched")
+        line += f", expert cache hit rate {100 * moe['hit_rate']:.1f} %"
+        if moe.get("lookahead_hit_rate") is not None:
+            line += f" (look-ahead predicted {100 * moe['lookahead_hit_rate']:.0f} %)"
+        line += f", {moe['bytes_per_token'] / 1e6:.1f} MB/token fetched"
     times, was = stats.get("times"), (before or {}).get("times") or {}
     if times:
         tokens = times["tokens"] - was.get("tokens", 0)

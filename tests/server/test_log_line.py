@@ -44,3 +44,11 @@ def test_with_several_layer_kinds_the_line_says_where_each_went():
                              "moe": {**moe, "kinds": {"q8_0": kinds["q8_0"]}}},
                       {**BASE, "times": times})
     assert "by layer kind" not in one
+
+
+def test_the_line_shows_the_look_ahead_prediction_when_there_is_one():
+    moe = {"hit_rate": 0.871, "bytes_per_token": 2.5e8, "lookahead_hit_rate": 0.835}
+    line = decode_line(10.0, {**BASE, "moe": moe})
+    assert ", expert cache hit rate 87.1 % (look-ahead predicted 84 %), 250.0 MB/token" in line
+    line = decode_line(10.0, {**BASE, "moe": moe | {"lookahead_hit_rate": None}})
+    assert ", expert cache hit rate 87.1 %, 250.0 MB/token" in line

@@ -65,6 +65,21 @@ def start_server(args: list[str], log: Path, timeout: float = 300) -> Server:
     raise RuntimeError(f"server did not start:\n{log.read_text()}")
 
 
+def start_tiny_chat(model: str, d: Path, *args: str) -> Server:
+    """A server on ``ft synth``'s tiny model (``model``) with a one-line chat template, its
+    files in ``d``."""
+    template = d / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    return start_server(["--model", model, "--chat-template", str(template), *args],
+                        d / "server.log")
+
+
+def openai_client(server: Server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = tmp_path_factory.mktemp("tiny") / "tiny"

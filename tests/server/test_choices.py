@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, openai_client, start_tiny_chat
 
 PROMPT = [300, 301, 302, 303]
 SAMPLED = dict(model="tiny", temperature=1.0, seed=7, max_tokens=12,
@@ -20,20 +20,14 @@ SAMPLED = dict(model="tiny", temperature=1.0, seed=7, max_tokens=12,
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("choices")
-    template = d / "template.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
-    s = start_server(["--model", tiny_model, "--kv-tokens", "4096", "--chat-template",
-                      str(template)], d / "server.log")
+    s = start_tiny_chat(tiny_model, tmp_path_factory.mktemp("choices"), "--kv-tokens", "4096")
     yield s
     s.stop()
 
 
 @pytest.fixture()
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_choice_i_is_the_request_with_seed_plus_i(client):

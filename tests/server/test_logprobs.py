@@ -10,28 +10,23 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server, openai_client, start_tiny_chat
 
 PROMPT = [300, 301, 302, 303, 304, 305]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("logprobs")
-    template = d / "template.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
-    s = start_server(["--model", tiny_model, "--dtype", "float32", "--moe-strategy",
-                      "resident", "--cpu-dense", "torch", "--kv-tokens", "1024",
-                      "--chat-template", str(template)], d / "server.log")
+    s = start_tiny_chat(tiny_model, tmp_path_factory.mktemp("logprobs"), "--dtype", "float32",
+                        "--moe-strategy", "resident", "--cpu-dense", "torch", "--kv-tokens",
+                        "1024")
     yield s
     s.stop()
 
 
 @pytest.fixture()
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def transformers_greedy(model_dir: str, steps: int) -> tuple[list[int], torch.Tensor]:

@@ -77,10 +77,13 @@ class SplitPolicy:
     _seen_pcie: int = 0
     probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side one expert to time it
 
-    def n_fetch(self, misses: int) -> int:
+    def planned(self, misses: int) -> int:
+        """The split's fetch count for ``misses`` before any probe."""
         n = misses if self.fraction is None else round(self.fraction * misses)
-        if self.max_fetch is not None:
-            n = min(n, self.max_fetch)
+        return n if self.max_fetch is None else min(n, self.max_fetch)
+
+    def n_fetch(self, misses: int) -> int:
+        n = self.planned(misses)
         self.probing = ""
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
             if n == 0 and (self.c_pcie is None or self._idle_pcie >= self._probe_pcie):
@@ -278,9 +281,7 @@ class HybridExperts(OffloadExperts):
 
     def prefetch_share(self, misses: int) -> int:
         """The share of predicted misses the split would fetch (none before it has one)."""
-        p = self.policy
-        n = 0 if p.fraction is None else round(p.fraction * misses)
-        return n if p.max_fetch is None else min(n, p.max_fetch)
+        return 0 if self.policy.fraction is None else self.policy.planned(misses)
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
                 on_cpu: set[int], host: HostCopies | None = None,

@@ -9,6 +9,7 @@
 #include "decode_steps.h"
 #include "dispatch.h"
 #include "expert_op.h"
+#include "row_copy.h"
 
 #define FT_API extern "C" __attribute__((visibility("default")))
 
@@ -81,6 +82,8 @@ FT_API int64_t ft_struct_size(const char* name) {
   if (n == "ProjDesc") return sizeof(ProjDesc);
   if (n == "DecodeLayer") return sizeof(ft::DecodeLayer);
   if (n == "DecodeStep") return sizeof(ft::DecodeStep);
+  if (n == "RowCopyApi") return sizeof(ft::RowCopyApi);
+  if (n == "RowCopy") return sizeof(ft::RowCopy);
   return -1;
 }
 
@@ -251,4 +254,9 @@ FT_API int ft_set_gate_up_rows(void* ex, int rows) {
 
 FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);
+}
+
+// Expert rows into cache slots in one call (row_copy.h): 0, or the CUDA driver's error.
+FT_API int ft_copy_rows(const ft::RowCopyApi* api, const ft::RowCopy* c) {
+  return ft::copy_rows(*api, *c);
 }

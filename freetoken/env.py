@@ -35,6 +35,22 @@ def git_sha() -> str | None:
     return os.environ.get("FREETOKEN_GIT_SHA", "").strip() or None
 
 
+ROW_COPIES = ("native", "torch")
+
+
+def row_copy() -> str:
+    """FREETOKEN_ROW_COPY: how an offloaded layer's misses are copied into the expert cache:
+    ``native`` (default: one library call queues a call's copies and their stream ordering)
+    or ``torch`` (a torch copy per expert: the slow twin)."""
+    value = os.environ.get("FREETOKEN_ROW_COPY", "native").strip().lower() or "native"
+    if value not in ROW_COPIES:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_ROW_COPY={value!r} is not one of "
+                          f"{', '.join(ROW_COPIES)}; unset it for native")
+    return value
+
+
 GPU_EXPERT_KERNELS = ("auto", "fused", "dequant")
 
 

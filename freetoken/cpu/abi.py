@@ -3,7 +3,8 @@ library matches.
 
 What crosses the boundary by number or by layout is written here once: the enums' names in
 number order (:data:`FORMATS`, :data:`ISAS`, :data:`ACT_KINDS`), the structs Python fills
-(:class:`ProjDesc`, :class:`DecodeLayer`, :class:`DecodeStep`), the length of a job's timing
+(:class:`ProjDesc`, :class:`DecodeLayer`, :class:`DecodeStep`, :class:`RowCopyApi`,
+:class:`RowCopy`), the length of a job's timing
 record and the ABI version. :func:`mismatches` asks the library for each and lists what
 differs, so a library built from other sources is refused with its reason instead of being
 called with the wrong numbers. Blocks come from the quant formats' table (``freetoken/quant``),
@@ -16,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 3  # csrc/common.h ABI_VERSION
+ABI_VERSION = 4  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32")
 # What experts are kept in: f32 and f16 experts are kept as bf16; f32 is for dense routers.
@@ -71,7 +72,27 @@ class DecodeStep(c.Structure):
     ]
 
 
-STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, DecodeLayer, DecodeStep)
+class RowCopyApi(c.Structure):
+    """csrc/row_copy.h RowCopyApi: the CUDA driver's entry points (all None: memcpy)."""
+
+    _fields_ = [("memcpy_async", c.c_void_p), ("event_record", c.c_void_p),
+                ("stream_wait_event", c.c_void_p)]
+
+
+class RowCopy(c.Structure):
+    """csrc/row_copy.h RowCopy: rows of one buffer copied into rows of another."""
+
+    _fields_ = [
+        ("dst", c.c_void_p), ("dst_stride", c.c_int64), ("src", c.c_void_p),
+        ("src_stride", c.c_int64), ("row_bytes", c.c_int64), ("dst_rows", c.c_void_p),
+        ("src_rows", c.c_void_p), ("n", c.c_int32), ("compute_waits", c.c_int32),
+        ("compute_stream", c.c_void_p), ("copy_stream", c.c_void_p), ("ev_ready", c.c_void_p),
+        ("ev_start", c.c_void_p), ("ev_end", c.c_void_p),
+    ]
+
+
+STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, DecodeLayer, DecodeStep, RowCopyApi,
+                                          RowCopy)
 # The functions that describe the ABI, declared before anything else is looked up.
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_abi_version": (c.c_int, []),

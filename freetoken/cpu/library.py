@@ -147,6 +147,7 @@ def native() -> ctypes.CDLL:
         "ft_submit_linear": (
             c.c_int64, [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int],
         ),
+        "ft_copy_rows": (c.c_int, [c.POINTER(abi.RowCopyApi), c.POINTER(abi.RowCopy)]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
         "ft_quantize_q8": (

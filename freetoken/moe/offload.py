@@ -227,8 +227,11 @@ class OffloadExperts(Experts):
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         slots = pool.admit(self.shape.layer, misses, set(hits.values()))
-        fetch = rt.copy(pool.data, slots, bank, misses)[0] if misses else None
-        rt.wait_copies()  # these and what look-ahead fetched for this call
+        if misses:  # the compute stream waits for these and what look-ahead fetched before
+            fetch = rt.fetch(pool.data, slots, bank, misses, wait=True)
+        else:
+            fetch = None
+            rt.wait_copies()  # what look-ahead fetched for this call
         return hits | dict(zip(misses, slots, strict=True)), fetch
 
     def _prefetch(self, x: torch.Tensor, keep: set[int]) -> None:
@@ -253,7 +256,7 @@ class OffloadExperts(Experts):
         la.target.prefetched = set(misses)
         bank = la.target.bank
         slots = pool.admit(la.layer, misses, busy)
-        span, _ = rt.copy(pool.data, slots, bank, misses)
+        span = rt.fetch(pool.data, slots, bank, misses, wait=False)
         rt.stats.record_prefetch(la.layer, len(misses), len(misses) * bank.expert_bytes, span)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,

@@ -1,17 +1,29 @@
 """What all offloaded layers of one model share: the expert cache, the copy stream that fills
 it over the link, the stats, and the prefill stream's staging buffers.
 
+A decode call's misses go bank -> slots through :meth:`OffloadRuntime.fetch`: one call into
+the library (``cpu/row_copy.py``) that queues the copies and their stream ordering, or, where
+the library or the CUDA driver is not there or ``FREETOKEN_ROW_COPY=torch``, torch's copies
+(:meth:`OffloadRuntime.copy`, also the prefill stream's and the bandwidth bench's path).
+
 Threads: the engine's main thread only.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from freetoken import env
+from freetoken.cpu.library import NativeUnavailable
+from freetoken.cpu.row_copy import RowCopier
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.pieces import PiecewiseCapture
-from freetoken.moe.stats import MoEStats, Span
+from freetoken.moe.stats import EventPool, MoEStats, Span
+
+log = logging.getLogger(__name__)
 
 STREAM_CHUNK = 8  # experts per staging buffer of the prefill stream
 
@@ -28,6 +40,9 @@ class OffloadRuntime:
         self._staging: dict[int, list[torch.Tensor]] = {}
         self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
         self.copied: torch.cuda.Event | None = None  # the end of the last copy not waited for
+        self.rows = _row_copier(self.cuda)  # None: torch's copies
+        self.events = EventPool()  # the library's copy spans (CUDA)
+        self._ready = self.events.take() if self.rows is not None and self.cuda else None
 
     def staging(self, row_bytes: int) -> list[torch.Tensor]:
         if row_bytes not in self._staging:
@@ -58,6 +73,31 @@ class OffloadRuntime:
         self.copied = span.end
         return span, span.end  # the span's end event marks the copies' end
 
+    def fetch(self, dst: torch.Tensor, dst_rows: list[int], bank: HostBank,
+              experts: list[int], wait: bool) -> Span:
+        """Bank rows ``experts`` into cache rows ``dst_rows``, after the compute stream's work
+        so far. ``wait``: the compute stream then waits for them and for every copy queued
+        before (a call's own misses); else they are left for :meth:`wait_copies` (what
+        look-ahead fetches for the next layer)."""
+        if self.rows is None:
+            span, _ = self.copy(dst, dst_rows, bank, experts)
+            if wait:
+                self.wait_copies()
+            return span
+        if self.copy_stream is None:
+            span = self.stats.span()
+            self.rows.copy(dst, dst_rows, bank.rows, experts)
+            return span.stop()
+        assert self._ready is not None
+        span = Span(self.copy_stream, self.events)
+        self.rows.copy(dst, dst_rows, bank.rows, experts,
+                       torch.cuda.current_stream().cuda_stream, self.copy_stream.cuda_stream,
+                       self._ready.cuda_event, span.start.cuda_event, span.end.cuda_event,
+                       compute_waits=wait)
+        # the copy stream runs in order: this span's end covers every copy before it
+        self.copied = None if wait else span.end
+        return span
+
     def wait(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -67,3 +107,14 @@ class OffloadRuntime:
         in order): a call's own fetches and what look-ahead fetched for it earlier."""
         event, self.copied = self.copied, None
         self.wait(event)
+
+
+def _row_copier(cuda: bool) -> RowCopier | None:
+    """The library's row copier, or None (torch's copies) with the reason logged."""
+    if env.row_copy() == "torch":
+        return None
+    try:
+        return RowCopier(cuda)
+    except NativeUnavailable as e:
+        log.info("expert fetches use torch's copies: %s", e)
+        return None

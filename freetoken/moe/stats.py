@@ -37,14 +37,38 @@ class LayerStats:
 KIND_TIMES = ("fetch_s", "compute_s", "cpu_s", "plan_s")  # summed per layer kind
 
 
-class Span:
-    """One timed piece of work: host clock on the CPU, an event pair on CUDA."""
+class EventPool:
+    """Timing events made once and reused by spans whose events something else records (the
+    library's row copies on the copy stream). An event comes back once its span has been
+    read; only copy-stream spans take from one pool, so an event waited on after it came back
+    was recorded again later on that same stream, and the wait only waits longer."""
 
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self) -> None:
+        self.free: list[torch.cuda.Event] = []
+
+    def take(self) -> torch.cuda.Event:
+        if self.free:
+            return self.free.pop()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # made now, so that it has a handle (torch makes events lazily)
+        return event
+
+    def give(self, *events: torch.cuda.Event) -> None:
+        self.free.extend(events)
+
+
+class Span:
+    """One timed piece of work: host clock on the CPU, an event pair on CUDA (recorded here,
+    or, from an :class:`EventPool`, by whoever does the work)."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, pool: EventPool | None = None) -> None:
         self.stream = stream
+        self.pool = pool
+        self.seconds: float | None = None
         if stream is None:
             self.t0 = time.perf_counter()
-            self.seconds: float | None = None
+        elif pool is not None:
+            self.start, self.end = pool.take(), pool.take()
         else:
             self.start = torch.cuda.Event(enable_timing=True)
             self.end = torch.cuda.Event(enable_timing=True)
@@ -53,17 +77,21 @@ class Span:
     def stop(self) -> Span:
         if self.stream is None:
             self.seconds = time.perf_counter() - self.t0
-        else:
+        elif self.pool is None:
             self.end.record(self.stream)
         return self
 
     def done(self) -> float | None:
         """Seconds, or None while the GPU has not finished the span."""
-        if self.stream is None:
+        if self.stream is None or self.seconds is not None:
             return self.seconds
         if not self.end.query():
             return None
-        return self.start.elapsed_time(self.end) / 1e3
+        seconds = self.start.elapsed_time(self.end) / 1e3
+        if self.pool is not None:  # read once: the events go back
+            self.seconds = seconds
+            self.pool.give(self.start, self.end)
+        return seconds
 
 
 class MoEStats:

@@ -1,0 +1,37 @@
+// Expert rows copied into cache slots in one call (see row_copy.cpp).
+#pragma once
+#include <cstdint>
+
+namespace ft {
+
+// Entry points of the process's CUDA driver (all null: host memory, plain memcpy).
+struct RowCopyApi {
+  void* memcpy_async;       // cuMemcpyAsync
+  void* event_record;       // cuEventRecord
+  void* stream_wait_event;  // cuStreamWaitEvent
+};
+
+// Row dst_rows[i] of dst gets row src_rows[i] of src (row_bytes each), on copy_stream after
+// the compute stream's work so far (ev_ready, if given); ev_start / ev_end (if given) are
+// recorded around the copies, and with compute_waits the compute stream waits for ev_end.
+struct RowCopy {
+  uint8_t* dst;
+  int64_t dst_stride;
+  const uint8_t* src;
+  int64_t src_stride;
+  int64_t row_bytes;
+  const int32_t* dst_rows;
+  const int32_t* src_rows;
+  int32_t n;
+  int32_t compute_waits;
+  void* compute_stream;
+  void* copy_stream;
+  void* ev_ready;
+  void* ev_start;
+  void* ev_end;
+};
+
+// 0, or the CUDA driver's error code (-1: an incomplete api).
+int copy_rows(const RowCopyApi& api, const RowCopy& c);
+
+}  // namespace ft

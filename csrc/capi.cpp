@@ -260,3 +260,10 @@ FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps)
 FT_API int ft_copy_rows(const ft::RowCopyApi* api, const ft::RowCopy* c) {
   return ft::copy_rows(*api, *c);
 }
+
+// Spans of bytes copied in order on one stream, the host waiting for it with sync
+// (row_copy.h): 0, or the CUDA driver's error.
+FT_API int ft_copy_spans(const ft::RowCopyApi* api, void* stream, int n, const uint64_t* dst,
+                         const uint64_t* src, const int64_t* bytes, int sync) {
+  return ft::copy_spans(*api, stream, n, dst, src, bytes, sync);
+}

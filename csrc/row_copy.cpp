@@ -16,6 +16,7 @@ namespace {
 using MemcpyAsync = int (*)(uint64_t dst, uint64_t src, size_t bytes, void* stream);
 using EventRecord = int (*)(void* event, void* stream);
 using StreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
+using StreamSynchronize = int (*)(void* stream);
 
 }  // namespace
 
@@ -51,6 +52,26 @@ int copy_rows(const RowCopyApi& api, const RowCopy& c) {
   if (copy && c.ev_end) {
     if ((err = record(c.ev_end, c.copy_stream))) return err;
     if (c.compute_waits && (err = wait(c.compute_stream, c.ev_end, 0))) return err;
+  }
+  return 0;
+}
+
+int copy_spans(const RowCopyApi& api, void* stream, int n, const uint64_t* dst,
+               const uint64_t* src, const int64_t* bytes, int sync) {
+  auto copy = (MemcpyAsync)api.memcpy_async;
+  int err = 0;
+  for (int i = 0; i < n; ++i) {
+    if (bytes[i] <= 0) continue;
+    if (copy) {
+      if ((err = copy(dst[i], src[i], (size_t)bytes[i], stream))) return err;
+    } else {
+      std::memcpy((void*)(uintptr_t)dst[i], (const void*)(uintptr_t)src[i], (size_t)bytes[i]);
+    }
+  }
+  if (copy && sync) {
+    auto wait = (StreamSynchronize)api.stream_synchronize;
+    if (!wait) return -1;
+    return wait(stream);
   }
   return 0;
 }

@@ -9,6 +9,7 @@ struct RowCopyApi {
   void* memcpy_async;       // cuMemcpyAsync
   void* event_record;       // cuEventRecord
   void* stream_wait_event;  // cuStreamWaitEvent
+  void* stream_synchronize; // cuStreamSynchronize
 };
 
 // Row dst_rows[i] of dst gets row src_rows[i] of src (row_bytes each), on copy_stream after
@@ -33,5 +34,10 @@ struct RowCopy {
 
 // 0, or the CUDA driver's error code (-1: an incomplete api).
 int copy_rows(const RowCopyApi& api, const RowCopy& c);
+
+// n copies of bytes[i] from src[i] to dst[i] on stream, in order; with sync the host then
+// waits for the stream. 0, or the CUDA driver's error code.
+int copy_spans(const RowCopyApi& api, void* stream, int n, const uint64_t* dst,
+               const uint64_t* src, const int64_t* bytes, int sync);
 
 }  // namespace ft

@@ -76,7 +76,7 @@ class RowCopyApi(c.Structure):
     """csrc/row_copy.h RowCopyApi: the CUDA driver's entry points (all None: memcpy)."""
 
     _fields_ = [("memcpy_async", c.c_void_p), ("event_record", c.c_void_p),
-                ("stream_wait_event", c.c_void_p)]
+                ("stream_wait_event", c.c_void_p), ("stream_synchronize", c.c_void_p)]
 
 
 class RowCopy(c.Structure):

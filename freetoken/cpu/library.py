@@ -148,6 +148,10 @@ def native() -> ctypes.CDLL:
             c.c_int64, [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int],
         ),
         "ft_copy_rows": (c.c_int, [c.POINTER(abi.RowCopyApi), c.POINTER(abi.RowCopy)]),
+        "ft_copy_spans": (
+            c.c_int, [c.POINTER(abi.RowCopyApi), c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
+                      c.c_void_p, c.c_int],
+        ),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
         "ft_quantize_q8": (

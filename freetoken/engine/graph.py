@@ -100,7 +100,7 @@ class DecodeGraphs:
 
     def _capture_pieces(self, g: _Graph, pool: tuple[int, int],
                         stream: torch.cuda.Stream) -> None:
-        cap = PiecewiseCapture(pool)
+        cap = PiecewiseCapture(pool, self.recorders[0].rows)
         for rt in self.recorders:
             rt.capture = cap
         torch.cuda.synchronize()

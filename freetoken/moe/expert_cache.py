@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.cpu.row_copy import RowCopier, current_stream
+
 
 class SlotPool:
     """``num_slots`` rows of ``slot_bytes`` on ``device`` with one LRU over all of them."""
@@ -34,6 +36,8 @@ class SlotPool:
         self.tables: dict[int, list[int]] = {}  # layer -> expert -> slot (-1: not cached)
         self.device_tables: dict[int, torch.Tensor] = {}  # the same, as last published
         self._staged: dict[int, torch.Tensor] = {}  # pinned host copies being published
+        self.copier: RowCopier | None = None  # publishes through the library (the runtime's)
+        self.device_index = -1  # CUDA device index, for the copier's stream
 
     def add_layer(self, layer: int, num_experts: int) -> None:
         self.tables[layer] = [-1] * num_experts
@@ -52,7 +56,11 @@ class SlotPool:
         staged = self._staged[layer]
         staged.numpy()[:] = -1 if empty else self.tables[layer]  # numpy: no tensor made
         table = self.device_tables[layer]
-        table.copy_(staged, non_blocking=True)
+        if self.copier is None:
+            table.copy_(staged, non_blocking=True)
+        else:
+            stream = current_stream(self.device_index) if self.device_index >= 0 else 0
+            self.copier.copy_tensors([(table, staged)], stream)
         return table
 
     def lookup(self, layer: int, experts: list[int]) -> tuple[dict[int, int], list[int]]:

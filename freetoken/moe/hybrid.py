@@ -22,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from freetoken.cpu import executor as cx
@@ -292,7 +293,8 @@ class HybridExperts(OffloadExperts):
             return None, 0.0
         assert self.executor is not None
         t0 = time.perf_counter()
-        cpu_ids = torch.tensor([e if e in on_cpu else -1 for e in flat]).view(ids.shape)
+        cpu_ids = torch.from_numpy(np.array([e if e in on_cpu else -1 for e in flat],
+                                            dtype=np.int64)).view(ids.shape)
         if host is not None:
             future = self.executor.submit(host.x, cpu_ids, host.w, self.shape.layer,
                                           out=host.cpu_out)

@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from freetoken.cpu.row_copy import RowCopier, current_stream
+
 T = TypeVar("T", "Break", "HostStep", "LateStep")
 
 
@@ -73,10 +75,13 @@ class HostStep(_Landing):
     earlier on the same stream)."""
 
     def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
-                 ids: torch.Tensor, w: torch.Tensor, inputs: bool) -> None:
+                 ids: torch.Tensor, w: torch.Tensor, inputs: bool,
+                 copier: RowCopier | None = None) -> None:
         super().__init__(x)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
         self.inputs = inputs  # the plan reads x and w on the host, not only the ids
+        self.copier = copier  # the inputs' copies and the sync in one library call
+        self.device = x.device.index or 0
 
         def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
                    needed: bool = True) -> torch.Tensor:
@@ -89,9 +94,14 @@ class HostStep(_Landing):
     def run(self, n: int) -> None:
         h = self.host
         pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
-        for src, dst in pairs if self.inputs else pairs[:1]:
-            dst[:n].copy_(src[:n], non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        pairs = pairs if self.inputs else pairs[:1]
+        if self.copier is not None:
+            self.copier.copy_tensors([(dst[:n], src[:n]) for src, dst in pairs],
+                                     current_stream(self.device), sync=True)
+        else:
+            for src, dst in pairs:
+                dst[:n].copy_(src[:n], non_blocking=True)
+            torch.cuda.current_stream().synchronize()
         host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
         self.land(self.plan(self.x[:n], self.ids[:n], self.w[:n], host), n)
 
@@ -117,8 +127,8 @@ class PiecewiseCapture:
     all in one memory pool. :meth:`after` does the same for a :class:`LateStep`.
     """
 
-    def __init__(self, pool: tuple[int, int]) -> None:
-        self.pool = pool
+    def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None) -> None:
+        self.pool, self.copier = pool, copier
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
         self.current = torch.cuda.CUDAGraph()
@@ -136,7 +146,7 @@ class PiecewiseCapture:
         """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
         ids); returns the static buffer of its extra output, for the captured compute that
         follows to add."""
-        return self._between(lambda: HostStep(plan, x, ids, w, inputs)).out
+        return self._between(lambda: HostStep(plan, x, ids, w, inputs, self.copier)).out
 
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from freetoken import env
 from freetoken.cpu.library import NativeUnavailable
-from freetoken.cpu.row_copy import RowCopier
+from freetoken.cpu.row_copy import RowCopier, current_stream
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.pieces import PiecewiseCapture
@@ -43,6 +43,9 @@ class OffloadRuntime:
         self.rows = _row_copier(self.cuda)  # None: torch's copies
         self.events = EventPool()  # the library's copy spans (CUDA)
         self._ready = self.events.take() if self.rows is not None and self.cuda else None
+        self.index = torch.device(device).index or 0 if self.cuda else -1
+        for pool in cache.pools:  # slot tables published through the library too
+            pool.copier, pool.device_index = self.rows, self.index
 
     def staging(self, row_bytes: int) -> list[torch.Tensor]:
         if row_bytes not in self._staging:
@@ -91,7 +94,7 @@ class OffloadRuntime:
         assert self._ready is not None
         span = Span(self.copy_stream, self.events)
         self.rows.copy(dst, dst_rows, bank.rows, experts,
-                       torch.cuda.current_stream().cuda_stream, self.copy_stream.cuda_stream,
+                       current_stream(self.index), self.copy_stream.cuda_stream,
                        self._ready.cuda_event, span.start.cuda_event, span.end.cuda_event,
                        compute_waits=wait)
         # the copy stream runs in order: this span's end covers every copy before it

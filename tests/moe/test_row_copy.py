@@ -48,6 +48,17 @@ def test_strided_rows_and_bad_shapes():
         RowCopier(cuda=False).copy(torch.zeros(8, 32, dtype=torch.uint8), [0], src, [0])
 
 
+def test_tensor_copies_equal_torch_copies():
+    """Several buffers in one call (a host step's inputs), bytes for bytes; unequal sizes are
+    refused before anything is copied."""
+    srcs = [torch.randn(3, 5), torch.randint(-9, 9, (3, 2)), torch.randn(3, 2)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    RowCopier(cuda=False).copy_tensors(list(zip(dsts, srcs, strict=True)))
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+    with pytest.raises(ValueError, match="copy 1: .* not a contiguous copy of equal bytes"):
+        RowCopier(cuda=False).copy_tensors([(dsts[0], srcs[0]), (torch.zeros(4), srcs[1])])
+
+
 def _offload(checkpoint, monkeypatch, how: str, device: str = "cpu",
              dtype: torch.dtype = torch.float32):
     monkeypatch.setenv("FREETOKEN_ROW_COPY", how)
@@ -90,6 +101,18 @@ def test_cuda_rows_on_the_copy_stream(seed):
     want[d] = src[s]
     assert torch.equal(out, want)
     assert events[1].elapsed_time(events[2]) > 0
+
+
+@pytest.mark.cuda
+def test_cuda_tensor_copies_both_ways_then_sync():
+    from freetoken.cpu.row_copy import current_stream
+
+    host = torch.randn(4, 1000).pin_memory()
+    dev = torch.zeros(4, 1000, device="cuda")
+    back = torch.zeros(4, 1000).pin_memory()
+    stream = current_stream(0)
+    RowCopier(cuda=True).copy_tensors([(dev, host), (back, dev)], stream, sync=True)
+    assert torch.equal(back, host)  # in order on the stream, and the host waited
 
 
 @pytest.mark.cuda

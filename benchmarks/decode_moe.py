@@ -21,7 +21,8 @@ hybrid-profile (the profile's fraction, no correction), hybrid-online (corrected
 but cpu decode through CUDA graphs (pieces around host-planned experts), offload-eager without.
 A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantise + matmul
 instead of the fused gather-GEMV kernels; ``+lookahead`` / ``+nolookahead``
-(``hybrid-online+lookahead``) set ``--moe-lookahead on`` / ``off`` (default: auto).
+(``hybrid-online+lookahead``) set ``--moe-lookahead on`` / ``off`` (default: auto);
+``+torchcopy`` copies misses with torch instead of the library (FREETOKEN_ROW_COPY=torch).
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -138,12 +139,14 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
     by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
-    ``+lookahead`` / ``+nolookahead`` set --moe-lookahead on / off (else auto)."""
+    ``+lookahead`` / ``+nolookahead`` set --moe-lookahead on / off (else auto), ``+torchcopy``
+    copies misses with torch (FREETOKEN_ROW_COPY=torch, the library's copies' twin)."""
     base, *options = name.split("+")
-    unknown = set(options) - {"dequant", "lookahead", "nolookahead"}
+    unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
+    os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     capture = capture and strategy != "cpu" and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0

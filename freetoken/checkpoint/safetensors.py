@@ -3,7 +3,8 @@
 Each safetensors file is mapped once (private, copy-on-write) and every tensor is a torch view
 into that mapping. Formats that keep scales in companion tensors are grouped here:
 ``w.weight`` (float8) + ``w.weight_scale_inv`` is fp8_block; ``w.weight`` (uint8) +
-``w.weight_scale`` + ``w.weight_scale_2`` is nvfp4.
+``w.weight_scale`` + ``w.weight_scale_2`` is nvfp4; ``w_blocks`` (uint8) + ``w_scales`` is
+mxfp4 (GPT-OSS), repacked into our blocks as it is read. A companion may sit in another shard.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from freetoken.checkpoint.tokenizer import load_hf_tokenizer
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
 from freetoken.quant import QuantTensor
+from freetoken.quant.mxfp4 import from_split_blocks
 
 _DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -113,30 +115,44 @@ class HFCheckpoint:
         if not files:
             raise CheckpointError(f"{self.path} has no *.safetensors weights")
         self._files = [_SafetensorsFile(f) for f in files]
+        self._where = {n: f for f in self._files for n in f.entries}
         self.chat_template = _chat_template(self.path)
 
     def tensor_names(self) -> list[str]:
         fam = self.config.family
-        return [o for f in self._files for n in f.entries if not n.endswith(_COMPANIONS)
+        return [o for f in self._files for n in f.entries if not self._companion(n)
                 for o in our_names(fam, n)]
 
     def tensors(self) -> Iterator[tuple[str, QuantTensor]]:
         fam = self.config.family
         for f in self._files:
             for name in f.entries:
-                if name.endswith(_COMPANIONS) or not our_names(fam, name):
+                if self._companion(name) or not our_names(fam, name):
                     continue
                 yield from to_ours(fam, name, self._tensor(f, name))
+
+    def _companion(self, name: str) -> bool:
+        return name.endswith(_COMPANIONS) or (
+            name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in self._where)
+
+    def _view(self, name: str) -> torch.Tensor:
+        return self._where[name].view(name)
 
     def _tensor(self, f: _SafetensorsFile, name: str) -> QuantTensor:
         data = f.view(name)
         stem = name.removesuffix("weight")
-        if stem + "weight_scale_inv" in f.entries:
+        if stem + "weight_scale_inv" in self._where:
             return QuantTensor("fp8_block", tuple(data.shape), data,
-                               {"weight_scale_inv": f.view(stem + "weight_scale_inv")})
-        if data.dtype == torch.uint8 and stem + "weight_scale" in f.entries:
-            scales = {k: f.view(stem + k) for k in ("weight_scale", "weight_scale_2")}
+                               {"weight_scale_inv": self._view(stem + "weight_scale_inv")})
+        if data.dtype == torch.uint8 and stem + "weight_scale" in self._where:
+            scales = {k: self._view(stem + k) for k in ("weight_scale", "weight_scale_2")}
             return QuantTensor("nvfp4", (data.shape[0], data.shape[1] * 2), data, scales)
+        if name.endswith("_blocks") and (scales := name.removesuffix("_blocks") + "_scales") \
+                in self._where:
+            try:
+                return from_split_blocks(data, self._view(scales))
+            except ValueError as e:
+                raise CheckpointError(f"{f.path}: tensor {name}: {e}") from e
         if data.dtype not in _FMT:
             raise CheckpointError(f"{f.path}: tensor {name} of dtype {data.dtype} is not a weight")
         return QuantTensor(_FMT[data.dtype], tuple(data.shape), data)

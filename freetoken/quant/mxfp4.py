@@ -4,6 +4,11 @@ Block (17 bytes): ``e: u8 | qs: u8[16]``; low nibbles hold weights 0..15, high n
 A nibble is an e2m1 code (sign bit 3); weight = ``2**(e - 127) * e2m1``, computed as in ggml
 as ``2**(e - 128) * (2 * e2m1)`` so every value stays an exact float32.
 Data: uint8 ``(..., rows, cols // 32 * 17)``.
+
+GPT-OSS's Hugging Face checkpoints keep the same codes and exponents apart (``*_blocks``:
+uint8 ``(..., rows, cols // 32, 16)``, byte ``j`` holding weights ``2j`` (low nibble) and
+``2j + 1`` (high); ``*_scales``: the e8m0 bytes ``(..., rows, cols // 32)``);
+:func:`from_split_blocks` reorders them into our blocks without computing a value.
 """
 
 from __future__ import annotations
@@ -22,6 +27,20 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     e = e.to(torch.int32)
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
     return bits.view(torch.float32)
+
+
+def from_split_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> QuantTensor:
+    """A ``*_blocks`` / ``*_scales`` pair (module doc) as one mxfp4 tensor of shape
+    ``(..., rows, cols)``: each block's exponent byte, then its 32 codes repacked in our order."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
+            or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(
+            f"mxfp4: expected uint8 blocks (..., G, 16) and uint8 scales (..., G), got "
+            f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # (..., G, 32)
+    data = torch.cat([scales.unsqueeze(-1), pack_nibbles(codes)], dim=-1)
+    *lead, groups = scales.shape
+    return QuantTensor("mxfp4", (*lead, groups * 32), data.reshape(*lead, groups * 17))
 
 
 class MXFP4(BlockFormat):

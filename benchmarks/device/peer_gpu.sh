@@ -8,22 +8,29 @@
 # FORMAT pick the file; the default router is token-specific with no skew (ROUTER adds flags).
 # WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
 # the build is done, so the compiler does not share the cores with a measurement.
+# PARTS=peer or PARTS=ours runs one half (default both): a run too long for one call runs the
+# peer first, then ours in a second call on the still-warm machine, which finds the file and
+# llama-bench's JSON in /tmp and merges both.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/peer_gpu.sh (carry .whl and .peer).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
 L=/tmp/llama; mkdir -p $L  # llama-bench's files stay here: $OUT brings back 8 files at most
-(bash .peer/build-llama-bench.sh .peer/llama.cpp > $L/build.log 2>&1) &
-BUILD=$!
+PARTS=${PARTS:-peer,ours}
+BUILD=
+if [[ $PARTS == *peer* ]]; then
+  (bash .peer/build-llama-bench.sh .peer/llama.cpp > $L/build.log 2>&1) &
+  BUILD=$!
+fi
 PRESET=${PRESET:-qwen3-30b-a3b}; LAYERS=${LAYERS:-48}
 M=/tmp/$PRESET-${LAYERS}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers $LAYERS \
   --expert-format ${FORMAT:-q8_0} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
-wait $BUILD || { tail -20 $L/build.log; exit 1; }
+[ -z "$BUILD" ] || wait $BUILD || { tail -20 $L/build.log; exit 1; }
 LABEL=$PRESET-${LAYERS}l-${LABEL:-h200}
-python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
+[[ $PARTS == *ours* ]] && python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
   --moe-cpu-threads ${THREADS:-15} --tokens 64 --repeats 2 --label $LABEL --out "$OUT" \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
@@ -31,10 +38,12 @@ python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPER
 LB=${LCB:-/tmp/lcb}/bin/llama-bench
 T=${THREADS:-15}
 for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
+  [[ $PARTS == *peer* ]] || break
   name=${placement%%=*}; flags=${placement#*=}
   $LB -m $M -p 0 -n 64 -r 2 -ngl 99 -t $T $flags -o json > $L/$name.json 2> $L/$name.err \
     || tail -5 $L/$name.err
 done
+[[ $PARTS == *ours* ]] || exit 0
 python3 benchmarks/peer_gpu.py --llama ncmoe=$L/ncmoe.json ot_cpu=$L/ot_cpu.json gpu=$L/gpu.json \
   --ours "$(ls -t "$OUT"/decode_moe-$LABEL-*.json | head -1)" \
   --model $M --label $LABEL --out "$OUT" --git-sha "${GIT_SHA:-}"

@@ -19,6 +19,8 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(cfg: ModelConfig, strategy: StrategyPlan = "resident") -> nn.Module:
-    """Build the module tree (uninitialised weights) for ``cfg`` on the current default device."""
-    return MODELS[cfg.family](cfg, strategy)
+def build_model(cfg: ModelConfig, strategy: StrategyPlan = "resident",
+                max_len: int = 0) -> nn.Module:
+    """Build the module tree (uninitialised weights) for ``cfg`` on the current default device;
+    positions below ``max_len`` (the engine's longest sequence; 0: the config's) can be run."""
+    return MODELS[cfg.family](cfg, strategy, max_len)

@@ -26,6 +26,13 @@ from freetoken.moe.registry import make_experts
 from freetoken.moe.strategy import ExpertShape, StrategyPlan
 
 
+def rope_positions(cfg: ModelConfig, max_len: int = 0) -> int:
+    """Positions a model's rotary tables cover: the engine's longest sequence ``max_len`` where
+    it is set and shorter than the config's ``max_position`` (a 262k-position Gemma-4 table is
+    ~0.5 GB that a 32k context never reads), else ``max_position``."""
+    return min(max_len, cfg.max_position) if max_len > 0 else cfg.max_position
+
+
 def _native_route() -> Any:
     """The native library's router top-k, or None where it is not built (torch runs)."""
     return optional("ft_route_topk")

@@ -19,7 +19,7 @@ from freetoken.layers.context import ForwardContext
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import MLP, Attention, CausalLM, MoEBlock
+from freetoken.models.blocks import MLP, Attention, CausalLM, MoEBlock, rope_positions
 from freetoken.moe.strategy import StrategyPlan
 
 if TYPE_CHECKING:
@@ -54,10 +54,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan) -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan, max_len: int = 0) -> None:
         super().__init__()
-        local = Rotary(cfg.head_dim, cfg.rope_local_theta, cfg.max_position)
-        full = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position, cfg.rope_scaling_factor)
+        positions = rope_positions(cfg, max_len)
+        local = Rotary(cfg.head_dim, cfg.rope_local_theta, positions)
+        full = Rotary(cfg.head_dim, cfg.rope_theta, positions, cfg.rope_scaling_factor)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, local if cfg.sliding_layers[i] else full, strategy)
@@ -74,5 +75,6 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__(cfg, Gemma3TextModel(cfg, strategy))
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident",
+                 max_len: int = 0) -> None:
+        super().__init__(cfg, Gemma3TextModel(cfg, strategy, max_len))

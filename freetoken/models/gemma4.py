@@ -28,7 +28,7 @@ from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import MLP, CausalLM
+from freetoken.models.blocks import MLP, CausalLM, rope_positions
 from freetoken.moe.registry import make_experts
 from freetoken.moe.strategy import ExpertShape, StrategyPlan
 
@@ -119,14 +119,15 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan) -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan, max_len: int = 0) -> None:
         super().__init__()
+        positions = rope_positions(cfg, max_len)
         assert cfg.rope_full is not None and cfg.rope_sliding is not None
         n = cfg.num_layers
         full_dim = next((cfg.head_dim_of(i) for i in range(n) if not cfg.sliding_layers[i]),
                         cfg.head_dim)
-        local = Rotary(cfg.head_dim, 0.0, cfg.max_position, spec=cfg.rope_sliding)
-        full = Rotary(full_dim, 0.0, cfg.max_position, spec=cfg.rope_full)
+        local = Rotary(cfg.head_dim, 0.0, positions, spec=cfg.rope_sliding)
+        full = Rotary(full_dim, 0.0, positions, spec=cfg.rope_full)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5)
         self.layers = nn.ModuleList(
             Gemma4DecoderLayer(cfg, i, local if cfg.sliding_layers[i] else full, strategy)
@@ -143,5 +144,6 @@ class Gemma4TextModel(nn.Module):
 
 
 class Gemma4ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__(cfg, Gemma4TextModel(cfg, strategy))
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident",
+                 max_len: int = 0) -> None:
+        super().__init__(cfg, Gemma4TextModel(cfg, strategy, max_len))

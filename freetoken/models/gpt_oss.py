@@ -22,7 +22,7 @@ from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import CausalLM
+from freetoken.models.blocks import CausalLM, rope_positions
 from freetoken.moe.registry import make_experts
 from freetoken.moe.strategy import ExpertShape, StrategyPlan
 
@@ -85,9 +85,10 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan) -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan, max_len: int = 0) -> None:
         super().__init__()
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position, spec=cfg.rope_full)
+        positions = rope_positions(cfg, max_len)
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, positions, spec=cfg.rope_full)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             GptOssDecoderLayer(cfg, i, rotary, strategy) for i in range(cfg.num_layers)
@@ -103,5 +104,6 @@ class GptOssModel(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__(cfg, GptOssModel(cfg, strategy))
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident",
+                 max_len: int = 0) -> None:
+        super().__init__(cfg, GptOssModel(cfg, strategy, max_len))

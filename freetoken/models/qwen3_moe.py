@@ -16,7 +16,7 @@ from freetoken.layers.context import ForwardContext
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import Rotary
-from freetoken.models.blocks import MLP, Attention, CausalLM, MoEBlock
+from freetoken.models.blocks import MLP, Attention, CausalLM, MoEBlock, rope_positions
 from freetoken.moe.strategy import StrategyPlan
 
 if TYPE_CHECKING:
@@ -46,9 +46,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan) -> None:
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan, max_len: int = 0) -> None:
         super().__init__()
-        rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position)
+        positions = rope_positions(cfg, max_len)
+        rotary = Rotary(cfg.head_dim, cfg.rope_theta, positions)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Qwen3MoeDecoderLayer(cfg, i, rotary, strategy) for i in range(cfg.num_layers)
@@ -64,5 +65,6 @@ class Qwen3MoeModel(nn.Module):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident") -> None:
-        super().__init__(cfg, Qwen3MoeModel(cfg, strategy))
+    def __init__(self, cfg: ModelConfig, strategy: StrategyPlan = "resident",
+                 max_len: int = 0) -> None:
+        super().__init__(cfg, Qwen3MoeModel(cfg, strategy, max_len))

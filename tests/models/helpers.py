@@ -23,7 +23,7 @@ def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str 
     """Our model on ``device`` as the runner builds it, without a KV pool: the MoE plan for
     ``strategy``, offloaded layers with an expert cache sized by ``cache``, a CPU pool of one
     worker (planned as ``threads``, the count a profile row is looked up for) where needed;
-    ``lookahead`` as ``--moe-lookahead``."""
+    ``lookahead`` as ``--moe-lookahead``; rope tables of the engine's 64 positions."""
     ckpt = open_checkpoint(path)
     cfg = EngineConfig(model=str(path), device=device, dtype=str(dtype).split(".")[1],
                        moe_strategy=strategy, max_seq_len=64, moe_cpu_threads=threads,
@@ -35,7 +35,7 @@ def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str 
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(ckpt.config, plan.strategies)
+            model = build_model(ckpt.config, plan.strategies, cfg.max_seq_len)
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, ckpt, torch.device(device), progress=False)

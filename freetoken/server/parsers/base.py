@@ -95,6 +95,14 @@ class OutputParser(ABC):
             self.feed(prompt[at + len(self.anchor or ""):])
             self._out.clear()
 
+    def call_opener(self, name: str | None) -> str | None:
+        """What to append to the prompt this parser was primed with so that the model's output
+        is the rest of a tool call in the family's format: of tool ``name``, or of a tool the
+        model names when None. It starts from the state the prompt left open (a thought still
+        open is closed first). A parser primed with the prompt and the opener reads the opener
+        as the start of the call. None: the family has no tool-call markup (the default)."""
+        return None
+
     def feed(self, delta: str) -> list[Event]:
         """Events that ``delta`` completes (possibly none)."""
         if self._finished:

@@ -78,6 +78,10 @@ class Gemma3Parser(OutputParser):
             else:
                 self._begin(ContentDelta)
 
+    def call_opener(self, name: str | None) -> str | None:
+        """A ``tool_code`` block, then for a named tool the start of its Python call."""
+        return CALL + "\n" + ("" if name is None else name + "(")
+
     def _call_step(self, final: bool) -> bool:
         closer = self._close_call(CALL, read_calls, final)
         if closer is None:

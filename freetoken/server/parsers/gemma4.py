@@ -65,6 +65,11 @@ class Gemma4Parser(OutputParser):
                 self.state = "content"
                 self._begin(ContentDelta)
 
+    def call_opener(self, name: str | None) -> str | None:
+        """``<|tool_call>call:``, then for a named tool its name and the arguments' ``{``."""
+        head = END_THOUGHT if self.state == "reasoning" else ""
+        return head + CALL + "call:" + ("" if name is None else name + "{")
+
     def _call_step(self, final: bool) -> bool:
         def parse(body: str) -> list[tuple[str, str]] | None:
             call = read_call(body)

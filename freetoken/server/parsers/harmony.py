@@ -22,6 +22,7 @@ from .scan import BodyScanner, find_marker
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+CONSTRAIN = "<|constrain|>"  # in a call's header: the body's format follows
 CLOSERS = (END, CALL, RETURN, START, CHANNEL)
 # A header is a role, a channel, a recipient and a content type: a line, not a paragraph. Past
 # this many characters without <|message|> the text was never a header.
@@ -97,6 +98,15 @@ class HarmonyParser(OutputParser):
             self.kind = ReasoningDelta if channel == "analysis" else ContentDelta
             self._begin(self.kind)
         return True
+
+    def call_opener(self, name: str | None) -> str | None:
+        """A commentary message to ``functions.NAME`` whose header is written up to its JSON
+        body; without a name, up to ``functions.`` (the model writes the name and the rest of
+        the header). A message the prompt left open is ended first."""
+        lead = {"header": "", "idle": START + "assistant"}.get(self.state,
+                                                              END + START + "assistant")
+        header = CHANNEL + "commentary to=functions."
+        return lead + header + ("" if name is None else f"{name} {CONSTRAIN}json{MESSAGE}")
 
     def _call_step(self, final: bool) -> bool:
         tool = self.tool

@@ -8,6 +8,8 @@ writes tool calls the same way and simply never thinks.
 
 from __future__ import annotations
 
+import json
+
 from .base import OutputParser
 from .events import ContentDelta, ReasoningDelta
 from .jsoncall import named_call
@@ -47,6 +49,14 @@ class Qwen3Parser(OutputParser):
                 elif marker == CALL:
                     self.state = "call"
                     self.scanner = BodyScanner((END_CALL,), ('"',), "\\")
+
+    def call_opener(self, name: str | None) -> str | None:
+        """``<tool_call>\n``, then for a named tool the call's JSON up to its arguments, as
+        the chat template writes a call."""
+        head = END_THINK + "\n\n" if self.state == "reasoning" else ""
+        named = "" if name is None else \
+            '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+        return head + CALL + "\n" + named
 
     def _call_step(self, final: bool) -> bool:
         """Finish the open call if its closer (or the end) is here; False while it is not."""

@@ -82,6 +82,13 @@ def make_parser(family: str, *, prompt: str = "", tools: bool = True,
     return parser
 
 
+def call_opener(family: str, prompt: str, name: str | None) -> str | None:
+    """The text that makes generation after the rendered ``prompt`` the rest of a tool call
+    (of ``name``, or of a tool the model picks): ``OutputParser.call_opener`` of the family's
+    parser primed with ``prompt``. None: the family has no tool-call format."""
+    return make_parser(family, prompt=prompt).call_opener(name)
+
+
 def parse_text(family: str, text: str, *, prompt: str = "", tools: bool = True,
                new_id: Callable[[], str] = new_call_id) -> ParsedOutput:
     """A whole output parsed by the streaming parser fed once: one code path for both."""

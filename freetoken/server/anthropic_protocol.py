@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from freetoken.server.errors import APIError
+from freetoken.server.render import ForcedCall
 
 
 class _Strict(BaseModel):
@@ -137,11 +138,24 @@ class CountTokensRequest(_Strict):
         if (self.output_config or {}).get("format"):
             raise APIError(400, "output_config.format is not supported: this server does not "
                            "constrain output to a JSON schema", "output_config.format")
+        self.forced_call()
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call ``tool_choice`` forces (``any``: a tool the model picks; ``tool``: the one
+        named), or None; a 400 when there are no tools or the name is not one of them."""
         choice = self.tool_choice
-        if choice is not None and choice.type in ("any", "tool"):
-            raise APIError(400, f"tool_choice.type {choice.type!r} is not supported: this "
-                           "server cannot force a tool call; use 'auto' or 'none'",
-                           "tool_choice.type")
+        if choice is None or choice.type in ("auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(400, f"tool_choice.type {choice.type!r} needs tools to call; send "
+                           "tools or use 'auto'", "tool_choice")
+        if choice.type == "any":
+            return ForcedCall(None)
+        names = [t.name for t in self.tools]
+        if choice.name not in names:
+            raise APIError(400, f"tool_choice.name {choice.name!r} is not one of tools "
+                           f"(choose from {', '.join(names)})", "tool_choice.name")
+        return ForcedCall(choice.name)
 
 
 class MessagesRequest(CountTokensRequest):

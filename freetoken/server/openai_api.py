@@ -1,7 +1,8 @@
 """The OpenAI API: ``/v1/chat/completions`` and ``/v1/completions``, streamed or not.
 
 A chat output whose tool call did not parse finishes with ``"malformed_tool_call"``, its text
-in ``content`` (see ``output.py``).
+in ``content`` (see ``output.py``). ``tool_choice`` ``"required"`` or a named function forces a
+call: the prompt ends with the family's tool-call opener (``render.forced``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from freetoken.server.generate import (
 from freetoken.server.output import MALFORMED, gathered, output_parser, parsed
 from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall
 from freetoken.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from freetoken.server.render import render
+from freetoken.server.render import forced, render
 from freetoken.server.state import GONE, ServerState
 from freetoken.server.stream import sse
 
@@ -47,7 +48,8 @@ def openai_routes(state: ServerState) -> APIRouter:
         check_model(state, req.model)
         messages = [m.for_template(i) for i, m in enumerate(req.messages)]
         tools = req.template_tools()
-        prompt = render(state, messages, tools, **(req.chat_template_kwargs or {}))
+        prompt = forced(state, render(state, messages, tools, **(req.chat_template_kwargs or {})),
+                        req.forced_call())
         params = sampling_params(state, req, prompt.ids)
         admit(state)
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

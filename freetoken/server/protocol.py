@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from freetoken.server.errors import APIError
+from freetoken.server.render import ForcedCall
 
 MAX_CHOICES = 16  # n at most: each choice is a sequence in the batch, with its own KV
 
@@ -121,15 +122,35 @@ class ChatCompletionRequest(SamplingFields):
         if kind != "text":
             raise APIError(400, f"response_format {kind!r} is not supported (only 'text'): "
                            "this server does not constrain output to JSON", "response_format")
-        choice = self.tool_choice
-        if isinstance(choice, dict) or choice not in (None, "auto", "none"):
-            raise APIError(400, f"tool_choice {choice!r} is not supported: this server cannot "
-                           "force a tool call; use 'auto' or 'none'", "tool_choice")
         for i, tool in enumerate(self.tools or []):
             if tool.get("type") != "function" or not isinstance(tool.get("function"), dict) \
                     or not tool["function"].get("name"):
                 raise APIError(400, f"tools.{i}: expected {{'type': 'function', 'function': "
                                "{'name': ..., 'parameters': {...}}}", f"tools.{i}")
+        self.forced_call()
+
+    def forced_call(self) -> ForcedCall | None:
+        """The call ``tool_choice`` forces (``"required"``: any tool; ``{"type": "function",
+        "function": {"name": ...}}``: that one), or None; a 400 for a choice that names no
+        tool of ``tools`` or is not one of these."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(400, f"tool_choice {choice!r} needs tools to call; send tools or "
+                           "use 'auto'", "tool_choice")
+        if choice == "required":
+            return ForcedCall(None)
+        if not (isinstance(choice, dict) and choice.get("type") == "function"
+                and isinstance(choice.get("function"), dict)):
+            raise APIError(400, f"tool_choice {choice!r} is not supported (use 'auto', 'none', "
+                           "'required' or {'type': 'function', 'function': {'name': ...}})",
+                           "tool_choice")
+        name, names = choice["function"].get("name"), [t["function"]["name"] for t in self.tools]
+        if name not in names:
+            raise APIError(400, f"tool_choice.function.name {name!r} is not one of tools "
+                           f"(choose from {', '.join(names)})", "tool_choice.function.name")
+        return ForcedCall(name)
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

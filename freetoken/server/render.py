@@ -2,7 +2,9 @@
 
 Both APIs hand over messages in the shape Hugging Face chat templates read (OpenAI's: roles
 ``system``/``user``/``assistant``/``tool``, an assistant's ``tool_calls`` with ``arguments``
-as an object, ``reasoning_content``) and tools as OpenAI function definitions.
+as an object, ``reasoning_content``) and tools as OpenAI function definitions. A request
+that forces a tool call gets the family's tool-call opener after the rendered prompt
+(``forced``), so the model can only go on with the call.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from freetoken.server.errors import APIError
+from freetoken.server.parsers import call_opener
 from freetoken.server.state import ServerState
 
 
@@ -18,6 +21,15 @@ from freetoken.server.state import ServerState
 class Prompt:
     text: str
     ids: list[int]
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """A ``tool_choice`` that forces a tool call: of tool ``name``, or of any (the model picks)
+    when None. ``field`` is the request field an error names."""
+
+    name: str | None
+    field: str = "tool_choice"
 
 
 def render(state: ServerState, messages: list[dict[str, Any]],
@@ -36,5 +48,24 @@ def render(state: ServerState, messages: list[dict[str, Any]],
     except Exception as e:  # a template may raise on roles or shapes it does not support
         raise APIError(400, f"the chat template rejected these messages: {e}",
                        "messages") from e
+    return tokenized(state, text)
+
+
+def forced(state: ServerState, prompt: Prompt, call: ForcedCall | None) -> Prompt:
+    """``prompt`` with the family's tool-call opener appended when ``call`` forces one (see
+    ``OutputParser.call_opener``); the output parser, primed with the result, reads the
+    opener as the start of the call. A family with no tool-call format is a 400."""
+    if call is None:
+        return prompt
+    opener = call_opener(state.parser_family, prompt.text, call.name)
+    if opener is None:
+        raise APIError(400, f"{call.field}: this server cannot force a tool call for this model "
+                       f"(its output parser, {state.parser_family!r}, has no tool-call format); "
+                       "use 'auto' or 'none', or start the server with --output-parser naming "
+                       "the model's family", call.field)
+    return tokenized(state, prompt.text + opener)
+
+
+def tokenized(state: ServerState, text: str) -> Prompt:
     ids = state.tokenizer(text, add_special_tokens=False).input_ids
     return Prompt(text, list(ids))

@@ -60,7 +60,7 @@ def test_presets_have_real_geometry():
     assert gemma.matrix_format == "q8_0"
     assert resolve_spec("gemma4-26b-a4b", gguf=True, layers=4).expert_formats[-2:] == (
         "q8_0", "bf16")
-    oss = resolve_spec("gpt-oss-20b-like", gguf=True, layers=2, experts=4)
+    oss = resolve_spec("gpt-oss-20b", gguf=True, layers=2, experts=4)
     assert oss.expert_formats == ("mxfp4", "mxfp4") and oss.preset.moe_intermediate == 2880
 
 
@@ -78,7 +78,7 @@ def test_expert_format_spec():
 
 def test_bad_combinations_name_the_fix(tmp_path: Path):
     with pytest.raises(ConfigError, match="Hugging Face directory.*--expert-format bf16"):
-        resolve_spec("gpt-oss-20b-like", gguf=False)
+        resolve_spec("qwen3-30b-a3b", gguf=False, expert_format="mxfp4")
     with pytest.raises(ConfigError, match="multiple of 256"):
         resolve_spec("gemma4-26b-a4b", gguf=True, expert_format="q4_k")
     with pytest.raises(ConfigError, match="--experts 2 or more"):

@@ -16,7 +16,9 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # the last ids of th
 
 @dataclass(frozen=True)
 class Preset:
-    """A model geometry; ``expert_format`` is the default --expert-format spec."""
+    """A model geometry in ``family``'s architecture; ``expert_format`` is the default
+    --expert-format spec. Gemma-4's full layers have heads of ``full_head_dim`` and
+    ``full_kv_heads`` KV heads; ``sliding_window`` is the sliding layers' window."""
 
     name: str
     hidden: int
@@ -32,12 +34,19 @@ class Preset:
     intermediate: int  # dense MLP width in config.json (no layer uses it)
     max_position: int = 32768
     rope_theta: float = 1e6
+    family: str = "qwen3_moe"
+    sliding_window: int = 0
+    full_head_dim: int = 0
+    full_kv_heads: int = 0
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 48, 32, 4, 128, 151936, "bf16", 6144, 40960),
-    Preset("gemma4-26b-a4b", 2816, 704, 128, 8, 30, 16, 8, 256, 262144, "q8_0*,bf16", 2112),
-    Preset("gpt-oss-20b-like", 2880, 2880, 32, 4, 24, 64, 8, 64, 201088, "mxfp4", 2880, 131072),
+    # UD-Q8_K_XL's mix: 29 layers of q8_0 experts and one of bf16
+    Preset("gemma4-26b-a4b", 2816, 704, 128, 8, 30, 16, 8, 256, 262144, "q8_0*,bf16", 2112,
+           262144, 10_000.0, "gemma4", 1024, 512, 2),
+    Preset("gpt-oss-20b", 2880, 2880, 32, 4, 24, 64, 8, 64, 201088, "mxfp4", 2880, 131072,
+           150_000.0, "gpt_oss", 128),
     Preset("tiny", 64, 32, 8, 2, 2, 4, 2, 16, 512, "bf16", 128, 4096),
 )}
 
@@ -110,6 +119,9 @@ def resolve_spec(
     if router_skew < 0 or not 0 <= router_locality <= 1:
         raise ConfigError("--router-skew must be >= 0 and --router-locality within [0, 1]")
     formats = parse_expert_formats(expert_format or p.expert_format, p.layers)
+    if not gguf and p.family != "qwen3_moe":
+        raise ConfigError(f"--preset {p.name} ({p.family}) is written as GGUF only; "
+                          "pass --out PATH.gguf")
     if not gguf and set(formats) != {"bf16"}:
         raise ConfigError(
             f"expert format(s) {', '.join(sorted(set(formats) - {'bf16'}))} cannot be written "
@@ -117,9 +129,11 @@ def resolve_spec(
             "--expert-format bf16"
         )
     spec = SynthSpec(p, formats, router_skew, router_locality, seed)
+    rows = (p.hidden, p.moe_intermediate, p.heads * p.head_dim, p.heads * p.full_head_dim,
+            p.intermediate if p.family == "gemma4" else 0)
     for fmt in {*formats, spec.matrix_format}:
         block = get_format(fmt).block_size
-        bad = [n for n in (p.hidden, p.moe_intermediate, p.heads * p.head_dim) if n % block]
+        bad = [n for n in rows if n % block]
         if bad:
             raise ConfigError(f"format {fmt} needs rows that are a multiple of {block} values, "
                               f"but this geometry has rows of {bad[0]}; pick another format")
@@ -127,8 +141,14 @@ def resolve_spec(
 
 
 def hf_config(spec: SynthSpec) -> dict[str, Any]:
-    """config.json in the style of Qwen/Qwen3-30B-A3B's."""
+    """config.json of the preset's architecture (Qwen/Qwen3-30B-A3B's style for Qwen3-MoE)."""
     p = spec.preset
+    synth = {"preset": p.name, "seed": spec.seed, "router_skew": spec.router_skew,
+             "router_locality": spec.router_locality}
+    if p.family == "gpt_oss":
+        return _gpt_oss_config(p) | {"freetoken_synth": synth}
+    if p.family == "gemma4":
+        return _gemma4_config(p) | {"freetoken_synth": synth}
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
         "attention_bias": False, "attention_dropout": 0.0,
@@ -143,14 +163,71 @@ def hf_config(spec: SynthSpec) -> dict[str, Any]:
         "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": p.rope_theta,
         "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
         "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": p.vocab, "freetoken_synth": synth,
+    }
+
+
+def layer_types(p: Preset) -> list[str]:
+    """Sliding and full layers: GPT-OSS's in turn, Gemma-4's one full in six and the last."""
+    if p.family == "gpt_oss":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(p.layers)]
+    return ["full_attention" if (i + 1) % 6 == 0 or i == p.layers - 1 else "sliding_attention"
+            for i in range(p.layers)]
+
+
+def _gpt_oss_config(p: Preset) -> dict[str, Any]:
+    """config.json in the style of openai/gpt-oss-20b's (its experts unquantised). Its yarn
+    dims are truncated as a GGUF's are read (llama.cpp rounds them; openai's config does not)."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "attention_bias": True, "attention_dropout": 0.0,
+        "bos_token_id": p.vocab - 3, "eos_token_id": p.vocab - 1, "pad_token_id": p.vocab - 3,
+        "head_dim": p.head_dim, "hidden_act": "silu", "hidden_size": p.hidden,
+        "initializer_range": 0.02, "intermediate_size": p.moe_intermediate,
+        "layer_types": layer_types(p), "max_position_embeddings": p.max_position,
+        "num_attention_heads": p.heads, "num_experts_per_tok": p.top_k,
+        "num_hidden_layers": p.layers, "num_key_value_heads": p.kv_heads,
+        "num_local_experts": p.experts, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": True, "rope_theta": p.rope_theta,
+                            "original_max_position_embeddings": 4096},
+        "sliding_window": p.sliding_window, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
         "vocab_size": p.vocab,
-        "freetoken_synth": {"preset": p.name, "seed": spec.seed, "router_skew": spec.router_skew,
-                            "router_locality": spec.router_locality},
+    }
+
+
+def _gemma4_config(p: Preset) -> dict[str, Any]:
+    """The text decoder's config.json in the style of google/gemma-4-26B-A4B's."""
+    return {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+        "attention_bias": False, "attention_dropout": 0.0, "attention_k_eq_v": True,
+        "bos_token_id": p.vocab - 3, "eos_token_id": p.vocab - 1, "pad_token_id": p.vocab - 3,
+        "enable_moe_block": True, "final_logit_softcapping": 30.0,
+        "global_head_dim": p.full_head_dim, "head_dim": p.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": p.hidden,
+        "hidden_size_per_layer_input": 0, "initializer_range": 0.02,
+        "intermediate_size": p.intermediate, "layer_types": layer_types(p),
+        "max_position_embeddings": p.max_position, "moe_intermediate_size": p.moe_intermediate,
+        "num_attention_heads": p.heads, "num_experts": p.experts,
+        "num_global_key_value_heads": p.full_kv_heads, "num_hidden_layers": p.layers,
+        "num_key_value_heads": p.kv_heads, "num_kv_shared_layers": 0, "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": p.rope_theta}},
+        "sliding_window": p.sliding_window, "tie_word_embeddings": True,
+        "top_k_experts": p.top_k, "torch_dtype": "bfloat16", "use_cache": True,
+        "vocab_size": p.vocab,
     }
 
 
 def tensor_plans(spec: SynthSpec, stacked: bool) -> list[TensorPlan]:
     """Every tensor under our name: experts stacked (GGUF) or one per expert (HF, all bf16)."""
+    if spec.preset.family == "gpt_oss":
+        return _gpt_oss_plans(spec)
+    if spec.preset.family == "gemma4":
+        return _gemma4_plans(spec)
     p, mat = spec.preset, spec.matrix_format if stacked else "bf16"
     norm = "f32" if stacked else "bf16"
     H, I_, E, q, kv = p.hidden, p.moe_intermediate, p.experts, p.heads * p.head_dim, p.kv_heads
@@ -177,6 +254,67 @@ def tensor_plans(spec: SynthSpec, stacked: bool) -> list[TensorPlan]:
                       for e in range(E) for j, s in shapes.items()]
     return plans + [TensorPlan("model.norm.weight", (H,), norm),
                     TensorPlan("lm_head.weight", (p.vocab, H), mat)]
+
+
+def _gpt_oss_plans(spec: SynthSpec) -> list[TensorPlan]:
+    """GPT-OSS's tensors, experts stacked: biased attention with sinks, a biased router,
+    biased experts; norms, biases and sinks f32."""
+    p, mat = spec.preset, spec.matrix_format
+    H, I_, E, q, kv = p.hidden, p.moe_intermediate, p.experts, p.heads * p.head_dim, p.kv_heads
+    plans = [TensorPlan("model.embed_tokens.weight", (p.vocab, H), mat)]
+    for i in range(p.layers):
+        pre, fmt = f"model.layers.{i}.", spec.expert_formats[i]
+        for proj, rows, cols in (("q_proj", q, H), ("k_proj", kv * p.head_dim, H),
+                                 ("v_proj", kv * p.head_dim, H), ("o_proj", H, q)):
+            plans += [TensorPlan(f"{pre}self_attn.{proj}.weight", (rows, cols), mat),
+                      TensorPlan(f"{pre}self_attn.{proj}.bias", (rows,), "f32")]
+        plans += [
+            TensorPlan(pre + "input_layernorm.weight", (H,), "f32"),
+            TensorPlan(pre + "self_attn.sinks", (p.heads,), "f32"),
+            TensorPlan(pre + "post_attention_layernorm.weight", (H,), "f32"),
+            TensorPlan(pre + "mlp.router.weight", (E, H), "f32"),
+            TensorPlan(pre + "mlp.router.bias", (E,), "f32"),
+        ]
+        for proj, shape in (("gate_proj", (I_, H)), ("up_proj", (I_, H)),
+                            ("down_proj", (H, I_))):
+            plans += [TensorPlan(f"{pre}mlp.experts.{proj}", (E, *shape), fmt),
+                      TensorPlan(f"{pre}mlp.experts.{proj}_bias", (E, shape[0]), "f32")]
+    return plans + [TensorPlan("model.norm.weight", (H,), "f32"),
+                    TensorPlan("lm_head.weight", (p.vocab, H), mat)]
+
+
+def _gemma4_plans(spec: SynthSpec) -> list[TensorPlan]:
+    """Gemma-4's tensors, experts stacked: per layer type attention geometry (full layers
+    take v from k's projection), the dense MLP beside the router and experts, the head tied."""
+    p, mat = spec.preset, spec.matrix_format
+    H, I_, E = p.hidden, p.moe_intermediate, p.experts
+    plans = [TensorPlan("model.embed_tokens.weight", (p.vocab, H), mat)]
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm", "pre_feedforward_layernorm_2",
+             "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
+    for i, kind in enumerate(layer_types(p)):
+        pre, fmt = f"model.layers.{i}.", spec.expert_formats[i]
+        full = kind == "full_attention"
+        D, kv = (p.full_head_dim, p.full_kv_heads) if full else (p.head_dim, p.kv_heads)
+        plans += [TensorPlan(f"{pre}{n}.weight", (H,), "f32") for n in norms]
+        plans += [
+            TensorPlan(pre + "layer_scalar", (1,), "f32"),
+            TensorPlan(pre + "self_attn.q_proj.weight", (p.heads * D, H), mat),
+            TensorPlan(pre + "self_attn.k_proj.weight", (kv * D, H), mat),
+            *([] if full else [TensorPlan(pre + "self_attn.v_proj.weight", (kv * D, H), mat)]),
+            TensorPlan(pre + "self_attn.o_proj.weight", (H, p.heads * D), mat),
+            TensorPlan(pre + "self_attn.q_norm.weight", (D,), "f32"),
+            TensorPlan(pre + "self_attn.k_norm.weight", (D,), "f32"),
+            TensorPlan(pre + "mlp.gate_proj.weight", (p.intermediate, H), mat),
+            TensorPlan(pre + "mlp.up_proj.weight", (p.intermediate, H), mat),
+            TensorPlan(pre + "mlp.down_proj.weight", (H, p.intermediate), mat),
+            TensorPlan(pre + "router.proj.weight", (E, H), "f32"),
+            TensorPlan(pre + "router.scale", (H,), "f32"),
+            TensorPlan(pre + "router.per_expert_scale", (E,), "f32"),
+            TensorPlan(pre + "experts.gate_up_proj", (E, 2 * I_, H), fmt),
+            TensorPlan(pre + "experts.down_proj", (E, H, I_), fmt),
+        ]
+    return plans + [TensorPlan("model.norm.weight", (H,), "f32")]
 
 
 def plan_bytes(plan: TensorPlan) -> int:

@@ -1,10 +1,11 @@
 """Synthetic checkpoints at real geometry (``ft synth``): random weights, a byte-level BPE
 tokenizer, and routers with tunable expert popularity.
 
-Every preset is written in the Qwen3-MoE architecture (DESIGN.md §9), as a Hugging Face
-directory (bf16 safetensors, sharded) or a GGUF file (per-layer expert formats). Weights are
-drawn per tensor from ``(seed, tensor name)``, so a tensor does not depend on which others are
-written: an HF directory and a GGUF file of one seed hold the same bf16 values.
+Each preset is written in its own architecture: Qwen3-MoE ones as a Hugging Face directory
+(bf16 safetensors, sharded) or a GGUF file (per-layer expert formats), GPT-OSS and Gemma-4
+ones as GGUF. Weights are drawn per tensor from ``(seed, tensor name)``, so a tensor does not
+depend on which others are written: an HF directory and a GGUF file of one seed hold the same
+bf16 values.
 
 The residual stream is split (by a seeded permutation of the hidden dims) into three parts:
 
@@ -64,8 +65,12 @@ class Weights:
     def _randn(self, key: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
         return torch.randn(shape, generator=self._gen(key)).mul_(std)
 
-    def make(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` (our name; experts stacked or per expert) in bf16."""
+    def make(self, name: str, shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """The tensor ``name`` (our name; experts stacked or per expert) in bf16; ``shape``
+        (the plan's) is needed for the GPT-OSS and Gemma-4 tensors Qwen3-MoE lacks."""
+        family = self.spec.preset.family
+        if family != "qwen3_moe" and (x := self._family(family, name, shape)) is not None:
+            return x.to(torch.bfloat16)
         if (m := self._LAYER.match(name)) and (e := self._EXPERT.match(m.group(2))):
             layer, proj = int(m.group(1)), e.group(2)
             if e.group(1) is not None:
@@ -118,6 +123,49 @@ class Weights:
         if rest == "mlp.gate.weight":
             return self._router(name, layer)
         raise KeyError(name)
+
+    def _family(self, family: str, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """GPT-OSS's and Gemma-4's tensors by the same scale rules, or None for the ones the
+        Qwen3-MoE recipe makes alike (embedding, head, experts, router matrix). Attention reads
+        the whole residual stream (no recency window), so ``--router-locality`` acts through o_proj
+        writing S only. Gemma-4's post-norms set each branch's size, its router the raw scale."""
+        m = self._LAYER.match(name)
+        rest = m.group(2) if m else name
+        H, p = self.H, self.spec.preset
+        if name.endswith(("bias", "sinks")):
+            return torch.zeros(shape)
+        if name == "model.embed_tokens.weight" and family == "gemma4":
+            return self._make(name) * H ** -0.5  # Gemma scales the embedding by sqrt(H)
+        if rest == "router.scale":
+            return torch.full(shape, H ** 0.5)  # cancels the router's 1 / sqrt(H)
+        if rest in ("router.per_expert_scale", "layer_scalar"):
+            return torch.ones(shape)
+        if rest in ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight") \
+                and family == "gemma4":
+            return torch.full(shape, math.sqrt(self.branch_var))
+        if re.search(r"norm(_\d)?\.weight$", rest):
+            return torch.ones(shape)
+        if not m:
+            return None
+        layer = int(m.group(1))
+        if rest == "mlp.router.weight" or rest == "router.proj.weight":
+            return self._router(name, layer)
+        if rest == "experts.gate_up_proj":
+            return torch.stack([torch.cat([self._expert(layer, e, "gate_proj"),
+                                           self._expert(layer, e, "up_proj")])
+                                for e in range(p.experts)])
+        if rest == "experts.down_proj":
+            return torch.stack([self._expert(layer, e, "down_proj") for e in range(p.experts)])
+        if rest.startswith(("self_attn.", "mlp.")) and rest.endswith(".weight"):
+            rows, cols = shape
+            branch_out = rest.endswith(("o_proj.weight", "down_proj.weight"))
+            gain = math.sqrt(self.branch_var) if branch_out else 1.0
+            x = self._randn(name, shape, gain * cols ** -0.5)
+            if branch_out:
+                x[self.F if rest.endswith("o_proj.weight") else self.S] = 0
+                x[self.u] = 0
+            return x
+        return None
 
     def _expert(self, layer: int, e: int, proj: str) -> torch.Tensor:
         p = self.spec.preset

@@ -50,7 +50,7 @@ def write_synth(
     def make(plan: TensorPlan) -> torch.Tensor:
         bar.update(plan_bytes(plan))
         with torch.device(device):
-            return weights.make(plan.name)
+            return weights.make(plan.name, plan.shape)
 
     try:
         if gguf:

@@ -4,7 +4,13 @@
 A stream follows Anthropic's event order: ``message_start``, ``ping``, then per content block
 ``content_block_start`` / ``content_block_delta``... / ``content_block_stop`` with indices from
 0, then ``message_delta`` (stop reason, usage) and ``message_stop``; a request that cannot
-finish ends with an ``error`` event instead. An output whose tool call did not parse stops
+finish ends with an ``error`` event instead. ``message_start`` goes out as soon as the request
+is accepted, before the engine has scheduled it: its usage counts the whole prompt as
+``input_tokens`` (the share read from the prefix cache is known only once the prompt is
+scheduled); ``message_delta``'s usage carries the final figures, which are cumulative and
+replace the start's (``input_tokens`` + ``cache_read_input_tokens`` is the prompt in both).
+``tool_choice`` ``any`` or ``tool`` forces a call: the prompt ends with the family's tool-call
+opener (``render.forced``). An output whose tool call did not parse stops
 with ``"malformed_tool_call"``, its text in a ``text`` block (see ``output.py``).
 """
 
@@ -30,7 +36,7 @@ from freetoken.server.generate import (
 )
 from freetoken.server.output import MALFORMED, gathered, output_parser, parsed
 from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall, merge_deltas
-from freetoken.server.render import Prompt, render
+from freetoken.server.render import Prompt, forced, render
 from freetoken.server.state import GONE, ServerState
 from freetoken.server.stream import sse
 
@@ -42,9 +48,10 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         req.unserved()
         check_model(state, req.model)
         messages = req.conversation()
-        return render(state, messages, req.template_tools(),
-                      prefill=messages[-1]["role"] == "assistant",
-                      enable_thinking=req.thinking_on())
+        prompt = render(state, messages, req.template_tools(),
+                        prefill=messages[-1]["role"] == "assistant",
+                        enable_thinking=req.thinking_on())
+        return forced(state, prompt, req.forced_call())
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(req: CountTokensRequest) -> dict[str, int]:
@@ -63,7 +70,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         if req.stream:
             events = parsed(generate(state, mid, prompt.ids, params, stops,
                                      keep_special=parser.special_tokens), parser)
-            return StreamingResponse(message_stream(mid, events),
+            return StreamingResponse(message_stream(mid, len(prompt.ids), events),
                                      media_type="text/event-stream")
         evs, out = await gathered(parsed(
             generate(state, mid, prompt.ids, params, stops, watch=request,
@@ -77,10 +84,13 @@ def anthropic_routes(state: ServerState) -> APIRouter:
                 "stop_reason": stop_reason(out, any(isinstance(e, ToolCall) for e in evs)),
                 "stop_sequence": out.stop_sequence, "usage": usage(out)}
 
-    async def message_stream(mid: str, events: AsyncIterator[tuple[list[Event], Outcome]],
+    async def message_stream(mid: str, prompt_tokens: int,
+                             events: AsyncIterator[tuple[list[Event], Outcome]],
                              ) -> AsyncIterator[str]:
         stream = MessageEvents(mid, state.model_name)
         try:
+            for chunk in stream.start(prompt_tokens):
+                yield chunk
             async for evs, out in events:
                 for chunk in stream.step(evs, out):
                     yield chunk
@@ -98,19 +108,21 @@ class MessageEvents:
     def __init__(self, mid: str, model: str) -> None:
         self.mid, self.model = mid, model
         self.blocks = Blocks()
-        self.started = self.ended = False
+        self.ended = False
+
+    def start(self, prompt_tokens: int) -> Iterator[str]:
+        """``message_start`` and a ``ping``, before any token: the whole prompt counted as
+        input, since how much of it the prefix cache holds is not known yet."""
+        yield event("message_start", {"message": {
+            **message_head(self.mid, self.model), "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": usage(Outcome(prompt_tokens=prompt_tokens))}})
+        yield event("ping", {})
 
     def step(self, evs: list[Event], out: Outcome) -> Iterator[str]:
         if err := ended_early(out):
             self.ended = True
             yield event("error", error_body("anthropic", err.status, err.message))
             return
-        if not self.started:  # after the first token: the prompt's cached share is known
-            self.started = True
-            yield event("message_start", {"message": {
-                **message_head(self.mid, self.model), "content": [], "stop_reason": None,
-                "stop_sequence": None, "usage": usage(out) | {"output_tokens": 0}}})
-            yield event("ping", {})
         for e in evs:
             yield from self.blocks.push(e)
         if out.finish_reason:

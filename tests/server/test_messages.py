@@ -52,7 +52,10 @@ def test_stream_events_in_documented_order(anthropic_client):
     assert {e.index for e in events if hasattr(e, "index")} == {0}
     assert "".join(e.delta.text for e in deltas) == whole.content[0].text
     start, end = events[0].message, events[-2]
-    assert start.usage.input_tokens == whole.usage.input_tokens and start.stop_reason is None
+    # the start counts the whole prompt; the delta's usage is the final split, as whole's
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert start.usage.input_tokens == prompt and start.stop_reason is None
+    assert end.usage.input_tokens + end.usage.cache_read_input_tokens == prompt
     assert end.usage.output_tokens == whole.usage.output_tokens == 16
     assert end.delta.stop_reason == whole.stop_reason == "max_tokens"
 

@@ -49,9 +49,17 @@ def sse_events(chunks: list[str]) -> list[tuple[str | None, dict]]:
 @pytest.mark.parametrize("cut", [1, 3, 7, 1000])
 def test_anthropic_stream_accumulates_to_thinking_text_and_tool_use(cut):
     stream = MessageEvents("msg_1", "m")
-    chunks = [c for evs, out in steps(TEXT, cut) for c in stream.step(evs, out)]
+    chunks = [*stream.start(20), *(c for evs, out in steps(TEXT, cut)
+                                   for c in stream.step(evs, out))]
     events = sse_events(chunks)
     assert all(name == body["type"] for name, body in events)
+    # the start counts the whole prompt as input; the delta splits off what the cache held
+    assert events[0][1]["message"]["usage"] == {
+        "input_tokens": 20, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+        "output_tokens": 0}
+    assert events[-2][1]["usage"] == {
+        "input_tokens": 16, "cache_read_input_tokens": 4, "cache_creation_input_tokens": 0,
+        "output_tokens": len(steps(TEXT, cut))}
     snapshot, bufs = None, {}
     for _, body in events:
         event = construct_type(type_=RawMessageStreamEvent, value=body)
@@ -85,7 +93,7 @@ def test_openai_stream_accumulates_to_reasoning_content_and_tool_calls(cut):
 def test_a_stream_ended_at_shutdown_ends_with_an_error_event():
     stream = MessageEvents("msg_1", "m")
     [(evs, out)] = steps("Hello", 1000)
-    first = list(stream.step(evs, Outcome(prompt_tokens=3, completion_tokens=1)))
+    first = [*stream.start(3), *stream.step(evs, Outcome(prompt_tokens=3, completion_tokens=1))]
     last = sse_events(list(stream.step([], Outcome(finish_reason=SHUTDOWN))))
     assert [n for n, _ in sse_events(first)][:2] == ["message_start", "ping"]
     assert last == [("error", {"type": "error", "error": {

@@ -51,7 +51,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(mc, self.moe.strategies)
+                self.model = build_model(mc, self.moe.strategies, cfg.max_seq_len)
         finally:
             torch.set_default_dtype(prev)
         if cfg.cpu_dense == "pool":

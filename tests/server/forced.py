@@ -125,3 +125,40 @@ def qwen3_moe(out: Path, text: list[str]) -> Path:
     force(model, [ids[t] for t in text] + [eos])
     model.save_pretrained(out)
     return out
+
+
+GEMMA4_SPECIALS = ["<|turn>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                   "<tool_response|>", "<|channel>", "<channel|>", "<turn|>"]
+GEMMA4_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|tool_response>response:"
+    "{{ m['name'] or 'tool' }}{value:{{ m['content'] }}}<tool_response|>{% else %}<|turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}<|tool_call>call:{{ c['function']['name'] }}{}"
+    "<tool_call|>{% endfor %}<turn|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def gemma4(out: Path, text: list[str]) -> Path:
+    """A Gemma-4 (MoE) directory that answers with the tokens of ``text`` then ``<turn|>``;
+    the turn and tool-call markers are special tokens, as in Gemma-4's tokenizer. The head is
+    untied from the embedding (the forcing needs them apart)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    words = [t for t in text if t not in GEMMA4_SPECIALS]
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_files(out, words, GEMMA4_SPECIALS, GEMMA4_TEMPLATE)
+    ids = {t: 256 + i for i, t in enumerate(words + GEMMA4_SPECIALS)}
+    eos = ids["<turn|>"]
+    torch.manual_seed(0)
+    cfg = Gemma4TextConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32, sliding_window=8,
+        hidden_size_per_layer_input=0, max_position_embeddings=512, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention"],
+        eos_token_id=eos, pad_token_id=eos, bos_token_id=None)
+    model = Gemma4ForCausalLM(cfg)
+    force(model, [ids[t] for t in text] + [eos])
+    model.save_pretrained(out)
+    return out

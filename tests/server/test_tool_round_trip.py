@@ -1,7 +1,9 @@
 """A tool call that parses, end to end through a live ``ft serve`` and the official clients:
 the call comes back as ``tool_calls`` / a ``tool_use`` block, and the tool's result goes back
-in the next request through the chat template. Also GPT-OSS, whose ``<|call|>`` is a stop
-token (generation_config.json lists it): its output ends inside the call, which still parses.
+in the next request through the chat template, for Qwen3 (JSON in ``<tool_call>``) and
+Gemma-4 (``<|tool_call>call:NAME{...}`` in Gemma's notation, its markers special tokens). Also
+GPT-OSS, whose ``<|call|>`` is a stop token (generation_config.json lists it): its output ends
+inside the call, which still parses.
 
 The models are tiny checkpoints whose greedy output is fixed (``forced.py``): whatever the
 prompt, they make the same call.
@@ -22,6 +24,7 @@ from tests.server.test_output_serve import ASK, clients, serve
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 QWEN = ["<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>"]
+GEMMA4 = ["<|tool_call>", "call:get_weather{", 'city:<|"|>Paris<|"|>}', "<tool_call|>"]
 HARMONY = ["<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json",
            "<|message|>", json.dumps(CALL["arguments"]), "<|call|>"]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -35,6 +38,14 @@ ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather now",
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("forced")
     server = serve(forced.qwen3_moe(d / "qwen3_moe", QWEN), d / "qwen3.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    d = tmp_path_factory.mktemp("forced")
+    server = serve(forced.gemma4(d / "gemma4", GEMMA4), d / "gemma4.log")
     yield server
     server.stop()
 
@@ -92,8 +103,12 @@ def check_anthropic_call(anth) -> Any:
     return block
 
 
-def test_qwen3_tool_call_and_its_result_round_trip_through_openai(qwen):
-    oai, _ = clients(qwen)
+FAMILIES = ["qwen", "gemma4"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tool_call_and_its_result_round_trip_through_openai(family, request):
+    oai, _ = clients(request.getfixturevalue(family))
     call = check_openai_call(oai)
 
     def answered(result: str):
@@ -114,8 +129,9 @@ def test_qwen3_tool_call_and_its_result_round_trip_through_openai(qwen):
     assert short.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
-def test_qwen3_tool_call_and_its_result_round_trip_through_anthropic(qwen):
-    _, anth = clients(qwen)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tool_call_and_its_result_round_trip_through_anthropic(family, request):
+    _, anth = clients(request.getfixturevalue(family))
     block = check_anthropic_call(anth)
 
     def answered(result: str) -> list[dict[str, Any]]:
@@ -150,3 +166,19 @@ def test_harmony_call_ends_at_its_call_stop_token_and_still_parses(harmony):
         "model": "m", "messages": ASK, "tools": TOOLS}).json()
     assert done["usage"]["completion_tokens"] == len(HARMONY)
     assert done["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_gemma4_named_tool_choice_prefills_the_call_up_to_its_arguments(gemma4):
+    oai, anth = clients(gemma4)
+    auto = oai.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
+    named = oai.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == \
+        ("get_weather", {"city": "Paris"})
+    # <|tool_call> and call:get_weather{ are the prompt's: the model writes the rest
+    assert named.usage.prompt_tokens == auto.usage.prompt_tokens + 2
+    assert named.usage.completion_tokens == auto.usage.completion_tokens - 2 == len(GEMMA4) - 1
+    reply = anth.messages.create(model="m", max_tokens=64, messages=ASK, tools=ANTHROPIC_TOOLS,
+                                 tool_choice={"type": "tool", "name": "get_weather"})
+    assert [(b.name, b.input) for b in reply.content] == [("get_weather", {"city": "Paris"})]

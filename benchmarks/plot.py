@@ -79,6 +79,30 @@ def lookahead_plot() -> None:
     plt.close(fig)
 
 
+def peer_48l_plot() -> None:
+    """Hybrid and offload decode on the 48-layer qwen3 q8_0 file, each run in order, beside
+    llama.cpp's placements (docs/benchmarks.md, "The link's copies in one library call")."""
+    found = sorted((ROOT / "benchmarks/results").glob("peer_gpu-qwen3-30b-a3b-48l-*.json"))
+    if not found:
+        return
+    peer = json.loads(found[-1].read_text())
+    runs = peer["ours"]["runs_in_order"]
+    llama = peer["llamacpp"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(range(len(runs)), [t for _, t in runs], color="#3a6ea5", label="ours")
+    for key, label, color in (("ncmoe_42", "llama.cpp -ncmoe 42", "#aa3333"),
+                              ("ot_exps_cpu", "llama.cpp -ot exps=CPU", "#d08770")):
+        ax.axhline(llama[key], color=color, ls="--", label=label)
+    ax.set_xticks(range(len(runs)), [name for name, _ in runs], rotation=15, fontsize=8)
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title(f"48-layer qwen3-30b-a3b q8_0, 4 GB expert cache, H200 ({peer['sha']})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/peer_48l.png", dpi=120)
+    plt.close(fig)
+
+
 def generate_plot() -> None:
     runs = [json.loads(p.read_text()) for p in sorted((ROOT / "benchmarks/results").glob(
         "generate-*.json"))]
@@ -167,3 +191,4 @@ if __name__ == "__main__":
     decode_moe_plot()
     resident_gpu_plot()
     lookahead_plot()
+    peer_48l_plot()

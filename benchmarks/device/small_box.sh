@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU machine: the second seed's box emulated (issue 17): the process limited to CORES cores
+# (taskset, default 4), the CPU kernels capped at ISA (default avx2), threads = cores - 1;
+# offload, hybrid (online) and auto on the LAYERS-layer default-router q8_0 qwen3-30b-a3b file
+# with a CACHE expert cache at temperature 1 (benchmarks/decode_moe.py, JSON in $OUT).
+# Run as: GIT_SHA=<commit> bash benchmarks/device/small_box.sh (carry .whl).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/device/setup.sh
+moe_bench_setup
+LAYERS=${LAYERS:-12}; CORES=${CORES:-4}
+M=/tmp/qwen3-30b-a3b-${LAYERS}l.gguf
+[ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --layers $LAYERS \
+  --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
+FREETOKEN_CPU_ISA=${ISA:-avx2} taskset -c 0-$((CORES - 1)) python3 benchmarks/decode_moe.py \
+  --model $M --device cuda --temperature 1 --strategies ${STRATEGIES:-offload,hybrid-online,auto} \
+  --moe-cache-mem ${CACHE:-4GB} --moe-cpu-threads $((CORES - 1)) --tokens 64 --repeats 2 \
+  --label qwen3-30b-a3b-${LAYERS}l-h200-${CORES}cores-${ISA:-avx2} --out "$OUT" \
+  --git-sha "${GIT_SHA:-}" 2>&1 | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|MoE plan|core plan'

@@ -15,7 +15,6 @@ buffers are reused call to call).
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 
 import numpy as np
@@ -24,17 +23,19 @@ import torch
 from freetoken.cpu import abi
 from freetoken.cpu.library import NativeUnavailable, native
 
-log = logging.getLogger(__name__)
-
 DRIVER = "libcuda.so.1"
 ENTRY_POINTS = ("cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuStreamSynchronize")
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
 
 
 def current_stream(device: int) -> int:
     """The raw handle of torch's current CUDA stream on ``device`` (an index): what the
     copies go on, without torch's Stream object (a few microseconds less each time)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 class RowCopyError(RuntimeError):
@@ -67,7 +68,6 @@ class RowCopier:
             self.api = api
         else:
             self.api = abi.RowCopyApi()
-        self.cuda = cuda
         self.desc = abi.RowCopy()
         self._rows = np.zeros((2, max_rows), dtype=np.int32)  # dst rows, src rows
         self._spans = np.zeros((3, 8), dtype=np.int64)  # dst, src addresses; bytes

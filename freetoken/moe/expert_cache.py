@@ -37,7 +37,8 @@ class SlotPool:
         self.device_tables: dict[int, torch.Tensor] = {}  # the same, as last published
         self._staged: dict[int, torch.Tensor] = {}  # pinned host copies being published
         self.copier: RowCopier | None = None  # publishes through the library (the runtime's)
-        self.device_index = -1  # CUDA device index, for the copier's stream
+        on = self.data.device
+        self._index = on.index or 0 if on.type == "cuda" else -1  # the copier's stream
 
     def add_layer(self, layer: int, num_experts: int) -> None:
         self.tables[layer] = [-1] * num_experts
@@ -59,7 +60,7 @@ class SlotPool:
         if self.copier is None:
             table.copy_(staged, non_blocking=True)
         else:
-            stream = current_stream(self.device_index) if self.device_index >= 0 else 0
+            stream = current_stream(self._index) if self._index >= 0 else 0
             self.copier.copy_tensors([(table, staged)], stream)
         return table
 

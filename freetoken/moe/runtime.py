@@ -45,7 +45,7 @@ class OffloadRuntime:
         self._ready = self.events.take() if self.rows is not None and self.cuda else None
         self.index = torch.device(device).index or 0 if self.cuda else -1
         for pool in cache.pools:  # slot tables published through the library too
-            pool.copier, pool.device_index = self.rows, self.index
+            pool.copier = self.rows
 
     def staging(self, row_bytes: int) -> list[torch.Tensor]:
         if row_bytes not in self._staging:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import platform
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from freetoken import env
 from freetoken.bench import bandwidth as bw
 from freetoken.checkpoint.synth.presets import PRESETS, parse_expert_formats
 from freetoken.cpu import executor as cx
+from freetoken.cpu.cores import cpu_model
 from freetoken.errors import CheckpointError, ConfigError
 from freetoken.moe.profile import (
     HYBRID_MARGIN,
@@ -236,18 +236,8 @@ def _bench_one(t: Target, threads: int, dev: torch.device, seconds: float,
 
 def _host_meta(device: torch.device) -> dict[str, object]:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {"device": device.type, "gpu": gpu, "cpu_model": _cpu_model(),
+    return {"device": device.type, "gpu": gpu, "cpu_model": cpu_model(),
             "threshold": HYBRID_MARGIN, "commit": _commit()}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _commit() -> str | None:

@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what the platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def usable_cores() -> list[int]:

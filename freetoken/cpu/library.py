@@ -198,6 +198,12 @@ def best_isa() -> str:
     return ISAS[native().ft_best_isa()]
 
 
+def run_isa() -> str:
+    """The tier the CPU pool runs at: :func:`best_isa` under the FREETOKEN_CPU_ISA cap."""
+    best, cap = best_isa(), isa_cap_from_env()
+    return best if cap is None else ISAS[min(ISAS.index(best), ISAS.index(cap))]
+
+
 def kernel_isa(fmt: str, act: str, cap: str) -> str | None:
     """The tier whose kernel (fmt, act) runs with under ``cap``; None if there is none."""
     tier = native().ft_kernel_isa(FORMATS.index(fmt), ACT_KINDS.index(act), ISAS.index(cap))

@@ -166,9 +166,10 @@ class HybridExperts(OffloadExperts):
     NEEDS = Needs(cpu_pool=True, host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = True  # the CPU's share reads the hidden states and weights
     FINISHES_LATE = True  # the CPU's share is collected after the device's is queued
-    # not linked by --moe-lookahead auto: on the H200 (12-layer qwen3-30b-a3b q8_0, 4 GB
-    # cache) it measured 128.6 / 107.0 / 87.8 tok/s against 181.0 / 101.6 / 103.5 without;
-    # the prediction adds host time to a plan the CPU's share already waits on
+    # --moe-lookahead auto predicts for these only while the split fetches every miss: with
+    # a CPU share, on the H200 (12-layer qwen3-30b-a3b q8_0, 4 GB cache) it measured 128.6 /
+    # 107.0 / 87.8 tok/s against 181.0 / 101.6 / 103.5 without; the prediction adds host time
+    # to a plan the CPU's share already waits on
     LOOKAHEAD_BY_DEFAULT = False
 
     def __init__(self, shape: ExpertShape) -> None:
@@ -283,6 +284,10 @@ class HybridExperts(OffloadExperts):
     def prefetch_share(self, misses: int) -> int:
         """The share of predicted misses the split would fetch (none before it has one)."""
         return 0 if self.policy.fraction is None else self.policy.planned(misses)
+
+    def fetches_all(self) -> bool:
+        p = self.policy
+        return p.fraction is not None and p.fraction >= 1.0 and p.max_fetch is None
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
                 on_cpu: set[int], host: HostCopies | None = None,

@@ -32,13 +32,22 @@ PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
 @dataclass
 class Lookahead:
     """Layer ``layer``'s router (weight (E, H) and bias, float32 on the host) for the layer
-    before it to predict with, and ``target``: that layer's experts (their bank and cache)."""
+    before it to predict with, and ``target``: that layer's experts (their bank and cache).
+    With ``while_all_fetched``, the layer before predicts only while ``target`` fetches every
+    miss (a hybrid layer whose split has gone all-fetch: then it is offload, and gets
+    offload's look-ahead; while its CPU takes a share, the prediction's host time would delay
+    the plan the CPU waits on)."""
 
     layer: int
     weight: torch.Tensor
     bias: torch.Tensor | None
     top_k: int
     target: Any  # the next layer's OffloadExperts (a plain reference, not a submodule)
+    while_all_fetched: bool = False
+
+    def active(self) -> bool:
+        """Whether to predict for the target's next call."""
+        return not self.while_all_fetched or self.target.fetches_all()
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """Experts the next layer will likely need for the tokens ``x`` (T, H) on the host,
@@ -70,9 +79,12 @@ def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool]) -> int:
+def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
+         always: Callable[[torch.nn.Module], bool] = lambda m: True) -> int:
     """Give every ``eligible`` experts layer whose next MoE layer is eligible too (same model,
-    so the same expert cache) a :class:`Lookahead` on that layer's router; returns how many."""
+    so the same expert cache) a :class:`Lookahead` on that layer's router, predicting always
+    when ``always(next layer)``, else only while the next layer fetches every miss; returns
+    how many."""
     blocks = [(m.experts, r) for m in model.modules()
               if isinstance(getattr(m, "experts", None), torch.nn.Module)
               and (r := router_of(m)) is not None]
@@ -84,6 +96,7 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool]) ->
         w = router.weight.detach().float().cpu().contiguous()
         b = router.bias
         b = None if b is None else b.detach().float().cpu()
-        this.lookahead = Lookahead(nxt.shape.layer, w, b, nxt.shape.top_k, nxt)
+        this.lookahead = Lookahead(nxt.shape.layer, w, b, nxt.shape.top_k, nxt,
+                                   while_all_fetched=not always(nxt))
         n += 1
     return n

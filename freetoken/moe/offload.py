@@ -54,7 +54,7 @@ class OffloadExperts(Experts):
     NEEDS = Needs(host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
     FINISHES_LATE = False  # the plan leaves host work for :meth:`_finish` (graph step after it)
-    LOOKAHEAD_BY_DEFAULT = True  # --moe-lookahead auto links these layers
+    LOOKAHEAD_BY_DEFAULT = True  # --moe-lookahead auto predicts for these layers always
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
@@ -240,7 +240,8 @@ class OffloadExperts(Experts):
         other than ``keep`` (this call's, which its compute still reads). Calls of more tokens
         than look-ahead predicts for, or when no layer follows, do nothing."""
         la, rt = self.lookahead, self.runtime
-        if la is None or rt is None or not (budget := la.budget(x.shape[0])):
+        if la is None or rt is None or not (budget := la.budget(x.shape[0])) \
+                or not la.active():
             return
         if x.is_cuda:  # an eager call: the host has synced on the routed ids already
             x = x.float().cpu()
@@ -271,6 +272,11 @@ class OffloadExperts(Experts):
         """How many of ``misses`` predicted misses look-ahead may fetch for this layer: all
         (hybrid: the share its split would fetch)."""
         return misses
+
+    def fetches_all(self) -> bool:
+        """Whether this layer's next call fetches every miss (hybrid: while its split is
+        all-fetch)."""
+        return True
 
     def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
         """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""

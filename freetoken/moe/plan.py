@@ -19,13 +19,14 @@ import torch
 from freetoken.checkpoint import Checkpoint
 from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig, human_bytes
 from freetoken.cpu import executor as cx
-from freetoken.cpu.cores import CorePlan, core_plan, usable_cores
+from freetoken.cpu.cores import CorePlan, core_plan, cpu_model, usable_cores
+from freetoken.cpu.library import run_isa
 from freetoken.errors import ConfigError
 from freetoken.kernels.gather_gemv import fused
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
 from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span
-from freetoken.moe.profile import Match, load_profile_or_empty, lookup, plan_fractions
+from freetoken.moe.profile import Match, Profile, load_profile_or_empty, lookup, plan_fractions
 from freetoken.moe.registry import AUTO, needs_of
 from freetoken.moe.resident import keeps_blocks
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs
@@ -147,10 +148,33 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
     profile = load_profile_or_empty()
 
     def recommend(kind: LayerKind) -> str | None:
-        match = lookup(profile, kind, threads)
-        return match.row.recommended if match.row is not None else None
+        if cx.available() is not None:
+            row = lookup(profile, kind, threads).row
+            return None if row is None else "offload"
+        return auto_recommendation(profile, kind, threads, run_isa(), cpu_model())
 
     return plan_auto(kinds, mc.num_layers, layer_bytes, budget, recommend)
+
+
+def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: str,
+                        cpu: str) -> str | None:
+    """What ``--moe-strategy auto`` runs layers of ``kind`` as, from the profile row, on a box
+    with ``threads`` pool workers at ``isa`` on a ``cpu``: the row's recommendation, but
+    offload where the row recommends hybrid and was measured unlike this run (another thread
+    count, ISA or CPU), since auto must not pick a plan slower than offload on the box it runs
+    on. None when the kind has no row."""
+    match = lookup(profile, kind, threads)
+    if match.row is None:
+        return None
+    if match.row.recommended != "hybrid":
+        return match.row.recommended
+    why = match.unlike(threads, isa, cpu)
+    if why is None:
+        return "hybrid"
+    log.info("--moe-strategy auto: the profile row for %s was measured %s, so it cannot say "
+             "the CPU share pays on this box; those layers offload (run `ft bench bw --model "
+             "<checkpoint>` here to let auto weigh hybrid)", kind_words(kind), why)
+    return "offload"
 
 
 def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:

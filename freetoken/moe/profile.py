@@ -235,6 +235,23 @@ class Match:
     used: str | None = None
     row: Row | None = None
 
+    def unlike(self, threads: int, isa: str, cpu: str) -> str | None:
+        """What makes the row's measurement unlike a run with ``threads`` workers at ``isa`` on
+        a ``cpu`` (another thread count, ISA tier or CPU model), or None when it was measured
+        as this run will compute. A row not measured here says little about whether the CPU
+        share pays here: a 15-thread AVX-512 row recommends hybrid where 3 AVX2 threads
+        lose to offload."""
+        if self.row is None:
+            return "missing"
+        meta, parts = self.row.meta, []
+        if self.how == "nearest_threads":
+            parts.append(f"at another thread count ({self.used})")
+        if meta.get("isa") not in (None, isa):
+            parts.append(f"at {meta['isa']}, not {isa}")
+        if meta.get("cpu_model") not in (None, cpu):
+            parts.append(f"on a {meta['cpu_model']}, not this {cpu}")
+        return "; ".join(parts) or None
+
     @property
     def fraction(self) -> float | None:
         """Share of misses to fetch over PCIe, or None when the layer has no row."""

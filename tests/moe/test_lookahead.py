@@ -12,6 +12,7 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
+from freetoken.moe.hybrid import HybridExperts, SplitPolicy
 from freetoken.moe.lookahead import Lookahead, router_of
 from freetoken.moe.offload import OffloadExperts, offload_stats
 from tests.models.helpers import load_ours, our_logits
@@ -40,14 +41,40 @@ def test_each_cached_layer_predicts_with_the_next_moe_layers_router(tiny_qwen3_m
     assert la is not None and la.layer == 2 and la.target is blocks[2].experts
     assert torch.equal(la.weight, router_of(blocks[2]).weight.float())
     assert blocks[2].experts.lookahead is None  # no MoE layer after it
-    for strategy, mode in (("offload", "off"), ("hybrid", "auto")):  # hybrid: only with "on"
-        off = load_ours(tiny_qwen3_moe, strategy=strategy, cache=CacheSizing("size", 4),
-                        lookahead=mode)
-        assert all(m.lookahead is None for m in off.modules() if isinstance(m, OffloadExperts))
-    on = load_ours(tiny_qwen3_moe, strategy="hybrid", cache=CacheSizing("size", 4),
-                   lookahead="on")
-    assert sum(m.lookahead is not None for m in on.modules()
-               if isinstance(m, OffloadExperts)) == 1
+    assert not la.while_all_fetched
+    off = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4),
+                    lookahead="off")
+    assert all(m.lookahead is None for m in off.modules() if isinstance(m, OffloadExperts))
+    for mode in ("auto", "on"):  # hybrid: with auto, only while the next split fetches all
+        on = load_ours(tiny_qwen3_moe, strategy="hybrid", cache=CacheSizing("size", 4),
+                       lookahead=mode)
+        linked = [m.lookahead for m in on.modules()
+                  if isinstance(m, OffloadExperts) and m.lookahead is not None]
+        assert len(linked) == 1 and linked[0].while_all_fetched == (mode == "auto")
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_hybrid_fetching_every_miss_gets_offloads_lookahead(tiny_qwen3_moe, tmp_path,
+                                                           fraction):
+    """Under --moe-lookahead auto a hybrid layer whose split fetches every miss is offload:
+    the layer before predicts for it, and the logits are offload's, bit for bit. With a CPU
+    share nothing is predicted for it."""
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    runs = {}
+    for strategy in ("offload", "hybrid"):
+        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 4))
+        for m in model.modules():
+            if isinstance(m, HybridExperts):
+                m.policy = SplitPolicy(fraction, None, online=False)
+        runs[strategy] = our_logits(model, IDS, prefill=1), offload_stats(model)
+    needed = runs["hybrid"][1]["layers"]["2"]["lookahead_needed"]
+    if fraction == 1.0:
+        assert torch.equal(runs["hybrid"][0], runs["offload"][0])
+        assert needed == runs["offload"][1]["layers"]["2"]["lookahead_needed"] > 0
+        assert runs["hybrid"][1]["layers"]["2"]["prefetched"] > 0
+    else:
+        assert needed == 0 and runs["hybrid"][1]["layers"]["2"]["cpu_experts"] > 0
 
 
 def test_prediction_orders_experts_by_how_many_tokens_pick_them():

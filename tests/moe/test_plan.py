@@ -4,6 +4,8 @@ before the model is built, and the runner's one CPU pool handed to everything th
 from __future__ import annotations
 
 import dataclasses
+import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,14 @@ from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import core_plan, plan_cores, usable_cores
 from freetoken.moe.layer_kind import LayerKind
-from freetoken.moe.plan import MoEPlan, plan_auto, plan_moe, resident_budget
+from freetoken.moe.plan import (
+    MoEPlan,
+    auto_recommendation,
+    plan_auto,
+    plan_moe,
+    resident_budget,
+)
+from freetoken.moe.profile import Profile, Row
 from freetoken.moe.registry import STRATEGIES, needs_of
 from freetoken.moe.strategy import LayerPlan, Needs
 
@@ -150,3 +159,28 @@ def test_resident_layers_kept_as_blocks_count_their_file_bytes(q8_gguf, tmp_path
                            lambda n, s: "bf16" if ".experts." in n else "f32")
     cfg32 = dataclasses.replace(cfg, dtype="float32")  # bf16 blocks have no kernel: float32
     assert plan._device_bytes(cfg32, open_checkpoint(bf16))[1] == 2 * at_dtype
+
+
+def test_auto_trusts_a_hybrid_row_only_where_it_was_measured(caplog):
+    """A row that recommends hybrid sends auto's layers to hybrid only when it was measured at
+    this run's thread count, ISA and CPU model; measured elsewhere (the 15-thread AVX-512 row
+    on a 3-thread AVX2 run) the layers offload, with a line saying why. Rows that recommend
+    offload are followed wherever they come from."""
+    kind = LayerKind("gguf", 2048, 768, 8, (("down_type", "8"), ("gate_up_type", "8")))
+    cpu = "Some Xeon"
+    hybrid = Row(100.0, 31.5, 90.0, 30.0, {"isa": "avx512_bf16", "cpu_model": cpu})
+    assert hybrid.recommended == "hybrid"
+    offload = Row(40.0, 50.0, 3.0, 49.0, {"isa": "avx2", "cpu_model": "other"})
+    profile = Profile(Path("p.json"), {kind.key(15): hybrid})
+    caplog.set_level(logging.INFO, logger="freetoken.moe.plan")
+    assert auto_recommendation(profile, kind, 15, "avx512_bf16", cpu) == "hybrid"
+    assert not [r for r in caplog.records if "cannot say" in r.message]
+    for threads, isa, model, why in ((3, "avx512_bf16", cpu, "another thread count"),
+                                     (15, "avx2", cpu, "at avx512_bf16, not avx2"),
+                                     (15, "avx512_bf16", "An EPYC", "not this An EPYC")):
+        caplog.clear()
+        assert auto_recommendation(profile, kind, threads, isa, model) == "offload"
+        assert why in caplog.text and "ft bench bw" in caplog.text
+    other = Profile(Path("p.json"), {kind.key(15): offload})
+    assert auto_recommendation(other, kind, 3, "avx512_bf16", cpu) == "offload"
+    assert auto_recommendation(Profile(Path("p.json"), {}), kind, 3, "avx2", cpu) is None

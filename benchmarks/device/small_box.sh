@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# GPU machine: the second seed's box emulated (issue 17): the process limited to CORES cores
-# (taskset, default 4), the CPU kernels capped at ISA (default avx2), threads = cores - 1;
-# offload, hybrid (online) and auto on the LAYERS-layer default-router q8_0 qwen3-30b-a3b file
-# with a CACHE expert cache at temperature 1 (benchmarks/decode_moe.py, JSON in $OUT).
+# GPU machine: the second seed's box emulated (issue 17): per row of ROWS ("CORES:ISA[:THREADS]",
+# default "4:avx2"), the process limited to CORES cores (taskset), the CPU kernels capped at
+# ISA ("native": no cap), THREADS pool workers (default CORES - 1); offload, hybrid (online)
+# and auto (STRATEGIES) on the LAYERS-layer default-router q8_0 qwen3-30b-a3b file with a
+# CACHE expert cache at temperature 1 (benchmarks/decode_moe.py, JSON in $OUT).
 # Run as: GIT_SHA=<commit> bash benchmarks/device/small_box.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
-LAYERS=${LAYERS:-12}; CORES=${CORES:-4}
+LAYERS=${LAYERS:-12}
 M=/tmp/qwen3-30b-a3b-${LAYERS}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --layers $LAYERS \
   --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
-FREETOKEN_CPU_ISA=${ISA:-avx2} taskset -c 0-$((CORES - 1)) python3 benchmarks/decode_moe.py \
-  --model $M --device cuda --temperature 1 --strategies ${STRATEGIES:-offload,hybrid-online,auto} \
-  --moe-cache-mem ${CACHE:-4GB} --moe-cpu-threads $((CORES - 1)) --tokens 64 --repeats 2 \
-  --label qwen3-30b-a3b-${LAYERS}l-h200-${CORES}cores-${ISA:-avx2} --out "$OUT" \
-  --git-sha "${GIT_SHA:-}" 2>&1 | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|MoE plan|core plan'
+for row in ${ROWS:-4:avx2}; do
+  IFS=: read -r cores isa threads <<< "$row"
+  threads=${threads:-$((cores - 1))}
+  echo "== $cores cores, $isa, $threads threads"
+  ( [ "$isa" = native ] || export FREETOKEN_CPU_ISA=$isa
+    taskset -c 0-$((cores - 1)) python3 benchmarks/decode_moe.py \
+      --model $M --device cuda --temperature 1 \
+      --strategies ${STRATEGIES:-offload,hybrid-online,auto} --moe-cache-mem ${CACHE:-4GB} \
+      --moe-cpu-threads $threads --tokens 64 --repeats 2 \
+      --label qwen3-30b-a3b-${LAYERS}l-h200-${cores}cores-$isa-t$threads --out "$OUT" \
+      --git-sha "${GIT_SHA:-}" 2>&1 \
+      | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|MoE plan|core plan|auto:|shrink' )
+done

@@ -3,7 +3,7 @@
 # the same synthetic file, so a change that should not move decode speed is checked on the
 # same host. "new" is this tree; "base" is the tree in AB_DIR (default .peer/base, carried: a
 # `git archive BASE_SHA freetoken csrc CMakeLists.txt pyproject.toml benchmarks` unpacked
-# there). PRESET, LAYERS, FORMAT, STRATEGIES and CACHE vary it. Results go to $OUT/new and
+# there). PRESET, LAYERS, FORMAT, STRATEGIES, CACHE and TEMPERATURE vary it. Results go to $OUT/new and
 # $OUT/base.
 # Run as: GIT_SHA=<commit> BASE_SHA=<commit> bash benchmarks/device/decode_ab.sh
 set -uo pipefail
@@ -26,7 +26,7 @@ for round in $(seq ${ROUNDS:-1}); do
     echo "== round $round: $side"
     (cd $dir && PYTHONPATH=/tmp/site:$dir FREETOKEN_GIT_SHA=$sha python3 benchmarks/decode_moe.py \
       --model $M --device cuda --strategies ${STRATEGIES:-resident,offload,hybrid-online} \
-      --moe-cache-mem ${CACHE:-1GB} --tokens 64 --repeats 2 --git-sha "$sha" \
+      --moe-cache-mem ${CACHE:-1GB} --tokens 64 --repeats 2 --temperature ${TEMPERATURE:-0} --git-sha "$sha" \
       --label $PRESET-${LAYERS:-12}l-ab-$side-h200 --out "$OUT/$side" 2>&1 \
       | grep -v "^Loading" | grep -E "$KEYS")
   done

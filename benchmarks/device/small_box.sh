@@ -17,12 +17,15 @@ for row in ${ROWS:-4:avx2}; do
   IFS=: read -r cores isa threads <<< "$row"
   threads=${threads:-$((cores - 1))}
   echo "== $cores cores, $isa, $threads threads"
-  ( [ "$isa" = native ] || export FREETOKEN_CPU_ISA=$isa
-    taskset -c 0-$((cores - 1)) python3 benchmarks/decode_moe.py \
-      --model $M --device cuda --temperature 1 \
-      --strategies ${STRATEGIES:-offload,hybrid-online,auto} --moe-cache-mem ${CACHE:-4GB} \
-      --moe-cpu-threads $threads --tokens 64 --repeats 2 \
-      --label qwen3-30b-a3b-${LAYERS}l-h200-${cores}cores-$isa-t$threads --out "$OUT" \
-      --git-sha "${GIT_SHA:-}" 2>&1 \
-      | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|MoE plan|core plan|auto:|shrink' )
+  # one process per strategy: an engine built after another in the same process inherits
+  # its threads' placement
+  for s in $(echo ${STRATEGIES:-offload,hybrid-online,auto} | tr , ' '); do
+    ( [ "$isa" = native ] || export FREETOKEN_CPU_ISA=$isa
+      taskset -c 0-$((cores - 1)) python3 benchmarks/decode_moe.py \
+        --model $M --device cuda --temperature 1 --strategies $s \
+        --moe-cache-mem ${CACHE:-4GB} --moe-cpu-threads $threads --tokens 64 --repeats 2 \
+        --label qwen3-30b-a3b-${LAYERS}l-h200-${cores}cores-$isa-t$threads-$s --out "$OUT" \
+        --git-sha "${GIT_SHA:-}" 2>&1 \
+        | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror|auto:|shrink' )
+  done
 done

@@ -72,6 +72,17 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 DOWN_SPLITS = {"auto": -1, "rows": 0, "experts": 1}  # csrc/expert_op.h DownSplit
 
 
+@dataclass(frozen=True)
+class PreparedJob:
+    """A MoE job's checked arguments (:meth:`CpuMoeExecutor.prepare`): the layer, the library
+    call's pointers and sizes, its output and the inputs kept alive with it."""
+
+    layer: int
+    args: tuple[int, int, int, int, int, int]
+    out: torch.Tensor
+    keep: tuple[torch.Tensor, ...]
+
+
 class CpuMoeExecutor:
     """The pool and the expert banks of every MoE layer it serves.
 
@@ -228,6 +239,30 @@ class CpuMoeExecutor:
             self._give_slot()
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
         return CpuMoeFuture(self, ticket, out, (x, ids, w))
+
+    def prepare(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                layer: int, out: torch.Tensor) -> PreparedJob:
+        """:meth:`submit`'s arguments checked once, for buffers a caller fills again before
+        each submit (a decode graph's pinned host copies): :meth:`submit_prepared` queues
+        them without the checks. They must already be what the workers read (float32 and
+        int64, contiguous, on the CPU), so no copy stands between the caller and the job."""
+        x, ids, w, out = self._check_moe(hidden, expert_ids, weights, layer, out)
+        if x is not hidden or ids is not expert_ids or w is not weights:
+            raise ValueError("prepared jobs read their buffers in place: float32 hidden and "
+                             "weights, int64 ids, contiguous, on the CPU")
+        args = (x.data_ptr(), ids.data_ptr(), w.data_ptr(), out.data_ptr(), x.shape[0],
+                ids.shape[1])
+        return PreparedJob(layer, args, out, (x, ids, w))
+
+    def submit_prepared(self, job: PreparedJob) -> CpuMoeFuture:
+        """:meth:`submit` of a job made by :meth:`prepare`; returns at once."""
+        self._take_slot()
+        ticket = self._lib.ft_submit(self._handle, job.layer, *job.args)
+        if ticket < 0:
+            self._give_slot()
+            raise ValueError(f"layer {job.layer}: expert ids must be < "
+                             f"{self.layers[job.layer].experts}")
+        return CpuMoeFuture(self, ticket, job.out, job.keep)
 
     def run(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int

@@ -38,6 +38,28 @@ def current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+class Spans:
+    """Copies between fixed buffers, checked and laid out once (:meth:`RowCopier.spans`) and
+    queued by :meth:`RowCopier.run` as often as needed: a host step's input copies, a slot
+    table's publish, the CPU's result going back. The tensors are kept alive with it and must
+    not move (static graph buffers and pinned host memory do not)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = len(pairs)
+        self.table = np.zeros((3, n), dtype=np.int64)  # dst, src addresses; bytes
+        for i, (dst, src) in enumerate(pairs):
+            nbytes = dst.numel() * dst.element_size()
+            if (src.numel() * src.element_size() != nbytes or not dst.is_contiguous()
+                    or not src.is_contiguous()):
+                raise ValueError(f"copy {i}: {tuple(src.shape)} {src.dtype} into "
+                                 f"{tuple(dst.shape)} {dst.dtype} is not a contiguous copy of "
+                                 "equal bytes")
+            self.table[:, i] = dst.data_ptr(), src.data_ptr(), nbytes
+        self.n = n
+        self.pointers = tuple(int(self.table[k].ctypes.data) for k in range(3))
+        self.keep = pairs
+
+
 class RowCopyError(RuntimeError):
     """The CUDA driver refused a copy or an event; the message has its error code."""
 
@@ -68,9 +90,9 @@ class RowCopier:
             self.api = api
         else:
             self.api = abi.RowCopyApi()
+        self._api = ctypes.byref(self.api)
         self.desc = abi.RowCopy()
         self._rows = np.zeros((2, max_rows), dtype=np.int32)  # dst rows, src rows
-        self._spans = np.zeros((3, 8), dtype=np.int64)  # dst, src addresses; bytes
 
     def copy(self, dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
              src_rows: list[int], compute_stream: int = 0, copy_stream: int = 0,
@@ -99,7 +121,7 @@ class RowCopier:
         d.dst_rows, d.src_rows = rows[0].ctypes.data, rows[1].ctypes.data
         d.compute_stream, d.copy_stream = compute_stream or None, copy_stream or None
         d.ev_ready, d.ev_start, d.ev_end = ready or None, start or None, end or None
-        err = self.lib.ft_copy_rows(ctypes.byref(self.api), ctypes.byref(d))
+        err = self.lib.ft_copy_rows(self._api, ctypes.byref(d))
         if err:
             raise RowCopyError(f"copying {n} expert rows failed: CUDA driver error {err}")
 
@@ -108,20 +130,16 @@ class RowCopier:
         """Each ``(dst, src)`` pair (contiguous, of equal bytes: a host buffer and a device
         one, either way) copied in order on ``stream`` (a raw handle; 0: the legacy default
         stream); with ``sync`` the host then waits for the stream. On the CPU: memcpy."""
-        n = len(pairs)
-        if n > self._spans.shape[1]:
-            self._spans = np.zeros((3, n), dtype=np.int64)
-        spans = self._spans
-        for i, (dst, src) in enumerate(pairs):
-            nbytes = dst.numel() * dst.element_size()
-            if (src.numel() * src.element_size() != nbytes or not dst.is_contiguous()
-                    or not src.is_contiguous()):
-                raise ValueError(f"copy {i}: {tuple(src.shape)} {src.dtype} into "
-                                 f"{tuple(dst.shape)} {dst.dtype} is not a contiguous copy of "
-                                 "equal bytes")
-            spans[0, i], spans[1, i], spans[2, i] = dst.data_ptr(), src.data_ptr(), nbytes
-        err = self.lib.ft_copy_spans(ctypes.byref(self.api), stream or None, n,
-                                     spans[0].ctypes.data, spans[1].ctypes.data,
-                                     spans[2].ctypes.data, int(sync))
+        self.run(Spans(pairs), stream, sync)
+
+    def spans(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Spans:
+        """``pairs`` checked and laid out for :meth:`run` (see :meth:`copy_tensors`)."""
+        return Spans(pairs)
+
+    def run(self, spans: Spans, stream: int = 0, sync: bool = False) -> None:
+        """The copies of ``spans``, as :meth:`copy_tensors` makes them."""
+        dst, src, nbytes = spans.pointers
+        err = self.lib.ft_copy_spans(self._api, stream or None, spans.n, dst, src, nbytes,
+                                     int(sync))
         if err:
-            raise RowCopyError(f"copying {n} buffers failed: CUDA driver error {err}")
+            raise RowCopyError(f"copying {spans.n} buffers failed: CUDA driver error {err}")

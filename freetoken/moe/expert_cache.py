@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from freetoken.cpu.row_copy import RowCopier, current_stream
+from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 
 
 class SlotPool:
@@ -36,6 +37,8 @@ class SlotPool:
         self.tables: dict[int, list[int]] = {}  # layer -> expert -> slot (-1: not cached)
         self.device_tables: dict[int, torch.Tensor] = {}  # the same, as last published
         self._staged: dict[int, torch.Tensor] = {}  # pinned host copies being published
+        self._staged_np: dict[int, np.ndarray] = {}  # numpy views of those (no tensor made)
+        self._publish: dict[int, Spans] = {}  # each layer's publish, laid out once
         self.copier: RowCopier | None = None  # publishes through the library (the runtime's)
         on = self.data.device
         self._index = on.index or 0 if on.type == "cuda" else -1  # the copier's stream
@@ -44,6 +47,7 @@ class SlotPool:
         self.tables[layer] = [-1] * num_experts
         pinned = self.device.type == "cuda"
         self._staged[layer] = torch.full((num_experts,), -1, dtype=torch.long, pin_memory=pinned)
+        self._staged_np[layer] = self._staged[layer].numpy()
         self.device_tables[layer] = torch.full((num_experts,), -1, dtype=torch.long,
                                                device=self.device)
 
@@ -55,13 +59,15 @@ class SlotPool:
         only by the layer's next publish, which comes after the host has read that next call's
         routed ids: a sync on the same stream, later than this copy."""
         staged = self._staged[layer]
-        staged.numpy()[:] = -1 if empty else self.tables[layer]  # numpy: no tensor made
+        self._staged_np[layer][:] = -1 if empty else self.tables[layer]
         table = self.device_tables[layer]
         if self.copier is None:
             table.copy_(staged, non_blocking=True)
-        else:
-            stream = current_stream(self._index) if self._index >= 0 else 0
-            self.copier.copy_tensors([(table, staged)], stream)
+            return table
+        spans = self._publish.get(layer)
+        if spans is None:
+            spans = self._publish[layer] = self.copier.spans([(table, staged)])
+        self.copier.run(spans, current_stream(self._index) if self._index >= 0 else 0)
         return table
 
     def lookup(self, layer: int, experts: list[int]) -> tuple[dict[int, int], list[int]]:

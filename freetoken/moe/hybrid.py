@@ -150,6 +150,32 @@ class _Pending:
     plan_s: float
 
 
+class _HostJob:
+    """The CPU's share of calls that read one set of host copies (a decode graph's pinned
+    buffers, :class:`HostCopies`), checked once: its ids buffer, float32 copies of x and w
+    where the host copies are of another dtype, and the executor's prepared job."""
+
+    def __init__(self, executor: cx.CpuMoeExecutor, layer: int, host: HostCopies) -> None:
+        self.host = host
+        self.x = host.x if host.x.dtype is torch.float32 else torch.empty(
+            host.x.shape, dtype=torch.float32)
+        self.w = host.w if host.w.dtype is torch.float32 else torch.empty(
+            host.w.shape, dtype=torch.float32)
+        self.ids = torch.empty(host.ids.shape, dtype=torch.int64)
+        self._ids = self.ids.numpy().reshape(-1)
+        self.job = executor.prepare(self.x, self.ids, self.w, layer, host.cpu_out)
+        self.executor = executor
+
+    def submit(self, cpu_ids: list[int]) -> CpuMoeFuture:
+        """The job with these ids (-1: not the CPU's), on the host copies' current values."""
+        if self.x is not self.host.x:
+            self.x.copy_(self.host.x)
+        if self.w is not self.host.w:
+            self.w.copy_(self.host.w)
+        self._ids[:] = cpu_ids
+        return self.executor.submit_prepared(self.job)
+
+
 class _Calls:
     """A layer's state between its calls: the last call's times for the policy, the planned
     call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA)."""
@@ -158,6 +184,8 @@ class _Calls:
         self.last: tuple[int, float, int, Span | None, float] | None = None
         self.pending: _Pending | None = None
         self.staged: torch.Tensor | None = None
+        # per host-copy buffer: the CPU's job, checked once (:class:`_HostJob`)
+        self.jobs: dict[tuple[int, int], _HostJob] = {}
 
 
 class HybridExperts(OffloadExperts):
@@ -298,17 +326,19 @@ class HybridExperts(OffloadExperts):
             return None, 0.0
         assert self.executor is not None
         t0 = time.perf_counter()
+        if host is not None:
+            key = (host.x.data_ptr(), host.x.shape[0])
+            job = self.calls.jobs.get(key)
+            if job is None:
+                job = self.calls.jobs[key] = _HostJob(self.executor, self.shape.layer, host)
+            return job.submit([e if e in on_cpu else -1 for e in flat]), \
+                time.perf_counter() - t0
         cpu_ids = torch.from_numpy(np.array([e if e in on_cpu else -1 for e in flat],
                                             dtype=np.int64)).view(ids.shape)
-        if host is not None:
-            future = self.executor.submit(host.x, cpu_ids, host.w, self.shape.layer,
-                                          out=host.cpu_out)
-        else:
-            if x.is_cuda:  # one transfer (one sync) for both
-                both = torch.cat([x.float(), w.float()], dim=1).cpu()
-                x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
-            future = self.executor.submit(x, cpu_ids, w, self.shape.layer)
-        return future, time.perf_counter() - t0
+        if x.is_cuda:  # one transfer (one sync) for both
+            both = torch.cat([x.float(), w.float()], dim=1).cpu()
+            x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
+        return self.executor.submit(x, cpu_ids, w, self.shape.layer), time.perf_counter() - t0
 
     def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor, overhead: float,
                  host: HostCopies | None = None) -> tuple[torch.Tensor | None, float, float]:

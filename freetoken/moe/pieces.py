@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from freetoken.cpu.row_copy import RowCopier, current_stream
+from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 
 T = TypeVar("T", "Break", "HostStep", "LateStep")
 
@@ -79,9 +79,12 @@ class HostStep(_Landing):
                  copier: RowCopier | None = None) -> None:
         super().__init__(x)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
-        self.inputs = inputs  # the plan reads x and w on the host, not only the ids
         self.copier = copier  # the inputs' copies and the sync in one library call
         self.device = x.device.index or 0
+        self.inputs = inputs  # the plan reads x and w on the host, not only the ids
+        # per row count: the inputs' copies (one library call with the sync), the views the
+        # plan gets, made once
+        self._views: dict[int, tuple[Spans | None, tuple[torch.Tensor, ...], HostCopies]] = {}
 
         def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
                    needed: bool = True) -> torch.Tensor:
@@ -92,18 +95,29 @@ class HostStep(_Landing):
                                pinned(x, torch.float32, needed=inputs))
 
     def run(self, n: int) -> None:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = self._make_views(n)
+        spans, (x, ids, w), host = views
+        if spans is not None:
+            self.copier.run(spans, current_stream(self.device), sync=True)  # type: ignore
+        else:
+            h = self.host
+            pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
+            for src, dst in pairs if self.inputs else pairs[:1]:
+                dst[:n].copy_(src[:n], non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+        self.land(self.plan(x, ids, w, host), n)
+
+    def _make_views(self, n: int) -> tuple[Spans | None, tuple[torch.Tensor, ...],
+                                           HostCopies]:
         h = self.host
         pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
         pairs = pairs if self.inputs else pairs[:1]
-        if self.copier is not None:
-            self.copier.copy_tensors([(dst[:n], src[:n]) for src, dst in pairs],
-                                     current_stream(self.device), sync=True)
-        else:
-            for src, dst in pairs:
-                dst[:n].copy_(src[:n], non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+        spans = None if self.copier is None else self.copier.spans(
+            [(dst[:n], src[:n]) for src, dst in pairs])
         host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
-        self.land(self.plan(self.x[:n], self.ids[:n], self.w[:n], host), n)
+        return spans, (self.x[:n], self.ids[:n], self.w[:n]), host
 
 
 class LateStep(_Landing):

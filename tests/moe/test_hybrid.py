@@ -179,11 +179,13 @@ def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monk
     assert isinstance(layers[0], HybridExperts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monkeypatch,
-                                                        gather_on_cpu):
-    """Between graph pieces a plan reads host copies of its inputs and the CPU pool writes its
-    share into the pinned buffer the next piece copies in: the same numbers as the eager plan,
-    with the same fetches."""
+                                                        gather_on_cpu, dtype):
+    """Between graph pieces a plan reads host copies of its inputs (of the model's dtype; the
+    CPU's job, checked once per set of copies, reads them as float32) and the CPU pool writes
+    its share into the pinned buffer the next piece copies in: the same numbers as the eager
+    plan, with the same fetches."""
     from freetoken.moe.hybrid import SplitPolicy
     from freetoken.moe.pieces import HostCopies
 
@@ -193,12 +195,14 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
         m.policy = SplitPolicy(0.5, None, online=False)
     g = torch.Generator().manual_seed(1)
     for _ in range(6):  # evictions and CPU shares all along
-        x = torch.randn(1, layers[0].shape.hidden, generator=g)  # 2 experts: within 3 slots
+        # 2 experts: within 3 slots; values the host copies' dtype holds exactly
+        x = torch.randn(1, layers[0].shape.hidden, generator=g).to(dtype).float()
         ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
-        w = torch.rand(1, 2, generator=g)
+        w = torch.rand(1, 2, generator=g).to(dtype).float()
         assert layers[0]._plan(x, ids, w) is None  # the CPU's share is left running
         eager = layers[0]._finish()
-        host = HostCopies(x.clone(), ids.clone(), w.clone(), torch.full(x.shape, float("nan")))
+        host = HostCopies(x.to(dtype), ids.clone(), w.to(dtype),
+                          torch.full(x.shape, float("nan")))
         nan = float("nan")  # what the plan reads must be the host copies
         assert layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan),
                                host) is None

@@ -132,6 +132,7 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
         return None if v is None else round(v * 1e6, 1)
 
     return {str(m.shape.layer): {"cpu_per_expert": us(m.policy.c_cpu),
+                                 "cpu_per_job": us(m.policy.l_cpu),
                                  "pcie_per_expert": us(m.policy.c_pcie), "overhead": us(m.policy.o)}
             for m in engine.model.modules() if isinstance(m, HybridExperts)}
 

@@ -22,17 +22,18 @@ IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101
 
 def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
              steps: int = 200, noise: float = 0.1, seed: int = 0,
-             overhead: float = 0.0, first_cpu: float = 1.0) -> list[float]:
-    """A layer step with 8 misses: the CPU and the link take a known time per expert, and
-    handing experts to the CPU costs the host ``overhead`` per step. The first step that uses
-    the CPU costs ``first_cpu`` times as much (first use: allocations, cold caches)."""
+             overhead: float = 0.0, first_cpu: float = 1.0, cpu_job: float = 0.0) -> list[float]:
+    """A layer step with 8 misses: the CPU and the link take a known time per expert (the CPU
+    ``cpu_job`` more per job, whatever its size), and handing experts to the CPU costs the
+    host ``overhead`` per step. The first step that uses the CPU costs ``first_cpu`` times as
+    much (first use: allocations, cold caches)."""
     rng = random.Random(seed)
     times = []
     cold = True
     for _ in range(steps):
         n = policy.n_fetch(8)
         t_pcie = n * pcie_per_expert * (1 + noise * rng.uniform(-1, 1))
-        t_cpu = (8 - n) * cpu_per_expert * (1 + noise * rng.uniform(-1, 1))
+        t_cpu = ((8 - n) * cpu_per_expert + cpu_job * (n < 8)) * (1 + noise * rng.uniform(-1, 1))
         o = overhead if n < 8 else 0.0
         if n < 8 and cold:
             t_cpu, o, cold = t_cpu * first_cpu, (o + cpu_per_expert) * first_cpu, False
@@ -41,8 +42,9 @@ def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
     return times
 
 
-def best_step(cpu: float, pcie: float, overhead: float = 0.0) -> float:
-    return min(max(n * pcie, (8 - n) * cpu) + (overhead if n < 8 else 0) for n in range(9))
+def best_step(cpu: float, pcie: float, overhead: float = 0.0, cpu_job: float = 0.0) -> float:
+    return min(max(n * pcie, (8 - n) * cpu + cpu_job) + overhead if n < 8 else n * pcie
+               for n in range(9))
 
 
 @pytest.mark.parametrize("ratio", [0.25, 1.0, 3.0])
@@ -96,6 +98,24 @@ def test_a_losing_side_is_probed_soon_then_less_often(start):
     gaps = [b - a for a, b in zip(used, used[1:], strict=False) if b - a > 1]  # idle stretches
     assert gaps[0] == 9 and gaps[1] == 17 and gaps[2] == 33  # probe after 8, 16, 32 idle calls
     assert max(gaps) == REMEASURE_EVERY + 1 and gaps == sorted(gaps)
+
+
+@pytest.mark.parametrize("start", [1.0, 0.9, 0.4])
+def test_a_cpu_with_a_fixed_cost_per_job_is_not_judged_by_one_expert(start):
+    """The CPU takes 3.0 a job plus 0.4 an expert against the link's 1.0 an expert: a job of
+    one expert costs 3.4 (judged per expert, the CPU loses by far), but four cost 4.6 while
+    the link fetches the other four, against 8.0 for fetching all eight. From all-fetched (a
+    probe with the profile's share), from a split that hands the CPU one expert, or from a
+    good one, the split settles on that CPU share, and the fitted job time is right there."""
+    policy = SplitPolicy(fraction=start, max_fetch=None, probe_fraction=0.4)
+    times = simulate(policy, cpu_per_expert=0.4, pcie_per_expert=1.0, cpu_job=3.0, steps=400)
+    best = best_step(0.4, 1.0, cpu_job=3.0)
+    assert best < 8.0  # the CPU pays here
+    assert sum(times[-50:]) / 50 <= best * 1.1
+    on_cpu = 8 - policy.n_fetch(8)
+    assert on_cpu >= 3
+    assert policy.l_cpu > 0.5 and policy.l_cpu + on_cpu * policy.c_cpu == pytest.approx(
+        3.0 + 0.4 * on_cpu, rel=0.15)
 
 
 def test_split_without_online_correction_stays_put():

@@ -128,7 +128,7 @@ def test_a_cpu_that_loses_per_expert_is_probed_with_one_expert():
         if policy.probing == "cpu":
             shares.append(8 - n)
         policy.observe(8 - n, 0.5 + 5.0 * (8 - n) if n < 8 else 0.0, n, 1.0 * n,
-                       2.0 if n < 8 else 0.0)
+                       1.0 if n < 8 else 0.0)
     assert policy.fraction == 1.0 and len(shares) >= 3 and set(shares) == {1}
 
 

@@ -64,15 +64,13 @@ class SplitPolicy:
     is given work so that it is measured; so is a side left idle, after PROBE_FIRST calls,
     then after twice as many each time the probe confirms it loses, up to REMEASURE_EVERY.
     The link is probed with one expert; the CPU with the share ``probe_fraction`` gives it
-    (the profile row's), since a job of one expert measures mostly the fixed part, or with
-    one where its per-expert cost alone already loses.
+    (the profile row's), since a job of one expert measures mostly the fixed part.
     """
 
     fraction: float | None = None
     max_fetch: int | None = 1
     online: bool = True
     smoothing: float = 0.3
-    fit_smoothing: float = 0.1  # the CPU fit's forgetting: two parameters need more memory
     step: float = 0.1
     probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
     c_cpu: float | None = None  # seconds per expert on the CPU
@@ -100,18 +98,9 @@ class SplitPolicy:
             if n == 0 and (self.c_pcie is None or self._idle_pcie >= self._probe_pcie):
                 n, self.probing = 1, "pcie"
             if n == misses and (self.c_cpu is None or self._idle_cpu >= self._probe_cpu):
-                n, self.probing = misses - self._cpu_probe(misses), "cpu"
+                k = min(misses, max(1, round((1 - self.probe_fraction) * misses)))
+                n, self.probing = misses - k, "cpu"
         return n
-
-    def _cpu_probe(self, misses: int) -> int:
-        """Experts an idle CPU is probed with: the profile's share, unless the CPU is known to
-        lose even without its fixed part per job (then one: a slow CPU's probe stays cheap)."""
-        c_cpu, c_pcie = self.c_cpu, self.c_pcie
-        if c_cpu is not None and c_pcie is not None and all(
-                max(n * c_pcie, (misses - n) * c_cpu) + self.o >= misses * c_pcie
-                for n in range(misses)):
-            return 1
-        return min(misses, max(1, round((1 - self.probe_fraction) * misses)))
 
     def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
                 overhead: float = 0.0) -> None:
@@ -152,9 +141,9 @@ class SplitPolicy:
 
     def _fit_cpu(self, n: int, t: float) -> None:
         """One CPU job of ``n`` experts that took ``t``: ``l_cpu`` and ``c_cpu`` refitted. The
-        sums decay by ``1 - fit_smoothing`` per job; while the jobs seen are all of one size the
+        sums decay by ``1 - smoothing`` per job; while the jobs seen are all of one size the
         fixed part keeps its last estimate and the per-expert cost takes the rest."""
-        keep = 1 - self.fit_smoothing
+        keep = 1 - self.smoothing
         s0, s1, s2, t0, t1 = (keep * v for v in self._fit)
         self._fit = s0, s1, s2, t0, t1 = s0 + 1, s1 + n, s2 + n * n, t0 + t, t1 + n * t
         det = s0 * s2 - s1 * s1

@@ -118,20 +118,6 @@ def test_a_cpu_with_a_fixed_cost_per_job_is_not_judged_by_one_expert(start):
         3.0 + 0.4 * on_cpu, rel=0.15)
 
 
-def test_a_cpu_that_loses_per_expert_is_probed_with_one_expert():
-    """Once the CPU's per-expert cost alone (5x the link's) is known to lose, an idle CPU is
-    probed with one expert, not the profile's share: on a slow CPU a probe stays cheap."""
-    policy = SplitPolicy(fraction=0.3, max_fetch=None, probe_fraction=0.3)
-    shares = []
-    for _ in range(300):
-        n = policy.n_fetch(8)
-        if policy.probing == "cpu":
-            shares.append(8 - n)
-        policy.observe(8 - n, 0.5 + 5.0 * (8 - n) if n < 8 else 0.0, n, 1.0 * n,
-                       1.0 if n < 8 else 0.0)
-    assert policy.fraction == 1.0 and len(shares) >= 3 and set(shares) == {1}
-
-
 def test_split_without_online_correction_stays_put():
     policy = SplitPolicy(fraction=0.9, max_fetch=None, online=False)
     simulate(policy, cpu_per_expert=1.0, pcie_per_expert=1.0, steps=20)

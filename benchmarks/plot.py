@@ -185,6 +185,40 @@ def decode_moe_plot() -> None:
     fig.savefig(ROOT / "docs/img/decode_moe.png", dpi=120)
 
 
+def split_runs_plot() -> None:
+    """Every 12-layer run of offload, hybrid (online) and auto on 16 cores of the H200 machine
+    at temperature 1, by commit (docs/benchmarks.md, "A split that settles")."""
+    res = ROOT / "benchmarks/results"
+    files = sorted(res.glob("decode_moe-qwen3-30b-a3b-12l-ab-*-h200-cuda-179622*.json")) + \
+        sorted(res.glob("decode_moe-qwen3-30b-a3b-12l-h200-16cores-native-t15-*-cuda-*.json"))
+    runs: dict[str, dict[str, list[float]]] = {}
+    for f in files:
+        d = json.loads(f.read_text())
+        for s in d["strategies"]:
+            runs.setdefault(d["sha"], {}).setdefault(s["strategy"], []).append(
+                s["decode_tokens_per_s"])
+    if not runs:
+        return
+    colors = {"offload": "#888888", "hybrid-online": "#3a6ea5", "auto": "#d08770"}
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i, (sha, by) in enumerate(runs.items()):
+        for j, (name, color) in enumerate(colors.items()):
+            ys = by.get(name, [])
+            ax.scatter([i + 0.15 * (j - 1)] * len(ys), ys, color=color,
+                       label=name if i == 0 or name not in runs[next(iter(runs))] else None)
+    ax.axhline(118.2, color="#aa3333", ls="--", label="llama.cpp -ncmoe 10 (99c6510 run)")
+    ax.set_xticks(range(len(runs)), list(runs), fontsize=8)
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title("12-layer qwen3-30b-a3b q8_0, 4 GB cache, 15 threads, H200: each run",
+                 fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles, strict=True))
+    ax.legend(seen.values(), seen.keys(), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/split_runs.png", dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     generate_plot()
     serve_plot()
@@ -192,3 +226,4 @@ if __name__ == "__main__":
     resident_gpu_plot()
     lookahead_plot()
     peer_48l_plot()
+    split_runs_plot()

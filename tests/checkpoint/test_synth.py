@@ -71,7 +71,8 @@ def test_expert_format_spec():
     assert parse_expert_formats("q8_0,mxfp4,bf16", 3) == ("q8_0", "mxfp4", "bf16")
     for bad, needle in [("q9_0", "unknown expert format"), ("q8_0*2", "gives 2 layer"),
                         ("q8_0,bf16", "gives 2 layer"), ("q8_0*,bf16*", "plus a fill"),
-                        ("q8_0*x", "bad repeat count"), ("fp8_block", "unknown")]:
+                        ("q8_0*x", "bad repeat count"),
+                        ("fp8_block", "fp8_block has no GGUF encoding here")]:
         with pytest.raises(ConfigError, match=needle):
             parse_expert_formats(bad, 3)
 

@@ -1,6 +1,7 @@
 """Synthetic presets in the GPT-OSS and Gemma-4 architectures: real geometry in the plan, and a
 tiny-geometry GGUF of each that the gguf package reads as llama.cpp's, that ``transformers``
-runs (on its dequantised weights) with our logits, and that generates."""
+runs (on the gguf package's dequantisation of its weights) with our logits, and that
+generates."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.names import gguf_to_ours
 from freetoken.checkpoint.synth import (
     PRESETS,
     SynthSpec,
@@ -37,6 +40,8 @@ TINY = {
                            kv_heads=2, head_dim=16, full_head_dim=32, full_kv_heads=1,
                            intermediate=96, vocab=512, sliding_window=6),
 }
+TINY["gemma4-26b-a4b-mxfp4"] = TINY["gemma4-26b-a4b"]
+ARCH = {"gpt_oss": "gpt-oss", "gemma4": "gemma4"}
 
 
 def _tiny(name: str, tmp_path: Path) -> tuple[SynthSpec, Path]:
@@ -45,10 +50,25 @@ def _tiny(name: str, tmp_path: Path) -> tuple[SynthSpec, Path]:
     return spec, write_synth(spec, tmp_path / f"{name}.gguf")
 
 
+def _gguf_dequantised(spec: SynthSpec, gguf: Path) -> dict[str, torch.Tensor]:
+    """Every tensor we read, under our name, as the gguf package decodes it."""
+    out = {}
+    for t in GGUFReader(gguf).tensors:
+        name = gguf_to_ours(t.name, spec.preset.family)
+        if name is not None:
+            values = dequantize(t.data, t.tensor_type)
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            out[name] = torch.from_numpy(values.astype("float32").reshape(shape))
+    return out
+
+
 def _as_hf_dir(spec: SynthSpec, gguf: Path, out: Path) -> Path:
-    """The GGUF's weights, dequantised, under transformers' names and layouts."""
-    ckpt = open_checkpoint(gguf)
-    ours = {n: get_format(qt.fmt).dequantize(qt) for n, qt in ckpt.tensors()}
+    """The GGUF's weights, dequantised by the gguf package, under transformers' names and
+    layouts; our reader's dequantisation of each is the same values."""
+    ours = _gguf_dequantised(spec, gguf)
+    for name, qt in open_checkpoint(gguf).tensors():
+        torch.testing.assert_close(get_format(qt.fmt).dequantize(qt), ours[name], atol=0,
+                                   rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     hf: dict[str, torch.Tensor] = {}
     for name, t in ours.items():
         stem, _, proj = name.rpartition(".experts.")
@@ -83,6 +103,14 @@ def test_presets_have_the_real_architectures():
     assert sum(not s for s in cfg.sliding_layers) == 5 and not cfg.sliding_layers[-1]
     assert (cfg.head_dim_of(0), cfg.head_dim_of(5), cfg.kv_heads_of(5)) == (256, 512, 2)
     assert cfg.attention_k_eq_v and cfg.tie_word_embeddings
+    mx = resolve_spec("gemma4-26b-a4b-mxfp4", gguf=True)
+    assert mx.expert_formats == ("mxfp4",) * 30 and mx.matrix_format == "q8_0"
+    assert hf_config(mx) | {"freetoken_synth": None} == hf_config(gemma) | {
+        "freetoken_synth": None}  # the same model, its experts in another format
+    assert sum(map(plan_bytes, tensor_plans(mx, True))) < 0.6 * sum(
+        map(plan_bytes, tensor_plans(gemma, True)))
+    with pytest.raises(ConfigError, match="nvfp4 has no GGUF encoding here"):
+        resolve_spec("gemma4-26b-a4b", gguf=True, expert_format="nvfp4")
     with pytest.raises(ConfigError, match="GGUF only; pass --out PATH.gguf"):
         resolve_spec("gpt-oss-20b", gguf=False, expert_format="bf16")
 
@@ -91,16 +119,21 @@ def test_presets_have_the_real_architectures():
 def test_tiny_gguf_is_llamacpps_and_runs_as_transformers(name, tmp_path):
     spec, gguf = _tiny(name, tmp_path)
     r = GGUFReader(gguf)
-    arch = {"gpt-oss-20b": "gpt-oss", "gemma4-26b-a4b": "gemma4"}[name]
-    assert r.fields["general.architecture"].contents() == arch
+    assert r.fields["general.architecture"].contents() == ARCH[spec.preset.family]
     types = {t.name: t.tensor_type for t in r.tensors}
     last = spec.preset.layers - 1
     if name == "gpt-oss-20b":
         assert types["blk.0.ffn_gate_exps.weight"] == GGMLQuantizationType.MXFP4
         assert {"blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias"} <= set(types)
+    elif name == "gemma4-26b-a4b-mxfp4":
+        for i in range(spec.preset.layers):
+            for proj in ("gate_up", "down"):
+                assert types[f"blk.{i}.ffn_{proj}_exps.weight"] == GGMLQuantizationType.MXFP4
+        assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q8_0
     else:
         assert types["blk.0.ffn_gate_up_exps.weight"] == GGMLQuantizationType.Q8_0
         assert types[f"blk.{last}.ffn_gate_up_exps.weight"] == GGMLQuantizationType.BF16
+    if spec.preset.family == "gemma4":
         assert f"blk.{last}.attn_v.weight" not in types  # full layers: v from k
     ref = hf_logits(_as_hf_dir(spec, gguf, tmp_path / "hf"), IDS)
     got = our_logits(load_ours(gguf), IDS, prefill=5)

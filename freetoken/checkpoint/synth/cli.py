@@ -28,8 +28,11 @@ def add_synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-format", metavar="SPEC", help=(
         "expert formats per layer (GGUF only; HF is bf16): FORMAT for every layer, or a comma "
         "list of FORMAT (one layer), FORMAT*N (N layers) and one FORMAT* (the remaining layers),"
-        " e.g. q8_0, q8_0*29,bf16 or q8_0*,bf16 (default: the preset's). Norms and routers are "
-        "f32; other matrices q8_0 when most expert layers are quantized, else bf16"))
+        " e.g. q8_0, q8_0*29,bf16 or q8_0*,bf16 (default: the preset's; a -FORMAT preset is "
+        "its base preset with --expert-format FORMAT, named so that `ft bench bw --preset` "
+        "benches it too). Norms and routers are f32; other matrices q8_0 when most expert "
+        "layers are quantized, else bf16. nvfp4 is read from Hugging Face checkpoints only "
+        "and has no GGUF encoding here"))
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--experts", type=int, help="override the preset's experts per layer")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")

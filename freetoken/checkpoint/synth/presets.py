@@ -40,11 +40,15 @@ class Preset:
     full_kv_heads: int = 0
 
 
+# UD-Q8_K_XL's mix: 29 layers of q8_0 experts and one of bf16
+_GEMMA4 = Preset("gemma4-26b-a4b", 2816, 704, 128, 8, 30, 16, 8, 256, 262144, "q8_0*,bf16",
+                 2112, 262144, 10_000.0, "gemma4", 1024, 512, 2)
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 48, 32, 4, 128, 151936, "bf16", 6144, 40960),
-    # UD-Q8_K_XL's mix: 29 layers of q8_0 experts and one of bf16
-    Preset("gemma4-26b-a4b", 2816, 704, 128, 8, 30, 16, 8, 256, 262144, "q8_0*,bf16", 2112,
-           262144, 10_000.0, "gemma4", 1024, 512, 2),
+    _GEMMA4,
+    # the MXFP4 GGUF's experts; a variant is a preset so that `ft bench bw --preset` has it too
+    dataclasses.replace(_GEMMA4, name="gemma4-26b-a4b-mxfp4", expert_format="mxfp4"),
     Preset("gpt-oss-20b", 2880, 2880, 32, 4, 24, 64, 8, 64, 201088, "mxfp4", 2880, 131072,
            150_000.0, "gpt_oss", 128),
     Preset("tiny", 64, 32, 8, 2, 2, 4, 2, 16, 512, "bf16", 128, 4096),
@@ -79,8 +83,9 @@ def parse_expert_formats(spec: str, layers: int) -> tuple[str, ...]:
         fmt, star, count = item.partition("*")
         if fmt not in FORMATS or FORMATS[fmt].gguf_type is None:
             choices = ", ".join(n for n, f in FORMATS.items() if f.gguf_type is not None)
-            raise ConfigError(f"unknown expert format {fmt!r} in --expert-format {spec!r} "
-                              f"(choose from {choices})")
+            what = (f"{fmt} has no GGUF encoding here (it is read from Hugging Face "
+                    "checkpoints only)" if fmt in FORMATS else f"unknown expert format {fmt!r}")
+            raise ConfigError(f"{what} in --expert-format {spec!r} (choose from {choices})")
         if star and count and not count.isdigit():
             raise ConfigError(f"bad repeat count {count!r} in --expert-format {spec!r}; "
                               "write FORMAT*N with N a number, or FORMAT* for the rest")

@@ -41,6 +41,7 @@ from freetoken.moe.host_banks import (
 from freetoken.moe.offload import OffloadRuntime
 from freetoken.moe.profile import LayerKind
 from freetoken.moe.stats import MoEStats
+from freetoken.moe.strategy import ExpertShape
 from freetoken.quant import QuantTensor, format_for_gguf_type, get_format
 from freetoken.quant.floats import to_bf16
 
@@ -82,8 +83,13 @@ def projection_formats(kind: LayerKind) -> tuple[str, str, str]:
     return kind.fmt, kind.fmt, kind.fmt
 
 
-def cpu_kernel_missing(kind: LayerKind, activation: str) -> str | None:
-    """Why the CPU executor cannot run layers of this kind, or None when it can."""
+def cpu_kernel_missing(kind: LayerKind, activation: str, bias: bool = False) -> str | None:
+    """Why the CPU executor cannot run layers of this kind with ``activation`` (and biases
+    when ``bias``), or None when it can."""
+    shape = ExpertShape(0, 1, kind.hidden, kind.moe_intermediate, kind.top_k, activation, bias)
+    why = shape.native_missing()
+    if why is not None:
+        return f"there is no CPU rate to bench: {why}"
     try:
         formats = projection_formats(kind)
     except (KeyError, ValueError) as e:

@@ -3,9 +3,11 @@
 Layer kinds come from checkpoints (``--model``: each opened without reading weights, its kinds
 collected by :func:`profile.layer_kinds`), from formats at the canonical shape (``--dtype``) and
 from synthetic presets (``--preset``); with none of these, ``--dtype all``. Each kind is benched
-on a synthetic bank (:mod:`bandwidth`) and becomes one :class:`Row` keyed ``kind.key(threads)``,
-where threads is the CPU executor's worker count, resolved as ``ft serve --moe-cpu-threads``
-resolves it.
+with its model's expert activation (the checkpoint's or the preset family's config; silu for
+``--dtype``) on a synthetic bank (:mod:`bandwidth`) and becomes one :class:`Row` keyed
+``kind.key(threads)``, where threads is the CPU executor's worker count, resolved as
+``ft serve --moe-cpu-threads`` resolves it. Kinds whose experts the CPU kernels cannot run
+(GPT-OSS's biased, clamped ones) are skipped with a warning saying why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from freetoken import env
 from freetoken.bench import bandwidth as bw
-from freetoken.checkpoint.synth.presets import PRESETS, parse_expert_formats
+from freetoken.checkpoint.synth.presets import PRESETS, hf_config, resolve_spec
+from freetoken.config import ModelConfig
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import cpu_model
 from freetoken.errors import CheckpointError, ConfigError
@@ -58,8 +61,9 @@ class Target:
 
     kind: LayerKind
     experts: int  # experts per layer of the model (the bank holds at least this many)
-    activation: str
+    activation: str  # the model's expert activation (ModelConfig.hidden_act)
     sources: list[str] = field(default_factory=list)
+    bias: bool = False  # the experts carry biases (GPT-OSS)
 
 
 def add_bench_bw_args(p: argparse.ArgumentParser) -> None:
@@ -74,7 +78,8 @@ def add_bench_bw_args(p: argparse.ArgumentParser) -> None:
                    f"top{PRESETS[CANONICAL].top_k}); all: {', '.join(cx.EXPERT_FORMATS)} "
                    "(with no --model, --dtype or --preset: all)")
     p.add_argument("--preset", action="append", metavar="NAME[,NAME...]",
-                   help=f"synthetic presets whose layer kinds to bench ({presets})")
+                   help=f"synthetic presets whose layer kinds to bench, each with its "
+                   f"family's expert activation ({presets})")
     p.add_argument("--threads", "--moe-cpu-threads", dest="threads", type=int, default=0,
                    metavar="N", help=THREADS_HELP)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -96,8 +101,9 @@ def _split(values: Iterable[str] | None) -> list[str]:
 
 def collect_targets(models: Sequence[str] = (), dtypes: Sequence[str] = (),
                     presets: Sequence[str] = ()) -> list[Target]:
-    """The layer kinds to bench, each once, with every source that has it; names are checked
-    before any checkpoint is opened. Nothing asked for means ``--dtype all``."""
+    """The layer kinds to bench, each once, with every source that has it and the first
+    source's activation; names are checked before any checkpoint is opened. Nothing asked for
+    means ``--dtype all``."""
     if not (models or dtypes or presets):
         log.info("no --model, --dtype or --preset: benching --dtype all at the %s shape; pass "
                  "--model CKPT to bench a checkpoint's own layer kinds", CANONICAL)
@@ -110,31 +116,42 @@ def collect_targets(models: Sequence[str] = (), dtypes: Sequence[str] = (),
             raise ConfigError(f"unknown --preset {name!r} (choose from {', '.join(PRESETS)})")
     found: dict[LayerKind, Target] = {}
 
-    def add(kind: LayerKind, experts: int, activation: str, source: str) -> None:
-        t = found.setdefault(kind, Target(kind, experts, activation))
+    def add(kind: LayerKind, experts: int, activation: str, bias: bool, source: str) -> None:
+        t = found.setdefault(kind, Target(kind, experts, activation, bias=bias))
+        if (t.activation, t.bias) != (activation, bias):
+            log.warning("layer kind %s has %s experts in %s but %s in %s; its row is benched "
+                        "with the first (the row key does not hold the activation)",
+                        bw.kind_name(kind), _experts_words(t.activation, t.bias),
+                        ", ".join(t.sources), _experts_words(activation, bias), source)
         t.experts = max(t.experts, experts)
         if source not in t.sources:
             t.sources.append(source)
 
     for model in models:
-        for kind, experts, activation in checkpoint_kinds(model):
-            add(kind, experts, activation, model)
+        for kind, experts, activation, bias in checkpoint_kinds(model):
+            add(kind, experts, activation, bias, model)
     canon = PRESETS[CANONICAL]
     for d in dict.fromkeys(cx.EXPERT_FORMATS if "all" in dtypes else dtypes):
         fmt, options = cpu_format(d, d, d)
         kind = LayerKind(fmt, canon.hidden, canon.moe_intermediate, canon.top_k, options)
-        add(kind, canon.experts, "silu", f"dtype:{d}")
+        add(kind, canon.experts, "silu", False, f"dtype:{d}")
     for name in dict.fromkeys(presets):
-        p = PRESETS[name]
-        for f in dict.fromkeys(parse_expert_formats(p.expert_format, p.layers)):
+        spec = resolve_spec(name, gguf=True)
+        p, cfg = spec.preset, ModelConfig.from_hf(hf_config(spec))
+        for f in dict.fromkeys(spec.expert_formats):
             fmt, options = cpu_format(f, f, f)
             kind = LayerKind(fmt, p.hidden, p.moe_intermediate, p.top_k, options)
-            add(kind, p.experts, "silu", f"preset:{name}")
+            add(kind, p.experts, cfg.hidden_act, cfg.expert_bias, f"preset:{name}")
     return list(found.values())
 
 
-def checkpoint_kinds(model: str) -> list[tuple[LayerKind, int, str]]:
-    """(kind, experts per layer, activation) of each MoE layer kind of a checkpoint."""
+def _experts_words(activation: str, bias: bool) -> str:
+    return f"{activation}{' biased' if bias else ''}"
+
+
+def checkpoint_kinds(model: str) -> list[tuple[LayerKind, int, str, bool]]:
+    """(kind, experts per layer, activation, biased experts) of each MoE layer kind of a
+    checkpoint."""
     from freetoken.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(model)
@@ -144,7 +161,8 @@ def checkpoint_kinds(model: str) -> list[tuple[LayerKind, int, str]]:
                               "MoE checkpoint, or --dtype / --preset for canonical shapes")
     for kind, layers in kinds.items():
         log.info("%s: layers %s are %s", model, ",".join(map(str, layers)), bw.kind_name(kind))
-    return [(k, ckpt.config.num_experts, ckpt.config.hidden_act) for k in kinds]
+    mc = ckpt.config
+    return [(k, mc.num_experts, mc.hidden_act, mc.expert_bias) for k in kinds]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -202,7 +220,7 @@ def _bench_one(t: Target, threads: int, dev: torch.device, seconds: float,
     def running(phase: str) -> None:
         bar.set_postfix_str(f"{name} {phase}")
 
-    missing = bw.cpu_kernel_missing(t.kind, t.activation)
+    missing = bw.cpu_kernel_missing(t.kind, t.activation, t.bias)
     if missing is not None:
         skip(missing, len(PHASES))
         return None

@@ -46,7 +46,8 @@ static inline void q8_pair_weights(const uint8_t* row, int64_t b, __m512i& w, __
   } else {
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
-    q8::pair<D>(row, b, w0, w1, s0, s1, m0, m1);
+    D::block(row, b, w0, s0, m0);
+    D::block(row, b + 1, w1, s1, m1);
     if constexpr (!q8::kRaw<D>) {
       w0 = to_u8<D>(w0);
       w1 = to_u8<D>(w1);

@@ -2,6 +2,8 @@
 // Each format turns block b of a row into 32 small integers w (one per byte), a scale per
 // element group in `ws` (8 lanes, one per 4 elements) and, for formats with mins, `wm`, so that
 //   weight[i] = ws[i / 4] * (w[i] - kOff) - wm[i / 4].
+// The super-block formats (kSuper: q4_k, q6_k) give a super-block's scales at once and the
+// quants of its pairs of blocks instead.
 // kSigned: w holds signed int8 (q8_0); otherwise unsigned bytes below 64.
 // Included by ISA translation units only; everything is static inline (one copy per tier).
 #pragma once
@@ -35,9 +37,8 @@ static inline __m256i bits_to_bytes(uint32_t x) {
 struct Q8_0 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_Q8_0].block_bytes;  // per 32 weights
-  static constexpr int kOff = 0, kBlocks = 1;
+  static constexpr int kOff = 0;
   static constexpr bool kSigned = true, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -48,9 +49,8 @@ struct Q8_0 {
 struct Q4_0 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_Q4_0].block_bytes;  // per 32 weights
-  static constexpr int kOff = 8, kBlocks = 1;
+  static constexpr int kOff = 8;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -61,9 +61,8 @@ struct Q4_0 {
 struct Q5_0 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_Q5_0].block_bytes;  // per 32 weights
-  static constexpr int kOff = 16, kBlocks = 1;
+  static constexpr int kOff = 16;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -75,9 +74,8 @@ struct Q5_0 {
 struct MXFP4 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_MXFP4].block_bytes;  // per 32 weights
-  static constexpr int kOff = 12, kBlocks = 1;
+  static constexpr int kOff = 12;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     // twice the e2m1 value of each code, plus 12
@@ -90,21 +88,8 @@ struct MXFP4 {
 };
 
 struct Q4_K {
-  static constexpr int kBlockBytes = FMT_INFO[F_Q4_K].block_bytes / 8;  // per 32 weights
-  static constexpr int kOff = 0, kBlocks = 8;
+  static constexpr int kOff = 0;
   static constexpr bool kSigned = false, kMins = true;
-  static constexpr bool kHasPair = true;
-  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256& wm) {
-    const uint8_t* p = row + FMT_INFO[F_Q4_K].block_bytes * (b / 8);
-    int j = (int)(b % 8);
-    uint8_t sc, mn;
-    q4k_scale_min(p + 4, j, &sc, &mn);
-    ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)) * sc);
-    wm = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)) * mn);
-    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
-    if (j & 1) q = _mm256_srli_epi16(q, 4);
-    w = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-  }
   // Whole super-blocks (the grouped kernels): the 8 scales and 8 mins of the 32-weight
   // sub-blocks as integers, unpacked from their 12 bytes by 32-bit word operations.
   static constexpr bool kSuper = true;
@@ -132,44 +117,11 @@ struct Q4_K {
     w0 = _mm256_and_si256(q, mask);
     w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
   }
-  // Sub-blocks 2k and 2k + 1 are the low and high nibbles of one 32-byte chunk.
-  static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
-                          __m256& s1, __m256& m0, __m256& m1) {
-    const uint8_t* p = row + FMT_INFO[F_Q4_K].block_bytes * (b / 8);
-    int j = (int)(b % 8);
-    uint8_t sc0, mn0, sc1, mn1;
-    q4k_scale_min(p + 4, j, &sc0, &mn0);
-    q4k_scale_min(p + 4, j + 1, &sc1, &mn1);
-    float d = _cvtsh_ss(load_u16(p)), dmin = _cvtsh_ss(load_u16(p + 2));
-    s0 = _mm256_set1_ps(d * sc0);
-    s1 = _mm256_set1_ps(d * sc1);
-    m0 = _mm256_set1_ps(dmin * mn0);
-    m1 = _mm256_set1_ps(dmin * mn1);
-    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    w0 = _mm256_and_si256(q, mask);
-    w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-  }
 };
 
 struct Q6_K {
-  static constexpr int kBlockBytes = FMT_INFO[F_Q6_K].block_bytes / 8;  // per 32 weights (rounded down)
-  static constexpr int kOff = 32, kBlocks = 8;
+  static constexpr int kOff = 32;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
-  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + FMT_INFO[F_Q6_K].block_bytes * (b / 8);
-    int j = (int)(b % 8), h = j / 4, k = j % 4;
-    __m256i lo = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32 * (k & 1)));
-    if (k >> 1) lo = _mm256_srli_epi16(lo, 4);
-    lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0F));
-    __m256i hi = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h));
-    hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-    w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    float d = _cvtsh_ss(load_u16(p + 208));
-    const int8_t* sc = (const int8_t*)(p + 192) + 2 * j;
-    ws = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
-  }
   static constexpr bool kSuper = true;
   static constexpr int kSuperBytes = 210;
   // d * scale of the 16-weight groups 0-7 and 8-15.
@@ -198,18 +150,6 @@ struct Q6_K {
     w1 = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_and_si256(hi1, m2));
   }
 };
-
-// Blocks b and b + 1 (b even). Formats whose two blocks share bytes override it as pair().
-template <class D>
-static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
-                        __m256& s1, __m256& m0, __m256& m1) {
-  if constexpr (D::kHasPair) {
-    D::pair(row, b, w0, w1, s0, s1, m0, m1);
-  } else {
-    D::block(row, b, w0, s0, m0);
-    D::block(row, b + 1, w1, s1, m1);
-  }
-}
 
 // x * k for the small constants the formats use as offsets.
 template <int K>

@@ -1,9 +1,13 @@
 // AVX2 + FMA tier: bf16 and f32 with float activations, int formats with int8 activations
-// (maddubs: unsigned weights times signed activations, the sign trick for q8_0).
+// (maddubs: unsigned weights times signed activations, the sign trick for q8_0), several rows
+// per activation load.
 #include <immintrin.h>
+
+#include <type_traits>
 
 #include "common.h"
 #include "q8_blocks.h"
+#include "row_groups.h"
 
 namespace ft {
 namespace {
@@ -56,31 +60,95 @@ void f32_row(const uint8_t* w, int64_t cols, const float* const* x, float* res) 
   }
 }
 
-template <class D, int NV>
-void q8_row(const uint8_t* row, int64_t nb, const int8_t* const* xq, const float* const* xdl,
-            const int32_t* const* xgs, float* res) {
+// acc[r][v] += block b of R rows (w, ws, wm) times vector v's activations. The offset and
+// the group sums' floats are shared by the rows; each (row, vector) adds in block order with
+// the same arithmetic whatever R is, so a row's result has the same bits in every group.
+template <class D, int NV, int R>
+static inline void block_dots(const __m256i* w, const __m256* ws, const __m256* wm, int64_t b,
+                              const int8_t* const* xq, const float* const* xdl,
+                              const int32_t* const* xgs, __m256 (*acc)[NV]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i w;
-    __m256 ws, wm = _mm256_setzero_ps();
-    D::block(row, b, w, ws, wm);
-    __m256i wa = D::kSigned ? _mm256_sign_epi8(w, w) : w;
-    for (int v = 0; v < NV; ++v) {
-      __m256i x = _mm256_loadu_si256((const __m256i*)(xq[v] + 32 * b));
-      if (D::kSigned) x = _mm256_sign_epi8(x, w);
-      __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, x), ones);
-      __m256i gs = _mm256_setzero_si256();
-      if (D::kOff || D::kMins) gs = _mm256_loadu_si256((const __m256i*)(xgs[v] + 8 * b));
-      if (D::kOff) dot = _mm256_sub_epi32(dot, q8::mul_const<D::kOff>(gs));
-      __m256 dl = _mm256_loadu_ps(xdl[v] + 8 * b);
-      acc[v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), ws), dl, acc[v]);
-      if (D::kMins)
-        acc[v] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(gs), wm), dl, acc[v]);
+  __m256i wa[R];
+  for (int r = 0; r < R; ++r) wa[r] = D::kSigned ? _mm256_sign_epi8(w[r], w[r]) : w[r];
+  for (int v = 0; v < NV; ++v) {
+    __m256i x = _mm256_loadu_si256((const __m256i*)(xq[v] + 32 * b));
+    __m256i gs = _mm256_setzero_si256();
+    if (D::kOff || D::kMins) gs = _mm256_loadu_si256((const __m256i*)(xgs[v] + 8 * b));
+    __m256i off = D::kOff ? q8::mul_const<D::kOff>(gs) : gs;
+    __m256 fgs = D::kMins ? _mm256_cvtepi32_ps(gs) : _mm256_setzero_ps();
+    __m256 dl = _mm256_loadu_ps(xdl[v] + 8 * b);
+    for (int r = 0; r < R; ++r) {
+      __m256i xs = D::kSigned ? _mm256_sign_epi8(x, w[r]) : x;
+      __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[r], xs), ones);
+      if (D::kOff) dot = _mm256_sub_epi32(dot, off);
+      acc[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), ws[r]), dl, acc[r][v]);
+      if (D::kMins) acc[r][v] = _mm256_fnmadd_ps(_mm256_mul_ps(fgs, wm[r]), dl, acc[r][v]);
     }
   }
-  for (int v = 0; v < NV; ++v) res[v] = hsum(acc[v]);
+}
+
+// Block j's scales (8 lanes) from a super-block's: q4_k one per 32-weight sub-block (sc, mn),
+// q6_k one per 16 weights (lo: groups 0-7, hi: 8-15).
+template <class D, int J>
+static inline void block_scales(__m256 a, __m256 c, __m256& ws, __m256& wm) {
+  if constexpr (std::is_same_v<D, q8::Q4_K>) {
+    ws = _mm256_permutevar8x32_ps(a, _mm256_set1_epi32(J));
+    wm = _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(J));
+  } else {
+    constexpr int g = 2 * (J % 4);
+    const __m256i idx = _mm256_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1);
+    ws = _mm256_permutevar8x32_ps(J < 4 ? a : c, idx);
+  }
+}
+
+// R consecutive rows at once (see row_groups.h), prefetched linearly `ahead` of what has
+// been read of the group; super-block formats decode each row's scales once per super-block
+// and two blocks' quants at a time.
+template <class D, int NV, int R, int L>
+void q8_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* const* xq,
+              const float* const* xdl, const int32_t* const* xgs, float* res, int64_t ahead) {
+  __m256 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const char* pf = (const char*)row + ahead;
+  const char* pf_to = pf;
+  if constexpr (D::kSuper) {
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      for (pf_to += D::kSuperBytes * R; pf < pf_to; pf += 64) prefetch(pf, L);
+      const uint8_t* p[R];
+      __m256 sa[R], sc[R];
+      for (int r = 0; r < R; ++r) {
+        p[r] = row + r * row_bytes + sb * D::kSuperBytes;
+        D::super_scales(p[r], sa[r], sc[r]);
+      }
+      auto one_pair = [&](auto K) {
+        __m256i w0[R], w1[R];
+        __m256 ws[R], wm[R];
+        for (int r = 0; r < R; ++r) D::template pair_quants<K>(p[r], w0[r], w1[r]);
+        for (int r = 0; r < R; ++r) block_scales<D, 2 * K>(sa[r], sc[r], ws[r], wm[r]);
+        block_dots<D, NV, R>(w0, ws, wm, sb * 8 + 2 * K, xq, xdl, xgs, acc);
+        for (int r = 0; r < R; ++r) block_scales<D, 2 * K + 1>(sa[r], sc[r], ws[r], wm[r]);
+        block_dots<D, NV, R>(w1, ws, wm, sb * 8 + 2 * K + 1, xq, xdl, xgs, acc);
+      };
+      one_pair(std::integral_constant<int, 0>{});
+      one_pair(std::integral_constant<int, 1>{});
+      one_pair(std::integral_constant<int, 2>{});
+      one_pair(std::integral_constant<int, 3>{});
+    }
+  } else {
+    for (int64_t b = 0; b < nb; ++b) {
+      for (pf_to += D::kBlockBytes * R; pf < pf_to; pf += 64) prefetch(pf, L);
+      __m256i w[R];
+      __m256 ws[R], wm[R];
+      for (int r = 0; r < R; ++r) {
+        wm[r] = _mm256_setzero_ps();
+        D::block(row + r * row_bytes, b, w[r], ws[r], wm[r]);
+      }
+      block_dots<D, NV, R>(w, ws, wm, b, xq, xdl, xgs, acc);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) res[r * NV + v] = hsum(acc[r][v]);
 }
 
 template <class D, int NV>
@@ -119,11 +187,14 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
     xdl[v] = a.dl + i * (a.K / 4);
     xgs[v] = a.gs + i * (a.K / 4);
   }
-  float res[NV];
-  for (int64_t r = r0; r < r1; ++r) {
-    q8_row<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgs, res);
-    for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
-  }
+  const int64_t ahead = group_lead(prefetch_bytes(), group_rows(NV) * m.row_bytes);
+  const int level = prefetch_level();
+  prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
+  with_level(level, [&](auto L) {
+    for_row_groups<NV>(m, r0, r1, v0, out, ldo, [&](const uint8_t* row, auto R, float* res) {
+      q8_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgs, res, ahead);
+    });
+  });
 }
 
 template <class D>

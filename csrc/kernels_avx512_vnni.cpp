@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "q8_blocks.h"
+#include "q8_pairs.h"
 #include "row_groups.h"
 
 namespace ft {
@@ -18,44 +19,6 @@ template <class D>
 static inline __m256i to_u8(__m256i w) {
   if (D::kSigned) return _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
   return _mm256_add_epi8(w, _mm256_set1_epi8((char)(128 - D::kOff)));
-}
-
-// K-quant rows: scales and mins decoded once per 256-weight super-block, then spread over the
-// lanes of each 64-weight pair (lane l of pair k belongs to group 4k + l / 4).
-template <class D, int NV>
-void q8_row_super(const uint8_t* row, int64_t nb, const int8_t* const* xq,
-                  const float* const* xdl, const int32_t* const* xgb, float* res, int64_t ahead,
-                  int level) {
-  constexpr int64_t kSuperBytes = D::kSuperBytes;
-  __m512 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
-  alignas(64) float s16[16], m16[16];
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* p = row + sb * kSuperBytes;
-    for (int off = 0; off < kSuperBytes; off += 64) prefetch(p + off + ahead, level);
-    D::super_scales(p, s16, m16);
-    __m512 S = _mm512_load_ps(s16);
-    __m512 M = _mm512_mul_ps(_mm512_load_ps(m16), _mm512_set1_ps(1.0f / 128));
-    for (int k = 0; k < 4; ++k) {
-      const __m512i idx = _mm512_add_epi32(
-          _mm512_set1_epi32(4 * k),
-          _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-      __m256i w0, w1;
-      D::pair_quants(p, k, w0, w1);
-      __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(to_u8<D>(w0)), to_u8<D>(w1), 1);
-      __m512 ws = _mm512_permutexvar_ps(idx, S);
-      __m512 wm = D::kMins ? _mm512_permutexvar_ps(idx, M) : _mm512_setzero_ps();
-      int64_t b = sb * 8 + 2 * k;
-      for (int v = 0; v < NV; ++v) {
-        __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
-        __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w, x)), ws);
-        if (D::kMins) t = _mm512_fmadd_ps(wm, _mm512_cvtepi32_ps(gb), t);
-        acc[v] = _mm512_fmadd_ps(t, _mm512_loadu_ps(xdl[v] + 8 * b), acc[v]);
-      }
-    }
-  }
-  for (int v = 0; v < NV; ++v) res[v] = _mm512_reduce_add_ps(acc[v]);
 }
 
 // q8_0 blocks b and b + 1 as one 512-bit vector: both f16 scales sit in the pair's first 64
@@ -71,22 +34,79 @@ static inline void q8_0_pair(const uint8_t* p, __m512i& w, __m512& ws) {
   w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
-// Blocks b and b + 1 of a row as one 512-bit vector of unsigned bytes, with their scales
-// (and mins) per lane.
+// Blocks b and b + 1 of a row as one 512-bit vector of bytes (raw quants where kRaw<D>, else
+// moved to unsigned by to_u8), with their scales (and mins / 128) per lane.
 template <class D>
 static inline void q8_pair_weights(const uint8_t* row, int64_t b, __m512i& w, __m512& ws,
                                    __m512& wm) {
   if constexpr (std::is_same_v<D, q8::Q8_0>) {
     q8_0_pair(row + b * D::kBlockBytes, w, ws);
+  } else if constexpr (std::is_same_v<D, q8::Q5_0>) {
+    q8::q5_0_pair(row + b * D::kBlockBytes, w, ws);
   } else {
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
-    q8::pair<D>(row, b, w0, w1, s0, s1, m0, m1);
-    w = _mm512_inserti64x4(_mm512_castsi256_si512(to_u8<D>(w0)), to_u8<D>(w1), 1);
+    D::block(row, b, w0, s0, m0);
+    D::block(row, b + 1, w1, s1, m1);
+    if constexpr (!q8::kRaw<D>) {
+      w0 = to_u8<D>(w0);
+      w1 = to_u8<D>(w1);
+    }
+    w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
     ws = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
     if (D::kMins)
       wm = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1),
                          _mm512_set1_ps(1.0f / 128));
+  }
+}
+
+// The bias a pair's dot product starts from: gb itself for weights moved by to_u8, else
+// -kOff * sum(x) (shared by the rows of a group).
+template <class D>
+static inline __m512i pair_bias(__m512i gb) {
+  if constexpr (q8::kRaw<D>)
+    return q8::raw_bias<D>(gb);
+  else
+    return gb;
+}
+
+// Pair K of super-block p: its quants and scales (and mins / 128) per lane, from the
+// super-block's scales s.
+template <class D, int K>
+static inline void super_pair(const uint8_t* p, __m512 s, __m512i& w, __m512& ws, __m512& wm) {
+  if constexpr (std::is_same_v<D, q8::Q4_K>) {
+    w = q8::q4_k_pair<K>(p);
+    q8::q4_k_pair_scales<K>(s, ws, wm);
+  } else {
+    w = q8::q6_k_pair<K>(p);
+    ws = q8::q6_k_pair_scales<K>(s);
+  }
+}
+
+template <class D>
+static inline __m512 super_scales(const uint8_t* p) {
+  if constexpr (std::is_same_v<D, q8::Q4_K>)
+    return q8::q4_k_scales(p);
+  else
+    return q8::q6_k_scales(p);
+}
+
+// acc[r][v] += the pair at block b of R rows (w, ws, wm) times vector v's activations.
+template <class D, int NV, int R>
+static inline void pair_dots(const __m512i* w, const __m512* ws, const __m512* wm, int64_t b,
+                             const int8_t* const* xq, const float* const* xdl,
+                             const int32_t* const* xgb, __m512 (*acc)[NV]) {
+  for (int v = 0; v < NV; ++v) {
+    __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
+    __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
+    __m512 dl = _mm512_loadu_ps(xdl[v] + 8 * b);
+    __m512i bias = pair_bias<D>(gb);
+    __m512 fgb = D::kMins ? _mm512_cvtepi32_ps(gb) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bias, w[r], x)), ws[r]);
+      if (D::kMins) t = _mm512_fmadd_ps(wm[r], fgb, t);
+      acc[r][v] = _mm512_fmadd_ps(t, dl, acc[r][v]);
+    }
   }
 }
 
@@ -113,16 +133,7 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
       wm[r] = _mm512_setzero_ps();
       q8_pair_weights<D>(row + r * row_bytes, b, w[r], ws[r], wm[r]);
     }
-    for (int v = 0; v < NV; ++v) {
-      __m512i x = _mm512_loadu_si512(xq[v] + 32 * b);
-      __m512i gb = _mm512_loadu_si512(xgb[v] + 8 * b);
-      __m512 dl = _mm512_loadu_ps(xdl[v] + 8 * b);
-      for (int r = 0; r < R; ++r) {
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(gb, w[r], x)), ws[r]);
-        if (D::kMins) t = _mm512_fmadd_ps(wm[r], _mm512_cvtepi32_ps(gb), t);
-        acc[r][v] = _mm512_fmadd_ps(t, dl, acc[r][v]);
-      }
-    }
+    pair_dots<D, NV, R>(w, ws, wm, b, xq, xdl, xgb, acc);
   }
   float tail[R][NV] = {};
   if (b < nb) {  // an odd last block
@@ -148,6 +159,41 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
     for (int v = 0; v < NV; ++v) res[r * NV + v] = _mm512_reduce_add_ps(acc[r][v]) + tail[r][v];
 }
 
+// The R-row group for super-block formats: each row's scales decoded once per super-block
+// (one vector), then its four pairs as in q8_row_group, in the same order and arithmetic.
+template <class D, int NV, int R, int L>
+void q8_super_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* const* xq,
+                    const float* const* xdl, const int32_t* const* xgb, float* res,
+                    int64_t ahead) {
+  constexpr int64_t kSuperBytes = D::kSuperBytes;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const char* pf = (const char*)row + ahead;
+  const char* pf_to = pf;
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    for (pf_to += kSuperBytes * R; pf < pf_to; pf += 64) prefetch(pf, L);
+    const uint8_t* p[R];
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) {
+      p[r] = row + r * row_bytes + sb * kSuperBytes;
+      s[r] = super_scales<D>(p[r]);
+    }
+    auto one_pair = [&](auto K) {
+      __m512i w[R];
+      __m512 ws[R], wm[R];
+      for (int r = 0; r < R; ++r) super_pair<D, K>(p[r], s[r], w[r], ws[r], wm[r]);
+      pair_dots<D, NV, R>(w, ws, wm, sb * 8 + 2 * K, xq, xdl, xgb, acc);
+    };
+    one_pair(std::integral_constant<int, 0>{});
+    one_pair(std::integral_constant<int, 1>{});
+    one_pair(std::integral_constant<int, 2>{});
+    one_pair(std::integral_constant<int, 3>{});
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) res[r * NV + v] = _mm512_reduce_add_ps(acc[r][v]);
+}
+
 template <class D, int NV>
 void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
              const int32_t* vidx, int v0, float* out, int64_t ldo) {
@@ -160,23 +206,17 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
     xdl[v] = a.dl + i * (a.K / 4);
     xgb[v] = a.gb + i * (a.K / 4);
   }
-  const int64_t ahead =
-      D::kSuper ? prefetch_bytes() : group_lead(prefetch_bytes(), group_rows(NV) * m.row_bytes);
+  const int64_t ahead = group_lead(prefetch_bytes(), group_rows(NV) * m.row_bytes);
   const int level = prefetch_level();
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
-  if constexpr (D::kSuper) {
-    float res[NV];
-    for (int64_t r = r0; r < r1; ++r) {
-      q8_row_super<D, NV>(m.data + r * m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead, level);
-      for (int v = 0; v < NV; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = res[v];
-    }
-  } else {
-    with_level(level, [&](auto L) {
-      for_row_groups<NV>(m, r0, r1, v0, out, ldo, [&](const uint8_t* row, auto R, float* res) {
+  with_level(level, [&](auto L) {
+    for_row_groups<NV>(m, r0, r1, v0, out, ldo, [&](const uint8_t* row, auto R, float* res) {
+      if constexpr (D::kSuper)
+        q8_super_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
+      else
         q8_row_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
-      });
     });
-  }
+  });
 }
 
 template <class D>

@@ -2,6 +2,8 @@
 // Each format turns block b of a row into 32 small integers w (one per byte), a scale per
 // element group in `ws` (8 lanes, one per 4 elements) and, for formats with mins, `wm`, so that
 //   weight[i] = ws[i / 4] * (w[i] - kOff) - wm[i / 4].
+// The super-block formats (kSuper: q4_k, q6_k) give a super-block's scales at once and the
+// quants of its pairs of blocks instead.
 // kSigned: w holds signed int8 (q8_0); otherwise unsigned bytes below 64.
 // Included by ISA translation units only; everything is static inline (one copy per tier).
 #pragma once
@@ -35,9 +37,8 @@ static inline __m256i bits_to_bytes(uint32_t x) {
 struct Q8_0 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_Q8_0].block_bytes;  // per 32 weights
-  static constexpr int kOff = 0, kBlocks = 1;
+  static constexpr int kOff = 0;
   static constexpr bool kSigned = true, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -48,9 +49,8 @@ struct Q8_0 {
 struct Q4_0 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_Q4_0].block_bytes;  // per 32 weights
-  static constexpr int kOff = 8, kBlocks = 1;
+  static constexpr int kOff = 8;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -61,9 +61,8 @@ struct Q4_0 {
 struct Q5_0 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_Q5_0].block_bytes;  // per 32 weights
-  static constexpr int kOff = 16, kBlocks = 1;
+  static constexpr int kOff = 16;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -75,9 +74,8 @@ struct Q5_0 {
 struct MXFP4 {
   static constexpr bool kSuper = false;
   static constexpr int kBlockBytes = FMT_INFO[F_MXFP4].block_bytes;  // per 32 weights
-  static constexpr int kOff = 12, kBlocks = 1;
+  static constexpr int kOff = 12;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
   static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
     const uint8_t* p = row + kBlockBytes * b;
     // twice the e2m1 value of each code, plus 12
@@ -90,54 +88,31 @@ struct MXFP4 {
 };
 
 struct Q4_K {
-  static constexpr int kBlockBytes = FMT_INFO[F_Q4_K].block_bytes / 8;  // per 32 weights
-  static constexpr int kOff = 0, kBlocks = 8;
+  static constexpr int kOff = 0;
   static constexpr bool kSigned = false, kMins = true;
-  static constexpr bool kHasPair = true;
-  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256& wm) {
-    const uint8_t* p = row + FMT_INFO[F_Q4_K].block_bytes * (b / 8);
-    int j = (int)(b % 8);
-    uint8_t sc, mn;
-    q4k_scale_min(p + 4, j, &sc, &mn);
-    ws = _mm256_set1_ps(_cvtsh_ss(load_u16(p)) * sc);
-    wm = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)) * mn);
-    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
-    if (j & 1) q = _mm256_srli_epi16(q, 4);
-    w = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
-  }
-  // Whole super-block at once (the VNNI kernel): a scale and a min per group of 16 weights,
-  // then the quants of pair k (blocks 2k and 2k + 1).
+  // Whole super-blocks (the grouped kernels): the 8 scales and 8 mins of the 32-weight
+  // sub-blocks as integers, unpacked from their 12 bytes by 32-bit word operations.
   static constexpr bool kSuper = true;
   static constexpr int kSuperBytes = 144;
-  static inline void super_scales(const uint8_t* p, float* s16, float* m16) {
-    float d = _cvtsh_ss(load_u16(p)), dmin = _cvtsh_ss(load_u16(p + 2));
-    for (int j = 0; j < 8; ++j) {
-      uint8_t sc, mn;
-      q4k_scale_min(p + 4, j, &sc, &mn);
-      s16[2 * j] = s16[2 * j + 1] = d * sc;
-      m16[2 * j] = m16[2 * j + 1] = dmin * mn;
-    }
+  static inline __m128i super_scale_bytes(const uint8_t* p) {
+    uint32_t a = load_u32(p + 4), b = load_u32(p + 8), c = load_u32(p + 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, top = 0x30303030;
+    uint32_t sc_lo = a & m6, mn_lo = b & m6;
+    uint32_t sc_hi = (c & m4) | ((a >> 2) & top), mn_hi = ((c >> 4) & m4) | ((b >> 2) & top);
+    return _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi);
   }
-  static inline void pair_quants(const uint8_t* p, int k, __m256i& w0, __m256i& w1) {
-    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * k));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    w0 = _mm256_and_si256(q, mask);
-    w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+  // d * scale and dmin * min of each sub-block.
+  static inline void super_scales(const uint8_t* p, __m256& sc, __m256& mn) {
+    __m128i q = super_scale_bytes(p);
+    sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)),
+                       _mm256_set1_ps(_cvtsh_ss(load_u16(p))));
+    mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))),
+                       _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2))));
   }
-  // Sub-blocks 2k and 2k + 1 are the low and high nibbles of one 32-byte chunk.
-  static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
-                          __m256& s1, __m256& m0, __m256& m1) {
-    const uint8_t* p = row + FMT_INFO[F_Q4_K].block_bytes * (b / 8);
-    int j = (int)(b % 8);
-    uint8_t sc0, mn0, sc1, mn1;
-    q4k_scale_min(p + 4, j, &sc0, &mn0);
-    q4k_scale_min(p + 4, j + 1, &sc1, &mn1);
-    float d = _cvtsh_ss(load_u16(p)), dmin = _cvtsh_ss(load_u16(p + 2));
-    s0 = _mm256_set1_ps(d * sc0);
-    s1 = _mm256_set1_ps(d * sc1);
-    m0 = _mm256_set1_ps(dmin * mn0);
-    m1 = _mm256_set1_ps(dmin * mn1);
-    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * (j / 2)));
+  // The quants of pair K (sub-blocks 2K and 2K + 1): one 32-byte chunk's low and high nibbles.
+  template <int K>
+  static inline void pair_quants(const uint8_t* p, __m256i& w0, __m256i& w1) {
+    __m256i q = _mm256_loadu_si256((const __m256i*)(p + 16 + 32 * K));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     w0 = _mm256_and_si256(q, mask);
     w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
@@ -145,63 +120,36 @@ struct Q4_K {
 };
 
 struct Q6_K {
-  static constexpr int kBlockBytes = FMT_INFO[F_Q6_K].block_bytes / 8;  // per 32 weights (rounded down)
-  static constexpr int kOff = 32, kBlocks = 8;
+  static constexpr int kOff = 32;
   static constexpr bool kSigned = false, kMins = false;
-  static constexpr bool kHasPair = false;
-  static inline void block(const uint8_t* row, int64_t b, __m256i& w, __m256& ws, __m256&) {
-    const uint8_t* p = row + FMT_INFO[F_Q6_K].block_bytes * (b / 8);
-    int j = (int)(b % 8), h = j / 4, k = j % 4;
-    __m256i lo = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32 * (k & 1)));
-    if (k >> 1) lo = _mm256_srli_epi16(lo, 4);
-    lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0F));
-    __m256i hi = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h));
-    hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-    w = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    float d = _cvtsh_ss(load_u16(p + 208));
-    const int8_t* sc = (const int8_t*)(p + 192) + 2 * j;
-    ws = _mm256_set_m128(_mm_set1_ps(d * sc[1]), _mm_set1_ps(d * sc[0]));
-  }
   static constexpr bool kSuper = true;
   static constexpr int kSuperBytes = 210;
-  static inline void super_scales(const uint8_t* p, float* s16, float* m16) {
-    float d = _cvtsh_ss(load_u16(p + 208));
-    const int8_t* sc = (const int8_t*)(p + 192);
-    for (int g = 0; g < 16; ++g) {
-      s16[g] = d * sc[g];
-      m16[g] = 0;
-    }
+  // d * scale of the 16-weight groups 0-7 and 8-15.
+  static inline void super_scales(const uint8_t* p, __m256& lo, __m256& hi) {
+    __m128i q = _mm_loadu_si128((const __m128i*)(p + 192));
+    __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 208)));
+    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), d);
   }
-  // Blocks 2k and 2k + 1 share half h = k / 2: 64 bytes of ql (one nibble) and 32 of qh.
-  static inline void pair_quants(const uint8_t* p, int k, __m256i& w0, __m256i& w1) {
-    int h = k / 2, sel = k & 1;  // block 2k is sub-row 2 * sel of its half, 2k + 1 the next
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+  // Blocks 2K and 2K + 1 share half h = K / 2: 64 bytes of ql (one nibble) and 32 of qh.
+  template <int K>
+  static inline void pair_quants(const uint8_t* p, __m256i& w0, __m256i& w1) {
+    constexpr int h = K / 2, sel = K & 1;  // block 2K is sub-row 2 * sel of its half
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
     __m256i lo0 = _mm256_loadu_si256((const __m256i*)(p + 64 * h));
     __m256i lo1 = _mm256_loadu_si256((const __m256i*)(p + 64 * h + 32));
     if (sel) {
       lo0 = _mm256_srli_epi16(lo0, 4);
       lo1 = _mm256_srli_epi16(lo1, 4);
     }
+    // bits 4 sel and 4 sel + 2 of qh, moved to bits 4-5
     __m256i qh = _mm256_loadu_si256((const __m256i*)(p + 128 + 32 * h));
-    __m128i s0 = _mm_cvtsi32_si128(4 * sel), s1 = _mm_cvtsi32_si128(4 * sel + 2);
-    __m256i hi0 = _mm256_and_si256(_mm256_srl_epi16(qh, s0), m2);
-    __m256i hi1 = _mm256_and_si256(_mm256_srl_epi16(qh, s1), m2);
-    w0 = _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_slli_epi16(hi0, 4));
-    w1 = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_slli_epi16(hi1, 4));
+    __m256i hi0 = sel ? qh : _mm256_slli_epi16(qh, 4);
+    __m256i hi1 = sel ? _mm256_srli_epi16(qh, 2) : _mm256_slli_epi16(qh, 2);
+    w0 = _mm256_or_si256(_mm256_and_si256(lo0, m4), _mm256_and_si256(hi0, m2));
+    w1 = _mm256_or_si256(_mm256_and_si256(lo1, m4), _mm256_and_si256(hi1, m2));
   }
 };
-
-// Blocks b and b + 1 (b even). Formats whose two blocks share bytes override it as pair().
-template <class D>
-static inline void pair(const uint8_t* row, int64_t b, __m256i& w0, __m256i& w1, __m256& s0,
-                        __m256& s1, __m256& m0, __m256& m1) {
-  if constexpr (D::kHasPair) {
-    D::pair(row, b, w0, w1, s0, s1, m0, m1);
-  } else {
-    D::block(row, b, w0, s0, m0);
-    D::block(row, b + 1, w1, s1, m1);
-  }
-}
 
 // x * k for the small constants the formats use as offsets.
 template <int K>

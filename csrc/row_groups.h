@@ -1,6 +1,7 @@
-// How the grouped row kernels (VNNI and AVX512-BF16 tiers) walk a matrix's rows: R adjacent
-// rows at once, so each activation load serves R rows, the last few rows one by one; the
-// prefetch level as a template argument, so its switch stays out of the loops.
+// How the grouped row kernels (int8 activations on the AVX2 and VNNI tiers, AVX512-BF16)
+// walk a matrix's rows: R adjacent rows at once, so each activation load serves R rows, the
+// last few rows one by one; the prefetch level as a template argument, so its switch stays
+// out of the loops.
 #pragma once
 
 #include <cstdint>

@@ -53,7 +53,7 @@ def test_dense_matrix_matches_reference(executor, fmt, tokens):
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k"])
 def test_each_row_has_the_same_bits_in_every_batch_and_row_group(tier, fmt):
     """The row kernels read several rows at once (four for one or two vectors, two for more,
     the last rows one by one): a row's result for a vector has the same bits whatever the batch

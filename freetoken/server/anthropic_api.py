@@ -9,6 +9,9 @@ is accepted, before the engine has scheduled it: its usage counts the whole prom
 ``input_tokens`` (the share read from the prefix cache is known only once the prompt is
 scheduled); ``message_delta``'s usage carries the final figures, which are cumulative and
 replace the start's (``input_tokens`` + ``cache_read_input_tokens`` is the prompt in both).
+Thinking blocks are signed (``signing.py``) and a client's must come back with their
+signatures; ``thinking.budget_tokens`` caps the reasoning, after which the family's thought
+closer is forced and the answer follows (``thought_budget.py``).
 ``tool_choice`` ``any`` or ``tool`` forces a call: the prompt ends with the family's tool-call
 opener (``render.forced``). An output whose tool call did not parse stops
 with ``"malformed_tool_call"``, its text in a ``text`` block (see ``output.py``).
@@ -36,9 +39,11 @@ from freetoken.server.generate import (
 )
 from freetoken.server.output import MALFORMED, gathered, output_parser, parsed
 from freetoken.server.parsers import ContentDelta, Event, ReasoningDelta, ToolCall, merge_deltas
-from freetoken.server.render import Prompt, forced, render
+from freetoken.server.render import Prompt, forced, render, tokenized
+from freetoken.server.signing import ThinkingSigner
 from freetoken.server.state import GONE, ServerState
 from freetoken.server.stream import sse
+from freetoken.server.thought_budget import ThoughtBudget
 
 
 def anthropic_routes(state: ServerState) -> APIRouter:
@@ -47,7 +52,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
     def prompt_of(req: CountTokensRequest) -> Prompt:
         req.unserved()
         check_model(state, req.model)
-        messages = req.conversation()
+        messages = req.conversation(state.signer)
         prompt = render(state, messages, req.template_tools(),
                         prefill=messages[-1]["role"] == "assistant",
                         enable_thinking=req.thinking_on())
@@ -67,19 +72,22 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         parser = output_parser(state, prompt, tools=req.template_tools() is not None)
         stops = req.stop_sequences or []
+        cap = req.thinking_budget()
+        budget = None if cap is None else \
+            ThoughtBudget(cap, parser, lambda text: tokenized(state, text).ids)
         if req.stream:
-            events = parsed(generate(state, mid, prompt.ids, params, stops,
+            events = parsed(generate(state, mid, prompt.ids, params, stops, budget=budget,
                                      keep_special=parser.special_tokens), parser)
             return StreamingResponse(message_stream(mid, len(prompt.ids), events),
                                      media_type="text/event-stream")
         evs, out = await gathered(parsed(
-            generate(state, mid, prompt.ids, params, stops, watch=request,
+            generate(state, mid, prompt.ids, params, stops, watch=request, budget=budget,
                      keep_special=parser.special_tokens), parser))
         if out.finish_reason == GONE:
             return Response(status_code=499)
         if err := ended_early(out):
             raise err
-        content = [block(e) for e in merge_deltas(evs)]
+        content = [block(e, state.signer) for e in merge_deltas(evs)]
         return {**message_head(mid, state.model_name), "content": content,
                 "stop_reason": stop_reason(out, any(isinstance(e, ToolCall) for e in evs)),
                 "stop_sequence": out.stop_sequence, "usage": usage(out)}
@@ -87,7 +95,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
     async def message_stream(mid: str, prompt_tokens: int,
                              events: AsyncIterator[tuple[list[Event], Outcome]],
                              ) -> AsyncIterator[str]:
-        stream = MessageEvents(mid, state.model_name)
+        stream = MessageEvents(mid, state.model_name, state.signer)
         try:
             for chunk in stream.start(prompt_tokens):
                 yield chunk
@@ -105,9 +113,9 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 class MessageEvents:
     """The stream events of one message, one generation step at a time (no I/O here)."""
 
-    def __init__(self, mid: str, model: str) -> None:
+    def __init__(self, mid: str, model: str, signer: ThinkingSigner) -> None:
         self.mid, self.model = mid, model
-        self.blocks = Blocks()
+        self.blocks = Blocks(signer)
         self.ended = False
 
     def start(self, prompt_tokens: int) -> Iterator[str]:
@@ -136,11 +144,14 @@ class MessageEvents:
 
 class Blocks:
     """Parser events as content-block stream events: a text or thinking block stays open while
-    its kind of text continues; a tool call is one whole ``tool_use`` block."""
+    its kind of text continues; a tool call is one whole ``tool_use`` block. A thinking block
+    gets its signature in a ``signature_delta`` just before its ``content_block_stop``."""
 
-    def __init__(self) -> None:
+    def __init__(self, signer: ThinkingSigner) -> None:
+        self.signer = signer
         self.index = -1
         self.open: str | None = None  # the kind of the open block
+        self.thinking = ""  # the open thinking block's text so far
         self.called = False
 
     def push(self, e: Event) -> Iterator[str]:
@@ -160,10 +171,16 @@ class Blocks:
             start = {"type": "thinking", "thinking": "", "signature": ""} \
                 if kind == "thinking" else {"type": "text", "text": ""}
             yield event("content_block_start", {"index": self.index, "content_block": start})
+        if kind == "thinking":
+            self.thinking += e.text
         yield event("content_block_delta", {"index": self.index, "delta": {
             "type": f"{kind}_delta", kind: e.text}})
 
     def close(self, force: bool = False) -> Iterator[str]:
+        if self.open == "thinking":
+            yield event("content_block_delta", {"index": self.index, "delta": {
+                "type": "signature_delta", "signature": self.signer.sign(self.thinking)}})
+            self.thinking = ""
         if self.open or force:
             yield event("content_block_stop", {"index": self.index})
             self.open = None
@@ -173,11 +190,11 @@ def message_head(mid: str, model: str) -> dict[str, Any]:
     return {"id": mid, "type": "message", "role": "assistant", "model": model}
 
 
-def block(e: Event) -> dict[str, Any]:
+def block(e: Event, signer: ThinkingSigner) -> dict[str, Any]:
     if isinstance(e, ToolCall):
         return {"type": "tool_use", "id": e.id, "name": e.name, "input": tool_input(e.arguments)}
     if isinstance(e, ReasoningDelta):
-        return {"type": "thinking", "thinking": e.text, "signature": ""}
+        return {"type": "thinking", "thinking": e.text, "signature": signer.sign(e.text)}
     assert isinstance(e, ContentDelta)
     return {"type": "text", "text": e.text}
 

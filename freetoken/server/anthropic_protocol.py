@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from freetoken.server.errors import APIError
 from freetoken.server.render import ForcedCall
+from freetoken.server.signing import ThinkingSigner
 
 
 class _Strict(BaseModel):
@@ -86,9 +87,35 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool = False
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's floor on thinking.budget_tokens
+
+
 class Thinking(_Strict):
+    """``enabled`` caps the reasoning at ``budget_tokens`` (see ``thought_budget.py``);
+    ``adaptive`` lets the model think as long as it likes; ``disabled`` renders the prompt with
+    thinking off where the chat template has the switch (``enable_thinking``)."""
+
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=1)
+    budget_tokens: int | None = None
+
+    def check(self, max_tokens: int | None) -> None:
+        """Anthropic's rule: ``enabled`` needs a budget of at least 1024 and below
+        ``max_tokens``; the other types take none."""
+        field = "thinking.budget_tokens"
+        if self.type != "enabled":
+            if self.budget_tokens is not None:
+                raise APIError(400, f"{field}: only thinking.type 'enabled' takes a budget "
+                               f"(this one is {self.type!r}); drop it", field)
+            return
+        if self.budget_tokens is None:
+            raise APIError(400, f"{field}: required when thinking.type is 'enabled'; send "
+                           f"a budget of at least {MIN_THINKING_BUDGET}", field)
+        if self.budget_tokens < MIN_THINKING_BUDGET:
+            raise APIError(400, f"{field}: {self.budget_tokens} is below the minimum of "
+                           f"{MIN_THINKING_BUDGET}; send at least {MIN_THINKING_BUDGET}", field)
+        if max_tokens is not None and self.budget_tokens >= max_tokens:
+            raise APIError(400, f"{field}: {self.budget_tokens} must be less than max_tokens "
+                           f"({max_tokens}); raise max_tokens or lower the budget", field)
 
 
 class CountTokensRequest(_Strict):
@@ -110,8 +137,9 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
-    def conversation(self) -> list[dict[str, Any]]:
-        """The messages as chat templates read them (OpenAI's roles and tool calls)."""
+    def conversation(self, signer: ThinkingSigner) -> list[dict[str, Any]]:
+        """The messages as chat templates read them (OpenAI's roles and tool calls); a
+        thinking block must carry the signature ``signer`` gave its text."""
         out: list[dict[str, Any]] = []
         if self.system:
             system = self.system if isinstance(self.system, str) else \
@@ -119,7 +147,7 @@ class CountTokensRequest(_Strict):
             out.append({"role": "system", "content": system})
         called: dict[str, str] = {}  # tool_use id -> tool name, from earlier assistant turns
         for i, msg in enumerate(self.messages):
-            out += _turn(i, msg, called)
+            out += _turn(i, msg, called, signer)
         return out
 
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -134,10 +162,18 @@ class CountTokensRequest(_Strict):
 
     output_config: dict[str, Any] | None = None
 
+    def thinking_budget(self) -> int | None:
+        """The cap on the reasoning's tokens, or None (thinking off, or adaptive)."""
+        if self.thinking is None or self.thinking.type != "enabled":
+            return None
+        return self.thinking.budget_tokens
+
     def unserved(self) -> None:
         if (self.output_config or {}).get("format"):
             raise APIError(400, "output_config.format is not supported: this server does not "
                            "constrain output to a JSON schema", "output_config.format")
+        if self.thinking is not None:
+            self.thinking.check(getattr(self, "max_tokens", None))
         self.forced_call()
 
     def forced_call(self) -> ForcedCall | None:
@@ -167,7 +203,8 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
-def _turn(i: int, msg: InputMessage, called: dict[str, str]) -> list[dict[str, Any]]:
+def _turn(i: int, msg: InputMessage, called: dict[str, str],
+          signer: ThinkingSigner) -> list[dict[str, Any]]:
     if isinstance(msg.content, str):
         return [{"role": msg.role, "content": msg.content}]
     if not msg.content:
@@ -179,6 +216,12 @@ def _turn(i: int, msg: InputMessage, called: dict[str, str]) -> list[dict[str, A
         if isinstance(block, TextBlock):
             text.append(block.text)
         elif isinstance(block, ThinkingBlock):
+            if not signer.valid(block.thinking, block.signature):
+                where = f"messages.{i}.content.{j}.signature"
+                raise APIError(400, f"{where}: does not match the block's thinking (this server "
+                               "did not write it, it was edited, or the server restarted "
+                               "since); send thinking blocks back exactly as returned, or "
+                               "drop them", where)
             reasoning.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             called[block.id] = block.name

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -24,6 +24,7 @@ from freetoken.engine.scheduler import Event
 from freetoken.server.errors import APIError
 from freetoken.server.state import GONE, SHUTDOWN, ServerState
 from freetoken.server.stream import StopMatcher
+from freetoken.server.thought_budget import ThoughtBudget
 
 DEFAULT_MAX_TOKENS = 1024
 
@@ -46,6 +47,7 @@ class Outcome:
     # with logprobs asked for: (token id, its log-probability and the top ones) per output
     # token, the token that ends the turn (EOS, a stop token id) left out
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # every output token, forced ones too
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -89,22 +91,28 @@ def valid_stop_ids(state: ServerState, ids: list[int] | None) -> tuple[int, ...]
 
 async def generate(state: ServerState, rid: str, ids: list[int], params: SamplingParams,
                    stops: list[str], watch: Request | None = None, keep_special: bool = False,
+                   budget: ThoughtBudget | None = None,
                    ) -> AsyncIterator[tuple[str, Outcome]]:
     """Text deltas of one request with its running outcome (see the module docstring).
     ``keep_special``: special tokens stay in the text (for a parser whose markers they are),
-    but end-of-turn tokens (``ServerState.end_token_ids``) still never become text."""
+    but end-of-turn tokens (``ServerState.end_token_ids``) still never become text.
+    ``budget``: a cap on the reasoning; the consumer must feed each delta to the budget's
+    parser before asking for the next. When it is spent the engine request is aborted and a
+    new one continues from the prompt, the tokens so far and the forced thought closer (its
+    tokens count as output; the prefix cache holds what came before)."""
     m = state.metrics
     m.prompt_tokens.inc(len(ids))
-    queue = state.client.submit(rid, ids, params)
-    watcher = asyncio.ensure_future(_watch(watch, rid, queue)) if watch is not None else None
+    lane = _Lane(rid, state.client.submit(rid, ids, params))
+    watcher = asyncio.ensure_future(_watch(watch, lane)) if watch is not None else None
     detok = Detokenizer(state.tokenizer, keep_special=keep_special,
                         hidden=state.end_token_ids if keep_special else ())
     matcher, out = StopMatcher(stops), Outcome()
     engine_done = False
+    base = 0  # output tokens before the current engine request (a closed thought's)
     t0 = last = time.monotonic()
     try:
         while out.finish_reason is None:
-            e: Event = await queue.get()
+            e: Event = await lane.queue.get()
             if e.finish_reason in (GONE, SHUTDOWN):
                 out.finish_reason = e.finish_reason
                 yield "", out
@@ -114,8 +122,9 @@ async def generate(state: ServerState, rid: str, ids: list[int], params: Samplin
                 out.error, out.finish_reason = e.error or "engine error", "error"
                 yield "", out
                 break
-            out.prompt_tokens, out.cached_tokens = e.prompt_tokens, e.cached_tokens
-            out.completion_tokens = e.completion_tokens
+            if base == 0:
+                out.prompt_tokens, out.cached_tokens = e.prompt_tokens, e.cached_tokens
+            out.completion_tokens = base + e.completion_tokens
             delta, hit = "", False
             if e.token is not None:
                 now = time.monotonic()
@@ -123,6 +132,7 @@ async def generate(state: ServerState, rid: str, ids: list[int], params: Samplin
                 first = out.completion_tokens == 1
                 (m.ttft if first else m.itl).observe(now - (t0 if first else last))
                 last = now
+                out.token_ids.append(e.token)
                 ends = e.finish_reason == "stop" and (e.token in params.stop_token_ids
                                                       or e.token in state.end_token_ids)
                 if e.logprobs is not None and not ends:
@@ -136,13 +146,46 @@ async def generate(state: ServerState, rid: str, ids: list[int], params: Samplin
                 delta += matcher.flush()
             out.text += delta
             yield delta, out
+            closer = budget.after_token() if budget and e.token is not None else None
+            if closer and out.finish_reason is None:
+                state.client.abort(lane.rid)
+                closer = closer[:params.max_tokens - out.completion_tokens]  # max_tokens holds
+                delta, hit = "", False
+                for t in closer:
+                    out.token_ids.append(t)
+                    out.completion_tokens += 1
+                    piece, hit = matcher.push(detok.push(t))
+                    delta += piece
+                    if hit:
+                        break
+                base = out.completion_tokens
+                room = params.max_tokens - out.completion_tokens
+                if hit:
+                    out.finish_reason, out.stop_sequence = "stop", matcher.matched
+                elif room < 1:
+                    out.finish_reason = "length"
+                    delta += matcher.flush()
+                else:
+                    lane.rid = f"{rid}+answer"
+                    lane.queue = state.client.submit(lane.rid, ids + out.token_ids,
+                                                     replace(params, max_tokens=room))
+                out.text += delta
+                yield delta, out
     finally:
         if watcher is not None:
             watcher.cancel()
         if engine_done:
-            state.client.done(rid)
+            state.client.done(lane.rid)
         else:  # a stop string, a client gone, shutdown: free its KV now
-            state.client.abort(rid)
+            state.client.abort(lane.rid)
+
+
+@dataclass
+class _Lane:
+    """The engine request a generation reads now (a thought budget starts a second one)."""
+
+    rid: str
+    queue: asyncio.Queue[Event]
 
 
 async def disconnected(request: Request) -> None:
@@ -151,10 +194,10 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def _watch(request: Request, rid: str, queue: asyncio.Queue[Event]) -> None:
+async def _watch(request: Request, lane: _Lane) -> None:
     """End the request through its own queue once the client disconnects."""
     await disconnected(request)
-    queue.put_nowait(Event(rid, None, GONE, 0, 0, 0))
+    lane.queue.put_nowait(Event(lane.rid, None, GONE, 0, 0, 0))
 
 
 async def run(events: AsyncIterator[tuple[str, Outcome]]) -> Outcome:

@@ -9,6 +9,7 @@ from typing import Any
 from freetoken.engine.scheduler import Event
 from freetoken.server.metrics import Metrics
 from freetoken.server.process import EngineClient
+from freetoken.server.signing import ThinkingSigner
 
 # Finish reasons the API process sets, not the engine: the client went away; the server stopped
 # the request at the end of its shutdown grace period.
@@ -34,6 +35,7 @@ class ServerState:
     parser_family: str = "plain"
     end_token_ids: frozenset[int] = frozenset()
     metrics: Metrics = field(default_factory=Metrics)
+    signer: ThinkingSigner = field(default_factory=ThinkingSigner)  # thinking blocks' signatures
     started: float = field(default_factory=time.time)
     draining: bool = False  # shutting down: new requests get 503, in-flight ones finish
 

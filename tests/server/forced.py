@@ -5,14 +5,18 @@ are zero, so the final hidden state is the current token's embedding. Token ``ch
 embeds as basis vector ``i + 1`` and every other token as vector 0; the head maps vector 0 to
 ``chain[0]`` and vector ``i + 1`` to ``chain[i + 1]``, by a margin no temperature near 1
 overturns. Whatever the prompt, the model emits the chain; its last token must be the EOS.
-The tokenizer is byte-level with the chain's words as added tokens, markers special or not as
-the family's real tokenizer has them.
+More generally (``force_graph``) each token names its successor and any other token is
+followed by one default, so an output may loop. The tokenizer is byte-level with the
+output's words as added tokens, markers special or not as the family's real tokenizer has
+them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,26 +39,52 @@ def tokenizer_files(out: Path, words: list[str], specials: list[str], template: 
         "clean_up_tokenization_spaces": False}))
 
 
-def force(model: torch.nn.Module, chain: list[int]) -> None:
-    """Set ``model``'s weights so that greedy decoding emits ``chain`` (see the module)."""
+def force_graph(model: torch.nn.Module, nexts: dict[int, int], default: int) -> None:
+    """Set ``model``'s weights so that the token after ``t`` is ``nexts[t]``, and after any
+    other token ``default``, whatever came before."""
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    assert len(chain) + 1 <= emb.shape[1] and len(set(chain)) == len(chain)
+    known = list(dict.fromkeys([*nexts, *nexts.values()]))
+    assert len(known) + 1 <= emb.shape[1]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "o_proj" in name or "down_proj" in name:
                 p.zero_()
             elif name.endswith("model.norm.weight"):
-                p.fill_(8.0)  # logits 64 vs 0: the chain wins even when sampling at 1.0
+                p.fill_(8.0)  # logits 64 vs 0: the successor wins even when sampling at 1.0
         emb.zero_()
         emb[:, 0] = 1.0
         head.zero_()
-        head[chain[0], 0] = 1.0
-        for i, t in enumerate(chain):
+        head[default, 0] = 1.0
+        for i, t in enumerate(known):
             emb[t] = 0.0
             emb[t, i + 1] = 1.0
-            if i + 1 < len(chain):
-                head[chain[i + 1], i + 1] = 1.0
+            if t in nexts:
+                head[nexts[t], i + 1] = 1.0
+
+
+def build(out: Path, text: list[str], specials: list[str], template: str, eos: str,
+          make: Callable[[dict[str, int]], Any],
+          loop: dict[str, str] | None = None) -> dict[str, int]:
+    """Write a forced checkpoint to ``out``: the tokenizer (``text``'s words, ``specials``),
+    the model ``make(ids)`` returns (ids by token text) forced to answer ``text`` then
+    ``eos``, saved; ``loop`` adds successors by text, which may lead back into ``text``
+    (each of ``text`` is then followed by the next of it only where ``loop`` says nothing).
+    Returns the ids."""
+    words = [t for t in dict.fromkeys([*text, *(loop or {}), *(loop or {}).values()])
+             if t not in specials]
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_files(out, words, specials, template)
+    ids = {t: 256 + i for i, t in enumerate(words + specials)}
+    torch.manual_seed(0)
+    model = make(ids)
+    chain = [ids[t] for t in text] + [ids[eos]]
+    assert len(set(chain)) == len(chain), "a token repeats in text: say where it goes in loop"
+    nexts = dict(zip(chain, chain[1:], strict=False))
+    nexts.update({ids[a]: ids[b] for a, b in (loop or {}).items()})
+    force_graph(model, nexts, chain[0])
+    model.save_pretrained(out)
+    return ids
 
 
 def _byte_spelling() -> dict[int, str]:
@@ -78,22 +108,18 @@ def gpt_oss(out: Path, text: list[str], stops: tuple[str, ...] = ()) -> Path:
     ``<|call|>``; the output ends at the first of them in ``text``."""
     from transformers import GenerationConfig, GptOssConfig, GptOssForCausalLM
 
-    words = [t for t in text if t not in HARMONY_SPECIALS]
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer_files(out, words, HARMONY_SPECIALS, HARMONY_TEMPLATE)
-    ids = {t: 256 + i for i, t in enumerate(words + HARMONY_SPECIALS)}
-    eos = ids["<|endoftext|>"]
-    torch.manual_seed(0)
-    cfg = GptOssConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
-        eos_token_id=eos, pad_token_id=eos, bos_token_id=None,
-        layer_types=["sliding_attention", "full_attention"])
-    model = GptOssForCausalLM(cfg)
-    force(model, [ids[t] for t in text] + [eos])
-    model.save_pretrained(out)
+    def make(ids: dict[str, int]) -> Any:
+        eos = ids["<|endoftext|>"]
+        return GptOssForCausalLM(GptOssConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, max_position_embeddings=512,
+            eos_token_id=eos, pad_token_id=eos, bos_token_id=None,
+            layer_types=["sliding_attention", "full_attention"]))
+
+    ids = build(out, text, HARMONY_SPECIALS, HARMONY_TEMPLATE, "<|endoftext|>", make)
     if stops:
+        eos = ids["<|endoftext|>"]
         GenerationConfig(eos_token_id=[eos, *(ids[s] for s in stops)], pad_token_id=eos,
                          ).save_pretrained(out)
     return out
@@ -105,25 +131,22 @@ QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% endif %}")
 
 
-def qwen3_moe(out: Path, text: list[str]) -> Path:
-    """A Qwen3-MoE directory that answers with the tokens of ``text`` then ``<|im_end|>``;
-    ``<think>`` and ``<tool_call>`` are plain added tokens, as in Qwen3's tokenizer."""
+def qwen3_moe(out: Path, text: list[str], template: str = QWEN_TEMPLATE,
+              loop: dict[str, str] | None = None, max_position: int = 512) -> Path:
+    """A Qwen3-MoE directory that answers with the tokens of ``text`` then ``<|im_end|>``
+    (``loop``: see ``build``); ``<think>`` and ``<tool_call>`` are plain added tokens, as in
+    Qwen3's tokenizer."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    words = list(dict.fromkeys(text))
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer_files(out, words, QWEN_SPECIALS, QWEN_TEMPLATE)
-    ids = {t: 256 + i for i, t in enumerate(words + QWEN_SPECIALS)}
-    eos = ids["<|im_end|>"]
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
-        eos_token_id=eos, pad_token_id=ids["<|endoftext|>"], bos_token_id=None)
-    model = Qwen3MoeForCausalLM(cfg)
-    force(model, [ids[t] for t in text] + [eos])
-    model.save_pretrained(out)
+    def make(ids: dict[str, int]) -> Any:
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_position,
+            eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            bos_token_id=None))
+
+    build(out, text, QWEN_SPECIALS, template, "<|im_end|>", make, loop)
     return out
 
 
@@ -144,21 +167,43 @@ def gemma4(out: Path, text: list[str]) -> Path:
     untied from the embedding (the forcing needs them apart)."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    words = [t for t in text if t not in GEMMA4_SPECIALS]
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer_files(out, words, GEMMA4_SPECIALS, GEMMA4_TEMPLATE)
-    ids = {t: 256 + i for i, t in enumerate(words + GEMMA4_SPECIALS)}
-    eos = ids["<turn|>"]
-    torch.manual_seed(0)
-    cfg = Gemma4TextConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
-        num_experts=4, top_k_experts=2, moe_intermediate_size=32, sliding_window=8,
-        hidden_size_per_layer_input=0, max_position_embeddings=512, tie_word_embeddings=False,
-        layer_types=["sliding_attention", "full_attention"],
-        eos_token_id=eos, pad_token_id=eos, bos_token_id=None)
-    model = Gemma4ForCausalLM(cfg)
-    force(model, [ids[t] for t in text] + [eos])
-    model.save_pretrained(out)
+    def make(ids: dict[str, int]) -> Any:
+        eos = ids["<turn|>"]
+        return Gemma4ForCausalLM(Gemma4TextConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+            num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
+            num_experts=4, top_k_experts=2, moe_intermediate_size=32, sliding_window=8,
+            hidden_size_per_layer_input=0, max_position_embeddings=512,
+            tie_word_embeddings=False, layer_types=["sliding_attention", "full_attention"],
+            eos_token_id=eos, pad_token_id=eos, bos_token_id=None))
+
+    build(out, text, GEMMA4_SPECIALS, GEMMA4_TEMPLATE, "<turn|>", make)
+    return out
+
+
+GEMMA3_SPECIALS = ["<start_of_turn>", "<eos>", "<end_of_turn>"]
+GEMMA3_TEMPLATE = (
+    "{% if tools %}<start_of_turn>user\nTools: {{ tools | map(attribute='function') | "
+    "map(attribute='name') | join(', ') }}<end_of_turn>\n{% endif %}"
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}"
+    "\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def gemma3(out: Path, text: list[str]) -> Path:
+    """A Gemma-3 (dense) directory that answers with the tokens of ``text`` then
+    ``<end_of_turn>``; its tool calls are plain text (a ``tool_code`` block), as in Gemma-3.
+    The head is untied from the embedding (the forcing needs them apart)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    def make(ids: dict[str, int]) -> Any:
+        eos = ids["<end_of_turn>"]
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+            max_position_embeddings=512, query_pre_attn_scalar=16, tie_word_embeddings=False,
+            eos_token_id=eos, pad_token_id=ids["<eos>"], bos_token_id=None))
+
+    build(out, text, GEMMA3_SPECIALS, GEMMA3_TEMPLATE, "<end_of_turn>", make)
     return out

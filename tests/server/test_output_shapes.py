@@ -16,7 +16,10 @@ from freetoken.server.anthropic_api import MessageEvents
 from freetoken.server.generate import Outcome
 from freetoken.server.openai_api import ChatChunks
 from freetoken.server.parsers import make_parser
+from freetoken.server.signing import ThinkingSigner
 from freetoken.server.state import SHUTDOWN
+
+SIGNER = ThinkingSigner()
 
 CALL = {"city": "Paris", "days": 3}
 TEXT = ("<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n"
@@ -48,7 +51,7 @@ def sse_events(chunks: list[str]) -> list[tuple[str | None, dict]]:
 
 @pytest.mark.parametrize("cut", [1, 3, 7, 1000])
 def test_anthropic_stream_accumulates_to_thinking_text_and_tool_use(cut):
-    stream = MessageEvents("msg_1", "m")
+    stream = MessageEvents("msg_1", "m", SIGNER)
     chunks = [*stream.start(20), *(c for evs, out in steps(TEXT, cut)
                                    for c in stream.step(evs, out))]
     events = sse_events(chunks)
@@ -66,6 +69,7 @@ def test_anthropic_stream_accumulates_to_thinking_text_and_tool_use(cut):
         snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
     assert [b.type for b in snapshot.content] == ["thinking", "text", "tool_use"]
     assert snapshot.content[0].thinking == "The user wants the weather."
+    assert SIGNER.valid(snapshot.content[0].thinking, snapshot.content[0].signature)
     assert snapshot.content[1].text == "Let me check."
     assert snapshot.content[2].name == "get_weather" and snapshot.content[2].input == CALL
     assert snapshot.stop_reason == "tool_use"
@@ -91,7 +95,7 @@ def test_openai_stream_accumulates_to_reasoning_content_and_tool_calls(cut):
 
 
 def test_a_stream_ended_at_shutdown_ends_with_an_error_event():
-    stream = MessageEvents("msg_1", "m")
+    stream = MessageEvents("msg_1", "m", SIGNER)
     [(evs, out)] = steps("Hello", 1000)
     first = [*stream.start(3), *stream.step(evs, Outcome(prompt_tokens=3, completion_tokens=1))]
     last = sse_events(list(stream.step([], Outcome(finish_reason=SHUTDOWN))))

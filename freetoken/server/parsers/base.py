@@ -103,6 +103,12 @@ class OutputParser(ABC):
         as the start of the call. None: the family has no tool-call markup (the default)."""
         return None
 
+    def thought_closer(self) -> str | None:
+        """What ends the thought the output is in now, in the family's markup, so that what
+        follows is the answer (a reasoning budget spent); None when no thought is open or the
+        family has no reasoning markup (the default)."""
+        return None
+
     def feed(self, delta: str) -> list[Event]:
         """Events that ``delta`` completes (possibly none)."""
         if self._finished:

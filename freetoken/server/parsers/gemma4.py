@@ -67,8 +67,11 @@ class Gemma4Parser(OutputParser):
 
     def call_opener(self, name: str | None) -> str | None:
         """``<|tool_call>call:``, then for a named tool its name and the arguments' ``{``."""
-        head = END_THOUGHT if self.state == "reasoning" else ""
+        head = self.thought_closer() or ""
         return head + CALL + "call:" + ("" if name is None else name + "{")
+
+    def thought_closer(self) -> str | None:
+        return END_THOUGHT if self.state == "reasoning" else None
 
     def _call_step(self, final: bool) -> bool:
         def parse(body: str) -> list[tuple[str, str]] | None:

@@ -108,6 +108,12 @@ class HarmonyParser(OutputParser):
         header = CHANNEL + "commentary to=functions."
         return lead + header + ("" if name is None else f"{name} {CONSTRAIN}json{MESSAGE}")
 
+    def thought_closer(self) -> str | None:
+        """The analysis message ended and a final one's header written up to its body."""
+        if self.state != "body" or self.kind is not ReasoningDelta:
+            return None
+        return END + START + "assistant" + CHANNEL + "final" + MESSAGE
+
     def _call_step(self, final: bool) -> bool:
         tool = self.tool
         assert tool is not None

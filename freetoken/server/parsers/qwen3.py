@@ -53,10 +53,13 @@ class Qwen3Parser(OutputParser):
     def call_opener(self, name: str | None) -> str | None:
         """``<tool_call>\n``, then for a named tool the call's JSON up to its arguments, as
         the chat template writes a call."""
-        head = END_THINK + "\n\n" if self.state == "reasoning" else ""
+        head = self.thought_closer() or ""
         named = "" if name is None else \
             '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
         return head + CALL + "\n" + named
+
+    def thought_closer(self) -> str | None:
+        return END_THINK + "\n\n" if self.state == "reasoning" else None
 
     def _call_step(self, final: bool) -> bool:
         """Finish the open call if its closer (or the end) is here; False while it is not."""

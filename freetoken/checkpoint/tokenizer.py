@@ -29,7 +29,11 @@ def load_hf_tokenizer(directory: Path) -> Any:
 
 
 def load_gguf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
+    """The file's tokenizer from its ``tokenizer.ggml.*`` metadata. ``AutoTokenizer`` also
+    parses the architecture's config to pick a tokenizer class, which transformers cannot do
+    for every file it can tokenise (Gemma-4's per-layer KV head counts, GPT-OSS's metadata);
+    where it fails, the tokenizer is built from the vocabulary alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cached = env.cache_dir() / "tokenizers" / _file_key(path)
     if (cached / "tokenizer.json").exists():
@@ -37,8 +41,14 @@ def load_gguf_tokenizer(path: Path) -> Any:
     log.info("building the tokenizer from %s's metadata (once; cached in %s)", path.name, cached)
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # transformers raises many types for vocabularies it cannot map
-        raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
+    except Exception as auto:  # transformers raises many types for files it cannot map
+        log.info("transformers' tokenizer class for %s: %s: %s; building it from the "
+                 "vocabulary alone", path.name, type(auto).__name__, str(auto).splitlines()[0]
+                 if str(auto) else "")
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
     try:
         tok.save_pretrained(str(cached))
     except OSError as e:

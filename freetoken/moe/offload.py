@@ -337,9 +337,13 @@ def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> No
     for m in chosen:
         m.gpu_kernel = "fused"
     kinds = sorted({m.bank.layout.kind for m in chosen if m.bank is not None})
-    log.info("GPU expert kernel: fused gather-GEMV on %d layer%s%s, dequantise + matmul on %d",
-             len(chosen), "" if len(chosen) == 1 else "s",
-             f" ({'; '.join(kinds)})" if kinds else "", len(layers) - len(chosen))
+    slow = sorted({"/".join(m.bank.layout.formats) for m in layers
+                   if m.bank is not None and m not in chosen})
+    log.info("GPU expert kernel: fused gather-GEMV on %d layer%s%s, dequantise + matmul on "
+             "%d%s", len(chosen), "" if len(chosen) == 1 else "s",
+             f" ({'; '.join(kinds)})" if kinds else "", len(layers) - len(chosen),
+             f" ({'; '.join(slow)}: no fused kernel)" if slow and reason is None
+             and want != "dequant" else "")
 
 
 def offload_stats(model: nn.Module, per_layer: bool = True) -> dict[str, Any] | None:

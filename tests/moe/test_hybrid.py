@@ -12,9 +12,10 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
-from freetoken.moe.hybrid import REMEASURE_EVERY, HybridExperts, SplitPolicy
+from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.profile import VERSION, Row, save_rows
+from freetoken.moe.split import REMEASURE_EVERY, SplitPolicy
 from tests.models.helpers import load_ours, our_logits
 
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8]
@@ -206,8 +207,8 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
     CPU's job, checked once per set of copies, reads them as float32) and the CPU pool writes
     its share into the pinned buffer the next piece copies in: the same numbers as the eager
     plan, with the same fetches."""
-    from freetoken.moe.hybrid import SplitPolicy
     from freetoken.moe.pieces import HostCopies
+    from freetoken.moe.split import SplitPolicy
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
@@ -243,7 +244,7 @@ def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatc
                                                    gather_on_cpu):
     """The policy learns whether the call it observes was a probe (to back off while probes
     lose): a layer's calls must hand it the probe flag of that call, not of the next one."""
-    from freetoken.moe.hybrid import SplitPolicy
+    from freetoken.moe.split import SplitPolicy
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     layer = _hybrid(q8_gguf)[1][0]

@@ -12,9 +12,10 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
-from freetoken.moe.hybrid import HybridExperts, SplitPolicy
+from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.lookahead import Lookahead, router_of
 from freetoken.moe.offload import OffloadExperts, offload_stats
+from freetoken.moe.split import SplitPolicy
 from tests.models.helpers import load_ours, our_logits
 
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8, 19, 240]

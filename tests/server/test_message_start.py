@@ -15,7 +15,7 @@ import pytest
 
 from tests.server import forced
 from tests.server.conftest import Server
-from tests.server.test_output_serve import ASK, clients, serve
+from tests.server.live import ASK, clients, serve
 
 # The request ahead: choices of as many tokens as the context holds, run one after another
 # (seconds here), so it is still running when the message is sent.

@@ -16,22 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests.server import forced
-from tests.server.conftest import Server, start_server
+from tests.server.conftest import Server
+from tests.server.live import ASK, clients, forced_server, serve
 
 HARMONY = ["<|channel|>", "analysis", "<|message|>", "hmm", "<|end|>", "hi"]
 BROKEN_CALL = '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'
 QWEN = ["<think>", "hmm", "</think>", "hi", "<tool_call>", '{"name": "f", "arguments": {"a": 1',
         "</tool_call>"]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-SERVE = ["--served-model-name", "m", "--max-seq-len", "256", "--kv-tokens", "2048",
-         "--max-running-requests", "4", "--max-prefill-length", "128"]
-ASK = [{"role": "user", "content": "hello there"}]
-
-
-def serve(model: Path, log: Path, *extra: str) -> Server:
-    return start_server(["--model", str(model), *SERVE, *extra], log)
-
-
 @pytest.fixture(scope="module")
 def harmony_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return forced.gpt_oss(tmp_path_factory.mktemp("forced") / "gpt_oss", HARMONY)
@@ -46,18 +38,7 @@ def harmony(harmony_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture(scope="module")
 def broken_call(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("forced")
-    server = serve(forced.qwen3_moe(d / "qwen3_moe", QWEN), d / "qwen3.log")
-    yield server
-    server.stop()
-
-
-def clients(server: Server):
-    from anthropic import Anthropic
-    from openai import OpenAI
-
-    return (OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120),
-            Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120))
+    yield from forced_server(tmp_path_factory, lambda d: forced.qwen3_moe(d, QWEN))
 
 
 def openai_stream(client, **kw) -> tuple[str, str, str | None]:

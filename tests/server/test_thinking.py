@@ -20,7 +20,7 @@ import pytest
 
 from tests.server import forced
 from tests.server.conftest import Server
-from tests.server.test_output_serve import ASK, clients, serve
+from tests.server.live import ASK, clients, serve
 
 BUDGET = 1024
 LOOP = {" again": "step", "</think>": "\n\n", "\n\n": "Hello", "Hello": "<|im_end|>"}

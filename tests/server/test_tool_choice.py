@@ -1,6 +1,7 @@
 """Forced tool choice through a live ``ft serve`` and the official clients: OpenAI
 ``"required"`` and a named function, Anthropic ``any`` and ``tool``, come back as the named
-tool's call; ``"none"`` offers no tools; a choice that cannot be served is a 400 naming it.
+tool's call, for Qwen3, GPT-OSS (harmony) and Gemma-3 (a ``tool_code`` block); ``"none"``
+offers no tools; a choice that cannot be served is a 400 naming it.
 
 The models are tiny checkpoints whose output is fixed (``forced.py``): each chain token is
 followed by the next whatever came before, so a prompt that ends with the family's tool-call
@@ -20,8 +21,16 @@ import pytest
 
 from tests.server import forced
 from tests.server.conftest import Server
-from tests.server.test_output_serve import ASK, clients, serve
-from tests.server.test_tool_round_trip import ANTHROPIC_TOOLS, HARMONY, TOOLS, streamed_calls
+from tests.server.live import (
+    ANTHROPIC_TOOLS,
+    ASK,
+    TOOLS,
+    assert_weather_call,
+    clients,
+    forced_server,
+    serve,
+    streamed_calls,
+)
 
 # The Qwen3 call cut where the openers end: "<tool_call>\n" (any tool), then the call's JSON
 # up to its arguments (a named one).
@@ -30,6 +39,12 @@ QWEN = ["<tool_call>\n", '{"name": "get_weather", "arguments": ', '{"city": "Par
 # A template that writes the tools' names, so whether tools were offered shows in the prompt.
 TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | "
             "map(attribute='name') | join(', ') }}<|im_end|>\n{% endif %}" + forced.QWEN_TEMPLATE)
+# GPT-OSS's call cut where the openers end: the header up to ``functions.`` (any tool), then
+# the name and the rest of the header (a named one).
+HARMONY = ["<|channel|>", "commentary to=functions.", "get_weather ", "<|constrain|>", "json",
+           "<|message|>", json.dumps({"city": "Paris"}), "<|call|>"]
+# Gemma-3's: the tool_code fence (any tool), then the call up to its arguments (a named one).
+GEMMA3 = ["```tool_code\n", "get_weather(", 'city="Paris")\n', "```"]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 OTHER = {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}
 
@@ -50,24 +65,19 @@ def qwen(qwen_dir: Path) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("forced")
-    model = forced.gpt_oss(d / "gpt_oss", HARMONY, stops=("<|return|>", "<|call|>"))
-    server = serve(model, d / "harmony.log")
-    yield server
-    server.stop()
+    yield from forced_server(tmp_path_factory, lambda d: forced.gpt_oss(
+        d, HARMONY, stops=("<|return|>", "<|call|>")))
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from forced_server(tmp_path_factory, lambda d: forced.gemma3(d, GEMMA3))
 
 
 def forced_call(oai, **kw):
     """(the choice, usage) of a chat completion offering the tools."""
     r = oai.chat.completions.create(model="m", messages=ASK, tools=[*TOOLS, OTHER], **kw)
     return r.choices[0], r.usage
-
-
-def assert_weather_call(choice) -> None:
-    assert choice.finish_reason == "tool_calls" and not choice.message.content
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
 def test_openai_required_and_named_tool_choice_are_served(qwen):
@@ -155,19 +165,35 @@ def test_anthropic_tool_choice_that_names_no_tool_is_a_400(qwen, change, param):
     assert err["error"]["message"].startswith(param)
 
 
-def test_harmony_named_tool_choice_opens_the_commentary_call(harmony):
-    oai, anth = clients(harmony)
+@pytest.mark.parametrize("family, openers", [("harmony", (2, 6)), ("gemma3", (1, 2))])
+def test_required_and_named_tool_choice_are_served_per_family(family, openers, request):
+    """GPT-OSS: the commentary header up to ``functions.`` (required) or to its JSON body
+    (named) is the prompt's; Gemma-3: the tool_code fence, then the call up to its
+    arguments."""
+    oai, anth = clients(request.getfixturevalue(family))
     free, auto = forced_call(oai)
-    made, usage = forced_call(oai, tool_choice=NAMED)
-    assert_weather_call(free)
-    assert_weather_call(made)
-    # the header up to <|message|> is the prompt's: the model writes the arguments and <|call|>
-    assert usage.completion_tokens == 2 == auto.completion_tokens - 5
-    assert usage.prompt_tokens == auto.prompt_tokens + 5
-    reply = anth.messages.create(model="m", max_tokens=64, messages=ASK, tools=ANTHROPIC_TOOLS,
-                                 tool_choice={"type": "tool", "name": "get_weather"})
-    assert [(b.name, b.input) for b in reply.content] == [("get_weather", {"city": "Paris"})]
-    assert reply.usage.output_tokens == 2
+    assert_weather_call(free)  # the model calls of itself: the whole chain, then its end
+    for choice, opener_tokens in zip(("required", NAMED), openers, strict=True):
+        made, usage = forced_call(oai, tool_choice=choice)
+        assert_weather_call(made)
+        assert usage.prompt_tokens == auto.prompt_tokens + opener_tokens
+        assert usage.completion_tokens == auto.completion_tokens - opener_tokens
+        (streamed,), finish = streamed_calls(oai, tools=[*TOOLS, OTHER], tool_choice=choice)
+        assert finish == "tool_calls"
+        assert streamed[0] == "get_weather" and json.loads(streamed[1]) == {"city": "Paris"}
+    tools = [*ANTHROPIC_TOOLS, {"name": "other", "input_schema": {"type": "object"}}]
+    for choice, opener_tokens in zip(({"type": "any"}, {"type": "tool", "name": "get_weather"}),
+                                     openers, strict=True):
+        reply = anth.messages.create(model="m", max_tokens=64, messages=ASK, tools=tools,
+                                     tool_choice=choice)
+        assert reply.stop_reason == "tool_use"
+        assert [(b.type, b.name, b.input) for b in reply.content] == \
+            [("tool_use", "get_weather", {"city": "Paris"})]
+        assert reply.usage.output_tokens == auto.completion_tokens - opener_tokens
+        with anth.messages.stream(model="m", max_tokens=64, messages=ASK, tools=tools,
+                                  tool_choice=choice) as s:
+            final = s.get_final_message()
+        assert [(b.name, b.input) for b in final.content] == [("get_weather", {"city": "Paris"})]
 
 
 def test_a_family_without_tool_calls_refuses_forced_choice(qwen_dir, tmp_path):

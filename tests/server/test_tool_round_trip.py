@@ -20,57 +20,36 @@ import pytest
 
 from tests.server import forced
 from tests.server.conftest import Server
-from tests.server.test_output_serve import ASK, clients, serve
+from tests.server.live import (
+    ANTHROPIC_TOOLS,
+    ASK,
+    TOOLS,
+    clients,
+    forced_server,
+    streamed_calls,
+)
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 QWEN = ["<tool_call>", "\n" + json.dumps(CALL) + "\n", "</tool_call>"]
 GEMMA4 = ["<|tool_call>", "call:get_weather{", 'city:<|"|>Paris<|"|>}', "<tool_call|>"]
 HARMONY = ["<|channel|>", "commentary to=functions.get_weather ", "<|constrain|>", "json",
            "<|message|>", json.dumps(CALL["arguments"]), "<|call|>"]
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                           "parameters": SCHEMA}}]
-ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Weather now",
-                    "input_schema": SCHEMA}]
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("forced")
-    server = serve(forced.qwen3_moe(d / "qwen3_moe", QWEN), d / "qwen3.log")
-    yield server
-    server.stop()
+    yield from forced_server(tmp_path_factory, lambda d: forced.qwen3_moe(d, QWEN))
 
 
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("forced")
-    server = serve(forced.gemma4(d / "gemma4", GEMMA4), d / "gemma4.log")
-    yield server
-    server.stop()
+    yield from forced_server(tmp_path_factory, lambda d: forced.gemma4(d, GEMMA4))
 
 
 @pytest.fixture(scope="module")
 def harmony(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    d = tmp_path_factory.mktemp("forced")
-    model = forced.gpt_oss(d / "gpt_oss", HARMONY, stops=("<|return|>", "<|call|>"))
-    server = serve(model, d / "harmony.log")
-    yield server
-    server.stop()
-
-
-def streamed_calls(client, **kw) -> tuple[list[tuple[str, str]], str | None]:
-    """((name, arguments) per call index, finish_reason) from a streamed chat completion."""
-    calls: dict[int, list[str]] = {}
-    finish = None
-    for chunk in client.chat.completions.create(model="m", messages=ASK, stream=True, **kw):
-        choice = chunk.choices[0]
-        for d in choice.delta.tool_calls or []:
-            call = calls.setdefault(d.index, ["", ""])
-            call[0] += (d.function.name or "") if d.function else ""
-            call[1] += (d.function.arguments or "") if d.function else ""
-        finish = choice.finish_reason or finish
-    return [(n, a) for _, (n, a) in sorted(calls.items())], finish
+    yield from forced_server(tmp_path_factory, lambda d: forced.gpt_oss(
+        d, HARMONY, stops=("<|return|>", "<|call|>")))
 
 
 def check_openai_call(oai) -> Any:

@@ -2,7 +2,9 @@
 
 The header parser is ours (the format is small and documented by ggml; the ``gguf`` package's
 reader spends ~15 s materialising a 262k-token vocabulary as numpy views). Tensor data is never
-copied: each tensor is a torch view into one private (copy-on-write) mapping of the file.
+copied: each tensor is a torch view into one private (copy-on-write) mapping of the file,
+except where GGUF's blocks are not our layout of the format (NVFP4): those are repacked into
+it each time they are read (``quant.gguf_read``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from freetoken.checkpoint.names import gguf_to_ours
 from freetoken.checkpoint.tokenizer import load_gguf_tokenizer
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
-from freetoken.quant import QuantTensor, format_for_gguf_type
+from freetoken.quant import QuantTensor, format_for_gguf_type, gguf_read, gguf_row_bytes
 
 _MAGIC = b"GGUF"
 # GGUF value types: id -> struct code (scalars); 8 = string, 9 = array
@@ -186,10 +188,12 @@ class GGUFCheckpoint:
         raw = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes,
                                offset=self._data_start + offset)
         if fmt.name in _FLOAT_DTYPES:
-            data = raw.view(_FLOAT_DTYPES[fmt.name]).view(shape)
-        else:
-            data = raw.view(*shape[:-1], fmt.row_bytes(shape[-1]))
-        return QuantTensor(fmt.name, shape, data)
+            return QuantTensor(fmt.name, shape, raw.view(_FLOAT_DTYPES[fmt.name]).view(shape))
+        try:
+            return gguf_read(fmt.name, raw.view(*shape[:-1], gguf_row_bytes(fmt.name, shape[-1])),
+                             shape)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: tensor {name}: {e}") from e
 
     @staticmethod
     def _as_float(t: QuantTensor) -> torch.Tensor:

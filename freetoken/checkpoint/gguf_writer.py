@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from freetoken.checkpoint.names import DERIVED, ours_to_gguf
 from freetoken.config import ModelConfig
-from freetoken.quant import get_format
+from freetoken.quant import gguf_quantize, gguf_row_bytes, gguf_type_of
 
 _ARCH = {"qwen3_moe": "qwen3moe", "gemma3": "gemma3", "gemma4": "gemma4", "gpt_oss": "gpt-oss"}
 
@@ -135,11 +135,13 @@ def write_gguf(
     for key, value in {**gguf_metadata(cfg), **(extra or {})}.items():
         add_metadata(w, key, value)
     for p in plans:
-        fmt = get_format(p.fmt)
-        nbytes = int(np.prod(p.shape[:-1], dtype=np.int64)) * fmt.row_bytes(p.shape[-1])
-        byte_shape = (*p.shape[:-1], fmt.row_bytes(p.shape[-1]))
-        w.add_tensor_info(ours_to_gguf(p.name, cfg.family), byte_shape, np.dtype(np.uint8),
-                          nbytes, raw_dtype=GGMLQuantizationType(fmt.gguf_type))
+        row, gguf_type = gguf_row_bytes(p.fmt, p.shape[-1]), gguf_type_of(p.fmt)
+        if gguf_type is None:
+            raise ValueError(f"{p.name}: format {p.fmt} has no GGUF encoding; write it in "
+                             "another format")
+        nbytes = int(np.prod(p.shape[:-1], dtype=np.int64)) * row
+        w.add_tensor_info(ours_to_gguf(p.name, cfg.family), (*p.shape[:-1], row),
+                          np.dtype(np.uint8), nbytes, raw_dtype=GGMLQuantizationType(gguf_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -151,15 +153,14 @@ def write_gguf(
 
 def _encode(x: torch.Tensor, p: TensorPlan, family: str) -> torch.Tensor:
     """Quantise ``x`` on its own device ~64 MiB of rows at a time; bytes on the CPU."""
-    fmt = get_format(p.fmt)
     rows = x.reshape(-1, p.shape[-1])
-    out = torch.empty(rows.shape[0], fmt.row_bytes(rows.shape[1]), dtype=torch.uint8)
+    out = torch.empty(rows.shape[0], gguf_row_bytes(p.fmt, rows.shape[1]), dtype=torch.uint8)
     step = max(1, (64 << 20) // (4 * rows.shape[1]))
     for i in range(0, rows.shape[0], step):
         r = rows[i:i + step].float()
         if family == "gemma3" and p.name.endswith("norm.weight"):
             r = r + 1.0  # llama.cpp stores Gemma's norm scale as 1 + w
-        out[i:i + step] = fmt.quantize(r).data.contiguous().view(torch.uint8).cpu()
+        out[i:i + step] = gguf_quantize(p.fmt, r).cpu()
     return out
 
 

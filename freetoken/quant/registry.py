@@ -1,10 +1,16 @@
-"""The table of weight formats: one row per module, looked up by name or by GGUF type."""
+"""The table of weight formats: one row per module, looked up by name or by GGUF type.
+
+A GGUF type whose blocks are not our layout of a format is read by repacking into that format
+(``GGUF_REPACKED``: GGUF NVFP4 into nvfp4); the ``gguf_*`` functions hide the difference from
+the GGUF reader and writer.
+"""
 
 from __future__ import annotations
 
 import torch
 from gguf import GGMLQuantizationType
 
+from freetoken.quant import nvfp4_gguf
 from freetoken.quant.base import QuantFormat, QuantTensor
 from freetoken.quant.floats import BF16, F16, F32
 from freetoken.quant.fp8_block import FP8Block
@@ -32,6 +38,8 @@ _ALL: tuple[QuantFormat, ...] = (
 
 FORMATS: dict[str, QuantFormat] = {f.name: f for f in _ALL}
 _BY_GGUF_TYPE: dict[int, QuantFormat] = {f.gguf_type: f for f in _ALL if f.gguf_type is not None}
+GGUF_REPACKED = {"nvfp4": nvfp4_gguf}  # our format -> the module that reads its GGUF blocks
+_BY_GGUF_TYPE |= {m.GGUF_TYPE: FORMATS[f] for f, m in GGUF_REPACKED.items()}
 
 
 def get_format(name: str) -> QuantFormat:
@@ -68,3 +76,40 @@ def format_for_gguf_type(t: int) -> QuantFormat:
         f"unsupported GGUF tensor type {type_name} (supported: {supported}); "
         "re-quantise the model to one of these"
     )
+
+
+def gguf_type_of(name: str) -> int | None:
+    """The GGML type a tensor of format ``name`` is written as, None if GGUF has none."""
+    if name in GGUF_REPACKED:
+        return GGUF_REPACKED[name].GGUF_TYPE
+    return get_format(name).gguf_type
+
+
+def gguf_block_size(name: str) -> int:
+    """Elements per GGUF block of format ``name`` (a row is a whole number of them)."""
+    if name in GGUF_REPACKED:
+        return GGUF_REPACKED[name].BLOCK
+    return get_format(name).block_size
+
+
+def gguf_row_bytes(name: str, cols: int) -> int:
+    """Bytes one row of ``cols`` elements of format ``name`` takes in a GGUF file."""
+    if name in GGUF_REPACKED:
+        return GGUF_REPACKED[name].row_bytes(cols)
+    return get_format(name).row_bytes(cols)
+
+
+def gguf_read(name: str, data: torch.Tensor, shape: tuple[int, ...]) -> QuantTensor:
+    """A GGUF tensor's stored ``data`` as a tensor of format ``name``: the data itself, or
+    repacked (never dequantised) where the layouts differ."""
+    if name in GGUF_REPACKED:
+        return GGUF_REPACKED[name].read(data, shape)
+    return QuantTensor(name, shape, data)
+
+
+def gguf_quantize(name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x`` in format ``name`` as the uint8 rows a GGUF file stores ``(..., gguf_row_bytes)``."""
+    if name in GGUF_REPACKED:
+        m = GGUF_REPACKED[name]
+        return m.write(m.quantize(x))
+    return get_format(name).quantize(x).data.contiguous().view(torch.uint8)

@@ -27,7 +27,7 @@ from freetoken.checkpoint.synth import (
     tensor_plans,
     write_synth,
 )
-from freetoken.config import ModelConfig
+from freetoken.config import CacheSizing, ModelConfig
 from freetoken.errors import ConfigError
 from freetoken.quant import get_format
 from tests.models.helpers import hf_logits, load_ours, our_greedy, our_logits
@@ -41,6 +41,7 @@ TINY = {
                            intermediate=96, vocab=512, sliding_window=6),
 }
 TINY["gemma4-26b-a4b-mxfp4"] = TINY["gemma4-26b-a4b"]
+TINY["gemma4-26b-a4b-nvfp4"] = TINY["gemma4-26b-a4b"] | dict(moe_intermediate=64)  # GGUF: 64s
 ARCH = {"gpt_oss": "gpt-oss", "gemma4": "gemma4"}
 
 
@@ -109,8 +110,14 @@ def test_presets_have_the_real_architectures():
         "freetoken_synth": None}  # the same model, its experts in another format
     assert sum(map(plan_bytes, tensor_plans(mx, True))) < 0.6 * sum(
         map(plan_bytes, tensor_plans(gemma, True)))
-    with pytest.raises(ConfigError, match="nvfp4 has no GGUF encoding here"):
-        resolve_spec("gemma4-26b-a4b", gguf=True, expert_format="nvfp4")
+    nv = resolve_spec("gemma4-26b-a4b-nvfp4", gguf=True)
+    assert nv.expert_formats == ("nvfp4",) * 30 and nv.matrix_format == "q8_0"
+    assert hf_config(nv) | {"freetoken_synth": None} == hf_config(gemma) | {
+        "freetoken_synth": None}
+    nv_bytes, mx_bytes = (sum(map(plan_bytes, tensor_plans(s, True))) for s in (nv, mx))
+    assert mx_bytes < nv_bytes < 0.65 * sum(map(plan_bytes, tensor_plans(gemma, True)))
+    with pytest.raises(ConfigError, match="fp8_block has no GGUF encoding here"):
+        resolve_spec("gemma4-26b-a4b", gguf=True, expert_format="fp8_block")
     with pytest.raises(ConfigError, match="GGUF only; pass --out PATH.gguf"):
         resolve_spec("gpt-oss-20b", gguf=False, expert_format="bf16")
 
@@ -125,10 +132,11 @@ def test_tiny_gguf_is_llamacpps_and_runs_as_transformers(name, tmp_path):
     if name == "gpt-oss-20b":
         assert types["blk.0.ffn_gate_exps.weight"] == GGMLQuantizationType.MXFP4
         assert {"blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias"} <= set(types)
-    elif name == "gemma4-26b-a4b-mxfp4":
+    elif name in ("gemma4-26b-a4b-mxfp4", "gemma4-26b-a4b-nvfp4"):
+        want = GGMLQuantizationType.MXFP4 if name.endswith("mxfp4") else GGMLQuantizationType.NVFP4
         for i in range(spec.preset.layers):
             for proj in ("gate_up", "down"):
-                assert types[f"blk.{i}.ffn_{proj}_exps.weight"] == GGMLQuantizationType.MXFP4
+                assert types[f"blk.{i}.ffn_{proj}_exps.weight"] == want
         assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q8_0
     else:
         assert types["blk.0.ffn_gate_up_exps.weight"] == GGMLQuantizationType.Q8_0
@@ -141,3 +149,14 @@ def test_tiny_gguf_is_llamacpps_and_runs_as_transformers(name, tmp_path):
     assert ref.std() > 0.1 and torch.isfinite(ref).all()
     tokens = our_greedy(load_ours(gguf), IDS[:4], 12)
     assert len(tokens) == 12 and all(0 <= t < spec.preset.vocab for t in tokens)
+
+
+@pytest.mark.parametrize("strategy", ["offload", "cpu"])
+def test_nvfp4_gguf_serves_with_residents_tokens(strategy, tmp_path):
+    """GGUF NVFP4 experts repacked at load reach the expert cache and the CPU kernels."""
+    _, gguf = _tiny("gemma4-26b-a4b-nvfp4", tmp_path)
+    experts = {n: qt for n, qt in open_checkpoint(gguf).tensors() if ".experts." in n}
+    assert {qt.fmt for qt in experts.values()} == {"nvfp4"} and len(experts) == 2 * 6
+    resident = our_greedy(load_ours(gguf), IDS[:6], 16)
+    cache = CacheSizing("size", 3) if strategy == "offload" else None
+    assert our_greedy(load_ours(gguf, strategy=strategy, cache=cache), IDS[:6], 16) == resident

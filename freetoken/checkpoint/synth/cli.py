@@ -31,8 +31,8 @@ def add_synth_args(p: argparse.ArgumentParser) -> None:
         " e.g. q8_0, q8_0*29,bf16 or q8_0*,bf16 (default: the preset's; a -FORMAT preset is "
         "its base preset with --expert-format FORMAT, named so that `ft bench bw --preset` "
         "benches it too). Norms and routers are f32; other matrices q8_0 when most expert "
-        "layers are quantized, else bf16. nvfp4 is read from Hugging Face checkpoints only "
-        "and has no GGUF encoding here"))
+        "layers are quantized, else bf16. nvfp4 is written as GGUF NVFP4 (blocks of 64, "
+        "no global scale)"))
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--experts", type=int, help="override the preset's experts per layer")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")

@@ -9,7 +9,7 @@ from typing import Any
 
 from freetoken.checkpoint.gguf_writer import TensorPlan
 from freetoken.errors import ConfigError
-from freetoken.quant import FORMATS, get_format
+from freetoken.quant import FORMATS, get_format, gguf_block_size, gguf_row_bytes, gguf_type_of
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # the last ids of the vocabulary
 
@@ -47,8 +47,10 @@ _GEMMA4 = Preset("gemma4-26b-a4b", 2816, 704, 128, 8, 30, 16, 8, 256, 262144, "q
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 48, 32, 4, 128, 151936, "bf16", 6144, 40960),
     _GEMMA4,
-    # the MXFP4 GGUF's experts; a variant is a preset so that `ft bench bw --preset` has it too
+    # the MXFP4 and NVFP4 GGUFs' experts; a variant is a preset so that `ft bench bw --preset`
+    # has it too
     dataclasses.replace(_GEMMA4, name="gemma4-26b-a4b-mxfp4", expert_format="mxfp4"),
+    dataclasses.replace(_GEMMA4, name="gemma4-26b-a4b-nvfp4", expert_format="nvfp4"),
     Preset("gpt-oss-20b", 2880, 2880, 32, 4, 24, 64, 8, 64, 201088, "mxfp4", 2880, 131072,
            150_000.0, "gpt_oss", 128),
     Preset("tiny", 64, 32, 8, 2, 2, 4, 2, 16, 512, "bf16", 128, 4096),
@@ -81,8 +83,8 @@ def parse_expert_formats(spec: str, layers: int) -> tuple[str, ...]:
     parsed: list[tuple[str, int | None]] = []
     for item in items:
         fmt, star, count = item.partition("*")
-        if fmt not in FORMATS or FORMATS[fmt].gguf_type is None:
-            choices = ", ".join(n for n, f in FORMATS.items() if f.gguf_type is not None)
+        if fmt not in FORMATS or gguf_type_of(fmt) is None:
+            choices = ", ".join(n for n in FORMATS if gguf_type_of(n) is not None)
             what = (f"{fmt} has no GGUF encoding here (it is read from Hugging Face "
                     "checkpoints only)" if fmt in FORMATS else f"unknown expert format {fmt!r}")
             raise ConfigError(f"{what} in --expert-format {spec!r} (choose from {choices})")
@@ -137,7 +139,7 @@ def resolve_spec(
     rows = (p.hidden, p.moe_intermediate, p.heads * p.head_dim, p.heads * p.full_head_dim,
             p.intermediate if p.family == "gemma4" else 0)
     for fmt in {*formats, spec.matrix_format}:
-        block = get_format(fmt).block_size
+        block = gguf_block_size(fmt)
         bad = [n for n in rows if n % block]
         if bad:
             raise ConfigError(f"format {fmt} needs rows that are a multiple of {block} values, "
@@ -323,6 +325,6 @@ def _gemma4_plans(spec: SynthSpec) -> list[TensorPlan]:
 
 
 def plan_bytes(plan: TensorPlan) -> int:
-    return math.prod(plan.shape[:-1]) * get_format(plan.fmt).row_bytes(plan.shape[-1])
+    return math.prod(plan.shape[:-1]) * gguf_row_bytes(plan.fmt, plan.shape[-1])
 
 

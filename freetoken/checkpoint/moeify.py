@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from freetoken.checkpoint.gguf import GGUFCheckpoint
 from freetoken.checkpoint.gguf_writer import add_metadata
 from freetoken.errors import CheckpointError
-from freetoken.quant import QuantTensor, get_format
+from freetoken.quant import QuantTensor, get_format, gguf_row_bytes, gguf_type_of, gguf_write
 
 # Router weights are N(0, ROUTER_STD^2). On Gemma-3 270M a token's router logits then spread
 # by ~0.3-2 across the experts (by layer): the top-k weights vary between tokens, as a trained
@@ -100,12 +100,12 @@ def moeify_gguf(
     for key, value in meta.items():
         add_metadata(w, key, value)
     for name, o in out.items():
-        fmt = get_format(o.fmt)
-        assert fmt.gguf_type is not None  # every format here was read from a GGUF file
-        row = fmt.row_bytes(o.shape[-1])
+        gguf_type = gguf_type_of(o.fmt)
+        assert gguf_type is not None  # every format here was read from a GGUF file
+        row = gguf_row_bytes(o.fmt, o.shape[-1])
         w.add_tensor_info(name, (*o.shape[:-1], row), np.dtype(np.uint8),
                           int(np.prod(o.shape[:-1], dtype=np.int64)) * row,
-                          raw_dtype=GGMLQuantizationType(fmt.gguf_type))
+                          raw_dtype=GGMLQuantizationType(gguf_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -113,7 +113,7 @@ def moeify_gguf(
         t = o.make()
         if (tuple(t.shape), t.fmt) != (tuple(o.shape), o.fmt):
             raise AssertionError(f"{name}: made {t.fmt} {t.shape}, planned {o.fmt} {o.shape}")
-        w.write_tensor_data(t.data.contiguous().view(torch.uint8).numpy())
+        w.write_tensor_data(gguf_write(t).numpy())
     w.close()
     os.replace(unfinished, dst)
     return dst

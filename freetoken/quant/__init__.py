@@ -11,8 +11,9 @@ from freetoken.quant.registry import (
     gguf_read,
     gguf_row_bytes,
     gguf_type_of,
+    gguf_write,
 )
 
 __all__ = ["FORMATS", "QuantFormat", "QuantTensor", "dequantize_as", "format_for_gguf_type",
            "get_format", "gguf_block_size", "gguf_quantize", "gguf_read", "gguf_row_bytes",
-           "gguf_type_of"]
+           "gguf_type_of", "gguf_write"]

@@ -107,6 +107,13 @@ def gguf_read(name: str, data: torch.Tensor, shape: tuple[int, ...]) -> QuantTen
     return QuantTensor(name, shape, data)
 
 
+def gguf_write(qt: QuantTensor) -> torch.Tensor:
+    """``qt`` as the uint8 rows a GGUF file stores (:func:`gguf_read`'s inverse)."""
+    if qt.fmt in GGUF_REPACKED:
+        return GGUF_REPACKED[qt.fmt].write(qt)
+    return qt.data.contiguous().view(torch.uint8)
+
+
 def gguf_quantize(name: str, x: torch.Tensor) -> torch.Tensor:
     """``x`` in format ``name`` as the uint8 rows a GGUF file stores ``(..., gguf_row_bytes)``."""
     if name in GGUF_REPACKED:

@@ -39,10 +39,10 @@ def current_stream(device: int) -> int:
 
 
 class Spans:
-    """Copies between fixed buffers, checked and laid out once (:meth:`RowCopier.spans`) and
-    queued by :meth:`RowCopier.run` as often as needed: a host step's input copies, a slot
-    table's publish, the CPU's result going back. The tensors are kept alive with it and must
-    not move (static graph buffers and pinned host memory do not)."""
+    """Copies between fixed buffers (``(dst, src)`` pairs as :meth:`RowCopier.copy_tensors`
+    takes them), checked and laid out once and queued by :meth:`RowCopier.run` as often as
+    needed: a host step's input copies, a slot table's publish. The tensors are kept alive
+    with it and must not move (static graph buffers and pinned host memory do not)."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         n = len(pairs)
@@ -131,10 +131,6 @@ class RowCopier:
         one, either way) copied in order on ``stream`` (a raw handle; 0: the legacy default
         stream); with ``sync`` the host then waits for the stream. On the CPU: memcpy."""
         self.run(Spans(pairs), stream, sync)
-
-    def spans(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Spans:
-        """``pairs`` checked and laid out for :meth:`run` (see :meth:`copy_tensors`)."""
-        return Spans(pairs)
 
     def run(self, spans: Spans, stream: int = 0, sync: bool = False) -> None:
         """The copies of ``spans``, as :meth:`copy_tensors` makes them."""

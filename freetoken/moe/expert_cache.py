@@ -66,7 +66,7 @@ class SlotPool:
             return table
         spans = self._publish.get(layer)
         if spans is None:
-            spans = self._publish[layer] = self.copier.spans([(table, staged)])
+            spans = self._publish[layer] = Spans([(table, staged)])
         self.copier.run(spans, current_stream(self._index) if self._index >= 0 else 0)
         return table
 

@@ -82,9 +82,10 @@ class HostStep(_Landing):
         self.copier = copier  # the inputs' copies and the sync in one library call
         self.device = x.device.index or 0
         self.inputs = inputs  # the plan reads x and w on the host, not only the ids
-        # per row count: the inputs' copies (one library call with the sync), the views the
-        # plan gets, made once
-        self._views: dict[int, tuple[Spans | None, tuple[torch.Tensor, ...], HostCopies]] = {}
+        # per row count, made once: the inputs' (dst, src) copies and their library layout
+        # (one call with the sync), and the views the plan gets
+        self._views: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
+                                     tuple[torch.Tensor, ...], HostCopies]] = {}
 
         def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
                    needed: bool = True) -> torch.Tensor:
@@ -98,26 +99,23 @@ class HostStep(_Landing):
         views = self._views.get(n)
         if views is None:
             views = self._views[n] = self._make_views(n)
-        spans, (x, ids, w), host = views
-        if spans is not None:
-            self.copier.run(spans, current_stream(self.device), sync=True)  # type: ignore
+        copies, spans, (x, ids, w), host = views
+        if self.copier is not None and spans is not None:
+            self.copier.run(spans, current_stream(self.device), sync=True)
         else:
-            h = self.host
-            pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
-            for src, dst in pairs if self.inputs else pairs[:1]:
-                dst[:n].copy_(src[:n], non_blocking=True)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
             torch.cuda.current_stream().synchronize()
         self.land(self.plan(x, ids, w, host), n)
 
-    def _make_views(self, n: int) -> tuple[Spans | None, tuple[torch.Tensor, ...],
-                                           HostCopies]:
+    def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                           Spans | None, tuple[torch.Tensor, ...], HostCopies]:
         h = self.host
         pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
-        pairs = pairs if self.inputs else pairs[:1]
-        spans = None if self.copier is None else self.copier.spans(
-            [(dst[:n], src[:n]) for src, dst in pairs])
+        copies = [(dst[:n], src[:n]) for src, dst in (pairs if self.inputs else pairs[:1])]
+        spans = None if self.copier is None else Spans(copies)
         host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
-        return spans, (self.x[:n], self.ids[:n], self.w[:n]), host
+        return copies, spans, (self.x[:n], self.ids[:n], self.w[:n]), host
 
 
 class LateStep(_Landing):

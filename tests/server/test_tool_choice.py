@@ -80,20 +80,26 @@ def forced_call(oai, **kw):
     return r.choices[0], r.usage
 
 
-def test_openai_required_and_named_tool_choice_are_served(qwen):
-    oai, _ = clients(qwen)
-    free, auto = forced_call(oai)
-    assert_weather_call(free)  # the model calls of itself: the whole chain, then its end
-    assert auto.completion_tokens == len(QWEN) + 1
-    for choice, opener_tokens in (("required", 1), (NAMED, 2)):
+def assert_forced_openai_calls(oai, auto, openers: tuple[int, int]) -> None:
+    """``required`` and the named choice each give the weather call, whole and streamed, with
+    the opener's tokens (``openers``: for each choice) moved from the output into the prompt
+    (``auto``: the usage without forcing)."""
+    for choice, opener_tokens in zip(("required", NAMED), openers, strict=True):
         made, usage = forced_call(oai, tool_choice=choice)
         assert_weather_call(made)
-        # the opener's tokens moved from the output into the prompt
         assert usage.prompt_tokens == auto.prompt_tokens + opener_tokens
         assert usage.completion_tokens == auto.completion_tokens - opener_tokens
         (streamed,), finish = streamed_calls(oai, tools=[*TOOLS, OTHER], tool_choice=choice)
         assert finish == "tool_calls"
         assert streamed[0] == "get_weather" and json.loads(streamed[1]) == {"city": "Paris"}
+
+
+def test_openai_required_and_named_tool_choice_are_served(qwen):
+    oai, _ = clients(qwen)
+    free, auto = forced_call(oai)
+    assert_weather_call(free)  # the model calls of itself: the whole chain, then its end
+    assert auto.completion_tokens == len(QWEN) + 1
+    assert_forced_openai_calls(oai, auto, (1, 2))
 
 
 def test_openai_tool_choice_none_offers_no_tools(qwen):
@@ -173,14 +179,7 @@ def test_required_and_named_tool_choice_are_served_per_family(family, openers, r
     oai, anth = clients(request.getfixturevalue(family))
     free, auto = forced_call(oai)
     assert_weather_call(free)  # the model calls of itself: the whole chain, then its end
-    for choice, opener_tokens in zip(("required", NAMED), openers, strict=True):
-        made, usage = forced_call(oai, tool_choice=choice)
-        assert_weather_call(made)
-        assert usage.prompt_tokens == auto.prompt_tokens + opener_tokens
-        assert usage.completion_tokens == auto.completion_tokens - opener_tokens
-        (streamed,), finish = streamed_calls(oai, tools=[*TOOLS, OTHER], tool_choice=choice)
-        assert finish == "tool_calls"
-        assert streamed[0] == "get_weather" and json.loads(streamed[1]) == {"city": "Paris"}
+    assert_forced_openai_calls(oai, auto, openers)
     tools = [*ANTHROPIC_TOOLS, {"name": "other", "input_schema": {"type": "object"}}]
     for choice, opener_tokens in zip(({"type": "any"}, {"type": "tool", "name": "get_weather"}),
                                      openers, strict=True):

@@ -105,14 +105,27 @@ def test_native_strategies_give_residents_tokens(tiny_gemma4, tmp_path, monkeypa
         pytest.skip(why)
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     # bf16 experts: the kernels round activations to bf16 (q8_0 ones to int8, which the norm
-    # after Gemma-4's experts scales up to token flips on tiny random weights); logits stay
-    # within that rounding, tokens equal
+    # after Gemma-4's experts scales up to token flips on tiny random weights). The logits of
+    # this model span under 1 and half its greedy steps are near-ties (top-2 margins down to
+    # 0.002), so tokens are compared where the rounding cannot reach: on resident's own
+    # continuation, every step whose margin is over twice the logits' tolerance
     out = _gguf(tiny_gemma4, tmp_path / "m.gguf", "bf16")
     resident = load_ours(out)
-    other = load_ours(out, strategy=strategy, cache=CacheSizing("size", 3), max_fetch=1)
-    torch.testing.assert_close(our_logits(other, IDS, prefill=5),
-                               our_logits(resident, IDS, prefill=5), atol=3e-2, rtol=3e-2)
-    assert our_greedy(other, IDS[:6], 32) == our_greedy(resident, IDS[:6], 32)
+    want = our_greedy(resident, IDS[:6], 32)
+    ref = our_logits(resident, IDS[:6] + want, prefill=6)
+    # the split held fixed: moved online it follows measured times (the tokens of two runs
+    # could part at a near-tie)
+    other = load_ours(out, strategy=strategy, cache=CacheSizing("size", 3), max_fetch=1,
+                      online=False)
+    got = our_logits(other, IDS[:6] + want, prefill=6)
+    tol = 2e-2
+    torch.testing.assert_close(got, ref, atol=tol, rtol=0)
+    top2 = ref[5:-1].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    assert clear.sum() >= 8  # the check reaches a fair share of the 32 steps
+    assert got[5:-1].argmax(-1)[clear].tolist() == torch.tensor(want)[clear].tolist()
+    # and the same request gives the same tokens again
+    assert our_greedy(other, IDS[:6], 32) == our_greedy(other, IDS[:6], 32)
 
 
 def test_per_layer_embeddings_are_refused_by_name(tiny_gemma4, tmp_path):

@@ -201,7 +201,7 @@ def split_runs_plot() -> None:
         return
     colors = {"offload": "#888888", "hybrid-online": "#3a6ea5", "auto": "#d08770"}
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    for i, (sha, by) in enumerate(runs.items()):
+    for i, by in enumerate(runs.values()):
         for j, (name, color) in enumerate(colors.items()):
             ys = by.get(name, [])
             ax.scatter([i + 0.15 * (j - 1)] * len(ys), ys, color=color,

@@ -27,6 +27,26 @@ struct ProjDesc {
   int64_t expert_bytes;
 };
 
+// A layer's ExpertGlu, as the caller describes it: biases (E, I), (E, I), (E, H) or null.
+struct GluDesc {
+  float alpha, limit;
+  const float* gate_bias;
+  const float* up_bias;
+  const float* down_bias;
+};
+
+ft::ExpertGlu to_glu(const GluDesc* d, int E, int H, int I) {
+  ft::ExpertGlu g;
+  if (!d) return g;
+  g.alpha = d->alpha;
+  g.limit = d->limit;
+  const size_t EI = (size_t)E * I, EH = (size_t)E * H;
+  if (d->gate_bias) g.gate_bias.assign(d->gate_bias, d->gate_bias + EI);
+  if (d->up_bias) g.up_bias.assign(d->up_bias, d->up_bias + EI);
+  if (d->down_bias) g.down_bias.assign(d->down_bias, d->down_bias + EH);
+  return g;
+}
+
 ft::Proj to_proj(const ProjDesc& d, int E) {
   ft::Proj p;
   p.fmt = d.fmt;
@@ -80,6 +100,7 @@ FT_API int ft_act_count() { return ft::ACT_COUNT; }
 FT_API int64_t ft_struct_size(const char* name) {
   std::string n(name ? name : "");
   if (n == "ProjDesc") return sizeof(ProjDesc);
+  if (n == "GluDesc") return sizeof(GluDesc);
   if (n == "DecodeLayer") return sizeof(ft::DecodeLayer);
   if (n == "DecodeStep") return sizeof(ft::DecodeStep);
   if (n == "RowCopyApi") return sizeof(ft::RowCopyApi);
@@ -155,12 +176,15 @@ FT_API void ft_worker_states(void* ex, int64_t* out) {
   ((ft::Executor*)ex)->worker_states(out);
 }
 
-// Returns 0, or -1 with the reason in err.
+// Returns 0, or -1 with the reason in err. glu: null, or the clamped SwiGLU's parameters and
+// the experts' biases (copied).
 FT_API int ft_add_layer(void* ex, int layer, int E, int H, int I, int activation,
-                        const ProjDesc* gate, const ProjDesc* up, const ProjDesc* down,
-                        int act_mode, char* err, int err_len) {
-  std::string e = ((ft::Executor*)ex)->add_layer(layer, E, H, I, activation, to_proj(*gate, E),
-                                                 to_proj(*up, E), to_proj(*down, E), act_mode);
+                        const GluDesc* glu, const ProjDesc* gate, const ProjDesc* up,
+                        const ProjDesc* down, int act_mode, char* err, int err_len) {
+  if (E <= 0 || H <= 0 || I <= 0) glu = nullptr;  // add_layer refuses the shape
+  std::string e = ((ft::Executor*)ex)->add_layer(
+      layer, E, H, I, activation, to_glu(glu, E, H, I), to_proj(*gate, E), to_proj(*up, E),
+      to_proj(*down, E), act_mode);
   copy_error(e, err, err_len);
   return e.empty() ? 0 : -1;
 }

@@ -58,10 +58,25 @@ void gate_up(Job& j, int64_t item) {
     int n = (int)min64(kGroup, j.start[ea + 1] - p0);
     L.gate.fn(L.gate.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, g, rows);
     L.up.fn(L.up.experts[e], H, i0, i1, j.xa, j.ptok + p0, n, u, rows);
+    const ExpertGlu& G = L.glu;
+    if (!G.gate_bias.empty()) {
+      const float* bg = G.gate_bias.data() + e * I + i0;
+      const float* bu = G.up_bias.data() + e * I + i0;
+      for (int v = 0; v < n; ++v)
+        for (int64_t i = 0; i < rows; ++i) {
+          g[v * rows + i] += bg[i];
+          u[v * rows + i] += bu[i];
+        }
+    }
     for (int v = 0; v < n; ++v) {
       int64_t p = p0 + v;
       float* h = j.hf + p * I + i0;
-      for (int64_t i = 0; i < rows; ++i) h[i] = activate(L.activation, g[v * rows + i]) * u[v * rows + i];
+      const float* gv = g + v * rows;
+      const float* uv = u + v * rows;
+      if (L.activation == ACTV_SWIGLU_OAI)
+        for (int64_t i = 0; i < rows; ++i) h[i] = clamped_swiglu(G.alpha, G.limit, gv[i], uv[i]);
+      else
+        for (int64_t i = 0; i < rows; ++i) h[i] = activate(L.activation, gv[i]) * uv[i];
       if (L.down.act == ACT_BF16)
         for (int64_t i = 0; i < rows; ++i) j.hbf[p * I + i0 + i] = f32_to_bf16(h[i]);
       else if (L.down.act == ACT_Q8)
@@ -100,6 +115,15 @@ void await_expert(Job& j, int ea) {
   }
 }
 
+// Expert e's down bias for rows [r0, r0 + rows) added to n outputs `stride` floats apart.
+inline void add_down_bias(const Layer& L, int e, int64_t r0, int64_t rows, int n, float* y,
+                          int64_t stride) {
+  if (L.glu.down_bias.empty()) return;
+  const float* b = L.glu.down_bias.data() + (int64_t)e * L.H + r0;
+  for (int v = 0; v < n; ++v)
+    for (int64_t r = 0; r < rows; ++r) y[v * stride + r] += b[r];
+}
+
 // Down for rows [r0, r1) of every active expert, weighted and summed into out.
 void down_sum(Job& j, int64_t item) {
   const Layer& L = *j.L;
@@ -113,6 +137,7 @@ void down_sum(Job& j, int64_t item) {
     for (int64_t p0 = j.start[ea]; p0 < j.start[ea + 1]; p0 += kGroup) {
       int n = (int)min64(kGroup, j.start[ea + 1] - p0);
       L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n, y, rows);
+      add_down_bias(L, e, r0, rows, n, y, rows);
       for (int v = 0; v < n; ++v) {
         float wgt = j.pw[p0 + v];
         float* o = j.out + (int64_t)j.ptok[p0 + v] * H + r0;
@@ -149,6 +174,7 @@ void down_expert(Job& j, int64_t item) {
     int n = (int)min64(kGroup, j.start[ea + 1] - p0);
     L.down.fn(L.down.experts[e], I, r0, r1, offset_act(j.ha, p0), nullptr, n,
               j.y + p0 * H + r0, H);
+    add_down_bias(L, e, r0, r1 - r0, n, j.y + p0 * H + r0, H);
   }
   if (__atomic_add_fetch(&j.rows_done[c], 1, __ATOMIC_ACQ_REL) == j.n_active)
     sum_pairs(j, r0, r1);

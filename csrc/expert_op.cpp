@@ -53,10 +53,16 @@ std::string Executor::set_kernel(Proj& p, int act_mode) {
   return "";
 }
 
-std::string Executor::add_layer(int layer, int E, int H, int I, int activation, Proj gate,
-                                Proj up, Proj down, int act_mode) {
+std::string Executor::add_layer(int layer, int E, int H, int I, int activation, ExpertGlu glu,
+                                Proj gate, Proj up, Proj down, int act_mode) {
   if (layer < 0 || E <= 0 || H <= 0 || I <= 0) return "layer, E, H and I must be positive";
-  if (activation < ACTV_SILU || activation > ACTV_GELU) return "unknown activation";
+  if (activation < ACTV_SILU || activation > ACTV_SWIGLU_OAI) return "unknown activation";
+  if (activation == ACTV_SWIGLU_OAI && !(glu.limit > 0 && glu.alpha > 0))
+    return "the clamped SwiGLU needs a positive alpha and limit";
+  const size_t EI = (size_t)E * I, EH = (size_t)E * H;
+  if (!glu.gate_bias.empty() || !glu.up_bias.empty() || !glu.down_bias.empty())
+    if (glu.gate_bias.size() != EI || glu.up_bias.size() != EI || glu.down_bias.size() != EH)
+      return "biases must be (E, I) for gate and up and (E, H) for down, all three";
   struct Want {
     Proj* p;
     const char* name;
@@ -83,6 +89,7 @@ std::string Executor::add_layer(int layer, int E, int H, int I, int activation, 
   L->H = H;
   L->I = I;
   L->activation = activation;
+  L->glu = std::move(glu);
   L->gate = std::move(gate);
   L->up = std::move(up);
   L->down = std::move(down);

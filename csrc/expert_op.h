@@ -1,7 +1,9 @@
 // The fused expert op and the executor that runs it on the pool.
 //
 // One call computes, for T tokens routed to A experts each,
-//   out[t] = sum_a w[t, a] * down_e(act(gate_e(x[t])) * up_e(x[t])),  e = ids[t, a],
+//   out[t] = sum_a w[t, a] * down_e(glu(gate_e(x[t]), up_e(x[t]))),  e = ids[t, a],
+// with glu(g, u) = act(g) * u, or GPT-OSS's clamped form (ExpertGlu); biased experts add each
+// projection's bias to its output before the next step (down's before the weighting).
 // reading each routed expert's weights once however many tokens use it. ids < 0 are skipped
 // (their pairs are computed elsewhere). Phases: 0 prepares x in the kernels' activation
 // formats (per token), 1 runs gate and up and the activation (per expert and chunk of I rows),
@@ -24,7 +26,7 @@
 
 namespace ft {
 
-enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2 };
+enum Activation : int { ACTV_SILU = 0, ACTV_GELU_TANH = 1, ACTV_GELU = 2, ACTV_SWIGLU_OAI = 3 };
 
 // The gate's activation, for the experts and the dense MLPs alike (one definition: one set of
 // bits whichever computes it).
@@ -37,6 +39,20 @@ inline float activate(int kind, float g) {
     default:
       return g / (1.0f + std::exp(-g));
   }
+}
+
+// GPT-OSS's experts (ACTV_SWIGLU_OAI): g' = min(g, limit), u' = clamp(u, -limit, limit),
+// glu = (u' + 1) * g' * sigmoid(alpha * g'); and each projection's bias, float32, (E, I) for
+// gate and up and (E, H) for down, copied in (empty: none).
+struct ExpertGlu {
+  float alpha = 0, limit = 0;
+  std::vector<float> gate_bias, up_bias, down_bias;
+};
+
+inline float clamped_swiglu(float alpha, float limit, float g, float u) {
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : u < -limit ? -limit : u;
+  return (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
 }
 
 // How phase 2 splits down_proj over the workers.
@@ -71,6 +87,7 @@ struct Proj {
 
 struct Layer {
   int E = 0, H = 0, I = 0, activation = ACTV_SILU;
+  ExpertGlu glu;
   Proj gate, up, down;
   bool x_needs[ACT_COUNT] = {};  // representations of x that gate/up read
 };
@@ -153,10 +170,11 @@ class Executor {
   int isa() const { return isa_; }
 
   // act_mode: -1 picks per projection (the fastest tier; F32 on ties), else an ActKind; f32
-  // weights read F32 activations whatever the mode.
+  // weights read F32 activations whatever the mode. `glu` holds ACTV_SWIGLU_OAI's parameters
+  // and any biases (their sizes are checked against E, H and I).
   // Returns an empty string or what was wrong.
-  std::string add_layer(int layer, int E, int H, int I, int activation, Proj gate, Proj up,
-                        Proj down, int act_mode);
+  std::string add_layer(int layer, int E, int H, int I, int activation, ExpertGlu glu,
+                        Proj gate, Proj up, Proj down, int act_mode);
   const Layer* layer(int layer) const;
 
   // Returns a handle to wait on; -1 for an unknown layer, -2 for an expert id >= E.

@@ -83,10 +83,16 @@ def projection_formats(kind: LayerKind) -> tuple[str, str, str]:
     return kind.fmt, kind.fmt, kind.fmt
 
 
+# GPT-OSS's clamped SwiGLU (alpha, limit) as its configs give it: what a biased, clamped
+# kind is benched with (the kernels' time does not depend on the values)
+BENCH_SWIGLU = (1.702, 7.0)
+
+
 def cpu_kernel_missing(kind: LayerKind, activation: str, bias: bool = False) -> str | None:
     """Why the CPU executor cannot run layers of this kind with ``activation`` (and biases
     when ``bias``), or None when it can."""
-    shape = ExpertShape(0, 1, kind.hidden, kind.moe_intermediate, kind.top_k, activation, bias)
+    shape = ExpertShape(0, 1, kind.hidden, kind.moe_intermediate, kind.top_k, activation, bias,
+                        *BENCH_SWIGLU)
     why = shape.native_missing()
     if why is not None:
         return f"there is no CPU rate to bench: {why}"
@@ -98,9 +104,9 @@ def cpu_kernel_missing(kind: LayerKind, activation: str, bias: bool = False) -> 
     if absent:
         return (f"no CPU kernel for {', '.join(absent)} (CPU kernels: "
                 f"{', '.join(cx.FORMATS)})")
-    if activation not in cx.ACTIVATIONS:
+    if activation not in cx.EXPERT_ACTIVATIONS:
         return (f"no CPU kernel for the activation {activation!r} (CPU kernels: "
-                f"{', '.join(cx.ACTIVATIONS)})")
+                f"{', '.join(cx.EXPERT_ACTIVATIONS)})")
     return None
 
 
@@ -218,12 +224,16 @@ class LayerBench:
     on ``device``. Methods run on the calling thread; the executor stays the caller's."""
 
     def __init__(self, kind: LayerKind, bank: HostBank, executor: cx.CpuMoeExecutor,
-                 device: torch.device, activation: str = "silu", layer: int = 0) -> None:
+                 device: torch.device, activation: str = "silu", layer: int = 0,
+                 bias: bool = False) -> None:
         self.bank, self.ex, self.layer = bank, executor, layer
         lay = bank.layout
         gate, up, down = (cx.ExpertStack.from_quant(lay.quant(bank.rows, p)) for p in PROJECTIONS)
-        self.kernels = executor.add_layer(layer, gate, up, down, activation=activation).kernels
-        E = bank.num_experts
+        E, H, I_ = bank.num_experts, kind.hidden, kind.moe_intermediate
+        biases = (torch.zeros(E, I_), torch.zeros(E, I_), torch.zeros(E, H)) if bias else None
+        self.kernels = executor.add_layer(
+            layer, gate, up, down, activation=activation, bias=biases,
+            swiglu=BENCH_SWIGLU if activation == "swiglu_oai" else None).kernels
         self.calls = draw_calls(E, kind.top_k, kind.hidden)
         slots = min(E, kind.top_k * max(BATCHES))
         cache = ExpertCache([PoolPlan(lay.row_bytes, slots, (layer,))], {layer: E}, device)

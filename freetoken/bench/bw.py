@@ -4,10 +4,10 @@ Layer kinds come from checkpoints (``--model``: each opened without reading weig
 collected by :func:`profile.layer_kinds`), from formats at the canonical shape (``--dtype``) and
 from synthetic presets (``--preset``); with none of these, ``--dtype all``. Each kind is benched
 with its model's expert activation (the checkpoint's or the preset family's config; silu for
-``--dtype``) on a synthetic bank (:mod:`bandwidth`) and becomes one :class:`Row` keyed
-``kind.key(threads)``, where threads is the CPU executor's worker count, resolved as
-``ft serve --moe-cpu-threads`` resolves it. Kinds whose experts the CPU kernels cannot run
-(GPT-OSS's biased, clamped ones) are skipped with a warning saying why.
+``--dtype``; GPT-OSS's clamped SwiGLU with zero biases) on a synthetic bank (:mod:`bandwidth`)
+and becomes one :class:`Row` keyed ``kind.key(threads)``, where threads is the CPU executor's
+worker count, resolved as ``ft serve --moe-cpu-threads`` resolves it. Kinds whose experts the
+CPU kernels cannot run (a format they lack) are skipped with a warning saying why.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _bench_one(t: Target, threads: int, dev: torch.device, seconds: float,
     ex = cx.CpuMoeExecutor(threads=threads or None)  # what `ft serve` does with the flag
     try:
         try:
-            bench = bw.LayerBench(t.kind, bank, ex, dev, t.activation)
+            bench = bw.LayerBench(t.kind, bank, ex, dev, t.activation, bias=t.bias)
         except ValueError as e:  # the kernels refuse this shape or format mix
             skip(e, len(PHASES) - 1)
             return None

@@ -3,9 +3,9 @@ library matches.
 
 What crosses the boundary by number or by layout is written here once: the enums' names in
 number order (:data:`FORMATS`, :data:`ISAS`, :data:`ACT_KINDS`), the structs Python fills
-(:class:`ProjDesc`, :class:`DecodeLayer`, :class:`DecodeStep`, :class:`RowCopyApi`,
-:class:`RowCopy`), the length of a job's timing
-record and the ABI version. :func:`mismatches` asks the library for each and lists what
+(:class:`ProjDesc`, :class:`GluDesc`, :class:`DecodeLayer`, :class:`DecodeStep`,
+:class:`RowCopyApi`, :class:`RowCopy`), the length of a job's timing record and the ABI
+version. :func:`mismatches` asks the library for each and lists what
 differs, so a library built from other sources is refused with its reason instead of being
 called with the wrong numbers. Blocks come from the quant formats' table (``freetoken/quant``),
 which the library's own table must equal.
@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 4  # csrc/common.h ABI_VERSION
+ABI_VERSION = 5  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32")
 # What experts are kept in: f32 and f16 experts are kept as bf16; f32 is for dense routers.
@@ -44,6 +44,14 @@ class ProjDesc(c.Structure):
         ("scale2", c.c_void_p),
         ("expert_bytes", c.c_int64),
     ]
+
+
+class GluDesc(c.Structure):
+    """csrc/capi.cpp GluDesc: the clamped SwiGLU's parameters and a layer's expert biases
+    (float32, (E, I), (E, I), (E, H); null where the experts have none)."""
+
+    _fields_ = [("alpha", c.c_float), ("limit", c.c_float), ("gate_bias", c.c_void_p),
+                ("up_bias", c.c_void_p), ("down_bias", c.c_void_p)]
 
 
 class DecodeLayer(c.Structure):
@@ -91,8 +99,8 @@ class RowCopy(c.Structure):
     ]
 
 
-STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, DecodeLayer, DecodeStep, RowCopyApi,
-                                          RowCopy)
+STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, GluDesc, DecodeLayer, DecodeStep,
+                                          RowCopyApi, RowCopy)
 # The functions that describe the ABI, declared before anything else is looked up.
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_abi_version": (c.c_int, []),

@@ -29,6 +29,7 @@ from freetoken.cpu.abi import (  # noqa: F401
     ISAS,
     WORKER_FIELDS,
     WORKER_STATES,
+    GluDesc,
 )
 from freetoken.cpu.cores import describe_cores, plan_cores, usable_cores
 from freetoken.cpu.expert_stack import ExpertStack
@@ -36,6 +37,7 @@ from freetoken.cpu.host_memory import HUGE_PAGE, host_buffer, to_host_bank  # no
 from freetoken.cpu.jobs import CpuMoeFuture, JobTiming
 from freetoken.cpu.library import (  # noqa: F401  (the executor's public names)
     ACTIVATIONS,
+    EXPERT_ACTIVATIONS,
     LIBRARY,
     MAX_IN_FLIGHT,
     PROJECTIONS,
@@ -138,13 +140,28 @@ class CpuMoeExecutor:
         up: ExpertStack,
         down: ExpertStack,
         activation: str = "silu",
+        swiglu: tuple[float, float] | None = None,
+        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> LayerInfo:
-        """Register a layer's experts: gate/up (E, I, H), down (E, H, I)."""
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"unknown activation {activation!r} (choose from {', '.join(ACTIVATIONS)})"
-            )
+        """Register a layer's experts: gate/up (E, I, H), down (E, H, I). ``swiglu``:
+        ``swiglu_oai``'s (alpha, limit); ``bias``: the experts' gate, up (E, I) and down (E, H)
+        biases (copied by the library)."""
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r} (choose from "
+                             f"{', '.join(EXPERT_ACTIVATIONS)})")
+        if (activation == "swiglu_oai") != (swiglu is not None):
+            raise ValueError("swiglu (alpha, limit) goes with activation swiglu_oai, and only "
+                             "with it")
         E, I_, H = gate.num_experts, gate.rows, gate.cols
+        alpha, limit = swiglu or (0.0, 0.0)
+        glu = GluDesc(alpha, limit)
+        if bias is not None:
+            want = ((E, I_), (E, I_), (E, H))
+            bias = tuple(b.detach().to("cpu", torch.float32).contiguous() for b in bias)
+            if tuple(tuple(b.shape) for b in bias) != want:
+                raise ValueError(f"layer {layer}: expert biases of shapes "
+                                 f"{[tuple(b.shape) for b in bias]}, want {list(want)}")
+            glu.gate_bias, glu.up_bias, glu.down_bias = (b.data_ptr() for b in bias)
         err = ctypes.create_string_buffer(512)
         descs = [s.desc() for s in (gate, up, down)]
         rc = self._lib.ft_add_layer(
@@ -153,7 +170,8 @@ class CpuMoeExecutor:
             E,
             H,
             I_,
-            ACTIVATIONS[activation],
+            EXPERT_ACTIVATIONS[activation],
+            ctypes.byref(glu),
             *(ctypes.byref(d) for d in descs),
             self._act_mode,
             err,

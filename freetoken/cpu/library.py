@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from freetoken import env
 from freetoken.cpu import abi
-from freetoken.cpu.abi import ACT_KINDS, FORMATS, ISAS, ProjDesc
+from freetoken.cpu.abi import ACT_KINDS, FORMATS, ISAS, GluDesc, ProjDesc
 from freetoken.quant import get_format
 
 if TYPE_CHECKING:
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LIBRARY = "libfreetoken_cpu.so"
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu": 2}  # csrc/expert_op.h Activation
+# the experts' gated activations: GPT-OSS's clamped SwiGLU besides act(g) * u
+EXPERT_ACTIVATIONS = {**ACTIVATIONS, "swiglu_oai": 3}
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MAX_IN_FLIGHT = 16  # job slots of the C++ pool
 
@@ -85,6 +87,7 @@ def native() -> ctypes.CDLL:
                 c.c_int,
                 c.c_int,
                 c.c_int,
+                c.POINTER(GluDesc),
                 c.POINTER(ProjDesc),
                 c.POINTER(ProjDesc),
                 c.POINTER(ProjDesc),

@@ -30,6 +30,7 @@ class CpuExperts(Experts):
         if reason is not None:
             raise ConfigError(f"--moe-strategy cpu needs the CPU MoE library, but {reason}")
         self.shape = shape
+        self.make_bias()
         self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
                                    shape.intermediate)
         self._pool: cx.CpuMoeExecutor | None = None  # given by attach
@@ -77,7 +78,7 @@ class CpuExperts(Experts):
         if ex is None:
             raise RuntimeError(f"layer {self.shape.layer}: cpu experts used before attach() "
                                "gave them the CPU pool")
-        ex.add_layer(self.shape.layer, *stacks, activation=self.shape.activation)
+        ex.add_layer(self.shape.layer, *stacks, **self.native_glu())
         self.builder.stacked.clear()
         self.builder.per_expert.clear()
         self.registered = True

@@ -142,8 +142,7 @@ class HybridExperts(OffloadExperts):
                                                      for e in range(bank.num_experts)])
                           for p in PROJECTIONS)
         self.executor = shared.pool
-        self.executor.add_layer(self.shape.layer, gate, up, down,
-                                activation=self.shape.activation)
+        self.executor.add_layer(self.shape.layer, gate, up, down, **self.native_glu())
         f = plan.fetch_fraction
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5)

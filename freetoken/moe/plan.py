@@ -109,12 +109,13 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
 
 def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
                     strategies: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's layers off the CPU kernels where the model's experts have none (GPT-OSS's
-    biased, clamped experts): an explicit cpu or hybrid is refused, auto's choice falls back
-    (cpu -> resident, hybrid -> offload) with a log line."""
+    """The plan's layers off the CPU kernels where they cannot run the model's experts (a
+    clamped SwiGLU without a positive alpha and limit): an explicit cpu or hybrid is refused,
+    auto's choice falls back (cpu -> resident, hybrid -> offload) with a log line."""
     mc = ckpt.config
     why = ExpertShape(0, mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.top_k,
-                      mc.hidden_act, mc.expert_bias).native_missing()
+                      mc.hidden_act, mc.expert_bias, mc.swiglu_alpha,
+                      mc.swiglu_limit).native_missing()
     native = [s for s in strategies if s in ("cpu", "hybrid")]
     if why is None or not native:
         return strategies
@@ -122,8 +123,9 @@ def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
         raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {mc.family}'s "
                           f"experts: {why}")
     instead = {"cpu": "resident", "hybrid": "offload"}
-    log.info("MoE plan: %s's experts have no CPU kernel; auto runs %d layers on %s instead",
-             mc.family, len(native), " / ".join(sorted({instead[s] for s in native})))
+    log.info("MoE plan: %s's experts cannot run on the CPU kernels (%s); auto runs %d layers "
+             "on %s instead", mc.family, why, len(native),
+             " / ".join(sorted({instead[s] for s in native})))
     return tuple(instead.get(s, s) for s in strategies)
 
 

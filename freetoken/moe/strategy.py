@@ -38,11 +38,18 @@ class ExpertShape:
     swiglu_alpha: float = 0.0  # activation swiglu_oai's parameters
     swiglu_limit: float = 0.0
 
+    def swiglu(self) -> tuple[float, float] | None:
+        """``swiglu_oai``'s (alpha, limit) as the CPU kernels take them, else None."""
+        if self.activation != "swiglu_oai":
+            return None
+        return self.swiglu_alpha, self.swiglu_limit
+
     def native_missing(self) -> str | None:
         """Why the native CPU expert kernels cannot compute these experts, or None."""
-        if self.bias or self.activation == "swiglu_oai":
-            return ("biased experts with the clamped SwiGLU (GPT-OSS) have no CPU kernel yet; "
-                    "use --moe-strategy resident or offload")
+        if self.activation == "swiglu_oai" and not (self.swiglu_alpha > 0
+                                                    and self.swiglu_limit > 0):
+            return (f"the clamped SwiGLU needs a positive alpha and limit (the config gives "
+                    f"{self.swiglu_alpha} and {self.swiglu_limit})")
         return None
 
 
@@ -109,6 +116,13 @@ class Experts(nn.Module):
         if not self.shape.bias:
             return None
         return ExpertBias(self.gate_proj_bias, self.up_proj_bias, self.down_proj_bias)
+
+    def native_glu(self) -> dict[str, object]:
+        """What the CPU pool's ``add_layer`` takes besides the weights: the activation, its
+        clamped SwiGLU's parameters, the biases."""
+        b = self.bias()
+        return {"activation": self.shape.activation, "swiglu": self.shape.swiglu(),
+                "bias": None if b is None else (b.gate, b.up, b.down)}
 
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
         """Take this layer's plan and what :attr:`NEEDS` asked for from ``shared``."""

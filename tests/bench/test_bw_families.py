@@ -1,11 +1,9 @@
 """``ft bench bw`` benches each layer kind with its model's expert activation: Gemma-4's gelu
-(tanh), Qwen3-MoE's silu, and skips GPT-OSS's biased, clamped experts, which the CPU kernels
-cannot run, saying so."""
+(tanh), Qwen3-MoE's silu, GPT-OSS's clamped SwiGLU with biases."""
 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,6 @@ GEMMA_TINY = dict(hidden=64, moe_intermediate=32, experts=8, layers=2, heads=4, 
                   sliding_window=6)
 OSS_TINY = dict(hidden=64, moe_intermediate=64, experts=8, layers=2, heads=4, kv_heads=2,
                 head_dim=16, vocab=512, sliding_window=6)
-GPT_OSS_SKIP = "there is no CPU rate to bench: biased experts with the clamped SwiGLU (GPT-OSS)"
 
 
 def _tiny_gguf(preset: str, dims: dict[str, int], out: Path) -> Path:
@@ -46,9 +43,9 @@ def activations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     add_layer = cx.CpuMoeExecutor.add_layer
 
-    def spy(self: cx.CpuMoeExecutor, *args: Any, activation: str = "silu") -> Any:
-        seen.append(activation)
-        return add_layer(self, *args, activation=activation)
+    def spy(self: cx.CpuMoeExecutor, *args: Any, activation: str = "silu", **kw: Any) -> Any:
+        seen.append(activation + (" biased" if kw.get("bias") is not None else ""))
+        return add_layer(self, *args, activation=activation, **kw)
 
     monkeypatch.setattr(cx.CpuMoeExecutor, "add_layer", spy)
     return seen
@@ -77,24 +74,18 @@ def test_gemma4_checkpoint_is_benched_with_gelu(tmp_path: Path, bw_path: Path,
     assert activations == ["gelu_pytorch_tanh"]
 
 
-def test_gpt_oss_kind_is_skipped_saying_why(tmp_path: Path, bw_path: Path,
-                                            activations: list[str],
-                                            caplog: pytest.LogCaptureFixture,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_gpt_oss_checkpoint_is_benched_with_its_clamped_biased_experts(
+        tmp_path: Path, bw_path: Path, activations: list[str]) -> None:
     oss = _tiny_gguf("gpt-oss-20b", OSS_TINY, tmp_path / "oss.gguf")
-    with caplog.at_level(logging.WARNING, logger="freetoken.bench.bw"):
-        assert main(["bench", "bw", "--model", str(oss), *FAST]) == 2
-    assert "no layer kind could be benched" in capsys.readouterr().err
-    warned = " ".join(r.getMessage() for r in caplog.records)
-    assert f"(from {oss}): {GPT_OSS_SKIP}" in warned
-    assert activations == [] and not bw_path.exists()
+    assert main(["bench", "bw", "--model", str(oss), *FAST]) == 0
+    rows = json.loads(bw_path.read_text())["layer_kinds"]
+    assert [r["meta"]["activation"] for r in rows.values()] == ["swiglu_oai"]
+    assert activations == ["swiglu_oai biased"]
+    assert all(r["cpu_gbps"] > 0 for r in rows.values())
 
 
-def test_gpt_oss_preset_skipped_beside_a_benched_one(caplog: pytest.LogCaptureFixture,
-                                                    activations: list[str]) -> None:
+def test_gpt_oss_preset_benched_beside_another(activations: list[str]) -> None:
     targets = collect_targets(presets=["gpt-oss-20b", "tiny"])
-    with caplog.at_level(logging.WARNING, logger="freetoken.bench.bw"):
-        rows = bench_kinds(targets, threads=1, device="cpu", seconds=0.02, experts=8)
-    assert list(rows) == ["bf16:64x32:top2:t1"] and activations == ["silu"]
-    warned = " ".join(r.getMessage() for r in caplog.records)
-    assert "(from preset:gpt-oss-20b): " + GPT_OSS_SKIP in warned
+    rows = bench_kinds(targets, threads=1, device="cpu", seconds=0.02, experts=8)
+    assert len(rows) == 2 and "bf16:64x32:top2:t1" in rows
+    assert sorted(activations) == ["silu", "swiglu_oai biased"]

@@ -361,3 +361,48 @@ def test_a_caller_that_only_waits_gets_the_same_result() -> None:
     ex.set_join(True)
     assert torch.equal(ex.submit_linear(x, lid).wait(), alone)
     ex.close()
+
+
+@pytest.mark.parametrize("split", ["rows", "experts"])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "mxfp4"])
+def test_biased_experts_with_the_clamped_swiglu(fmt: str, tier: str, split: str) -> None:
+    """GPT-OSS's experts: gate/up biases before the clamp (a limit low enough to cut most
+    outputs), down's bias before the routing weight; either down split."""
+    from freetoken.kernels.activation import ClampedSwiGLU
+
+    b = bank(fmt)
+    I_, H = b.gate.shape[1], b.gate.shape[2]
+    g = torch.Generator().manual_seed(5)
+    bias = (torch.randn(E, I_, generator=g), torch.randn(E, I_, generator=g),
+            torch.randn(E, H, generator=g))
+    glu = ClampedSwiGLU(1.702, 0.5)
+    ex = cx.CpuMoeExecutor(threads=1, isa=tier)
+    ex.add_layer(0, *stacks(b), activation="swiglu_oai", swiglu=(glu.alpha, glu.limit),
+                 bias=bias)
+    ex.set_down_split(split)
+    x, ids, w = inputs(fmt, 5, seed=3)
+    gate, up, down = b.dense
+    want = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for a in range(ids.shape[1]):
+            e, h = int(ids[t, a]), x[t].double()
+            gu = glu.glu(gate[e] @ h + bias[0][e].double(), up[e] @ h + bias[1][e].double())
+            want[t] += float(w[t, a]) * (down[e] @ gu + bias[2][e].double())
+    pre = torch.einsum("eih,th->tei", gate, x.double()) + bias[0].double()
+    assert (pre > glu.limit).double().mean() > 0.25  # the clamp bites
+    kinds = {act for _, act in ex.layers[0].kernels}
+    assert rel_err(ex.run(x, ids, w, 0), want) < max(TOLERANCE[k] for k in kinds)
+
+
+def test_swiglu_and_biases_are_checked() -> None:
+    b = bank("bf16")
+    ex = cx.CpuMoeExecutor(threads=1)
+    with pytest.raises(ValueError, match="swiglu .* goes with activation swiglu_oai"):
+        ex.add_layer(0, *stacks(b), activation="silu", swiglu=(1.702, 7.0))
+    with pytest.raises(ValueError, match="positive alpha and limit"):
+        ex.add_layer(0, *stacks(b), activation="swiglu_oai", swiglu=(1.702, 0.0))
+    I_, H = b.gate.shape[1], b.gate.shape[2]
+    with pytest.raises(ValueError, match=r"expert biases of shapes .* want"):
+        ex.add_layer(0, *stacks(b), bias=(torch.zeros(E, I_), torch.zeros(E, I_),
+                                          torch.zeros(E, I_)))

@@ -1,8 +1,12 @@
 """GPT-OSS (sinks, yarn rope, sliding and full layers, biased experts with the clamped SwiGLU)
 against ``transformers`` on a tiny random checkpoint: HF directory, the same weights as a
-llama.cpp-style GGUF, greedy decoding, and the strategies that can serve it."""
+llama.cpp-style GGUF, greedy decoding, offload and what auto picks (the CPU kernels:
+test_gpt_oss_native.py)."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -108,23 +112,30 @@ def test_offload_gives_residents_tokens(tiny_gpt_oss, tmp_path):
     assert offload == resident
 
 
-@pytest.mark.parametrize("strategy", ["cpu", "hybrid"])
-def test_native_strategies_are_refused_by_name(tiny_gpt_oss, strategy):
-    cfg = EngineConfig(model=str(tiny_gpt_oss), device="cpu", dtype="float32",
-                       moe_strategy=strategy, max_seq_len=64)
-    with pytest.raises(ConfigError, match=f"--moe-strategy {strategy} cannot run gpt_oss's "
-                                          "experts: biased experts with the clamped SwiGLU"):
-        plan_moe(cfg, open_checkpoint(tiny_gpt_oss), torch.device("cpu"))
-
-
-def test_auto_falls_back_off_the_cpu_kernels(tiny_gpt_oss, caplog):
-    cfg = EngineConfig(model=str(tiny_gpt_oss), device="cpu", dtype="float32",
-                       moe_strategy="auto", max_seq_len=64)
-    with caplog.at_level("INFO"):
-        plan = plan_moe(cfg, open_checkpoint(tiny_gpt_oss), torch.device("cpu"))
-    assert set(plan.strategies) == {"resident"} and not plan.needs.cpu_pool
+def test_auto_runs_the_cpu_kernels(tiny_gpt_oss):
     from freetoken.cpu import executor as cx
 
-    if cx.available() is None:  # auto would have picked the CPU kernels
-        assert "gpt_oss's experts have no CPU kernel; auto runs 4 layers on resident" \
-            in caplog.text
+    if (why := cx.available()) is not None:
+        pytest.skip(why)
+    cfg = EngineConfig(model=str(tiny_gpt_oss), device="cpu", dtype="float32",
+                       moe_strategy="auto", max_seq_len=64)
+    plan = plan_moe(cfg, open_checkpoint(tiny_gpt_oss), torch.device("cpu"))
+    assert set(plan.strategies) == {"cpu"} and plan.needs.cpu_pool
+
+
+def test_a_clamp_the_kernels_cannot_take_keeps_auto_off_them(tiny_gpt_oss, tmp_path, caplog):
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_gpt_oss, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["swiglu_limit"] = 0.0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    ckpt = open_checkpoint(bad)
+    with caplog.at_level("INFO"):
+        plan = plan_moe(EngineConfig(model=str(bad), device="cpu", dtype="float32",
+                                     moe_strategy="auto", max_seq_len=64), ckpt,
+                        torch.device("cpu"))
+    assert set(plan.strategies) == {"resident"} and not plan.needs.cpu_pool
+    with pytest.raises(ConfigError, match="--moe-strategy cpu cannot run gpt_oss's experts: "
+                                          "the clamped SwiGLU needs a positive alpha and limit"):
+        plan_moe(EngineConfig(model=str(bad), device="cpu", dtype="float32",
+                              moe_strategy="cpu", max_seq_len=64), ckpt, torch.device("cpu"))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from freetoken.checkpoint.base import Checkpoint
+from freetoken.checkpoint.base import Checkpoint, TensorInfo
 from freetoken.errors import CheckpointError
 
-__all__ = ["Checkpoint", "open_checkpoint", "default_model_path"]
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "default_model_path"]
 
 
 def open_checkpoint(model: str | Path) -> Checkpoint:

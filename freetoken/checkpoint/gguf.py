@@ -4,11 +4,12 @@ The header parser is ours (the format is small and documented by ggml; the ``ggu
 reader spends ~15 s materialising a 262k-token vocabulary as numpy views). Tensor data is never
 copied: each tensor is a torch view into one private (copy-on-write) mapping of the file,
 except where GGUF's blocks are not our layout of the format (NVFP4): those are repacked into
-it each time they are read (``quant.gguf_read``).
+it each time they are read (``quant.gguf_read``), so ``tensor_infos`` answers from the header.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Iterator
@@ -19,11 +20,18 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from freetoken.checkpoint.base import TensorInfo
 from freetoken.checkpoint.names import gguf_to_ours
 from freetoken.checkpoint.tokenizer import load_gguf_tokenizer
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError
-from freetoken.quant import QuantTensor, format_for_gguf_type, gguf_read, gguf_row_bytes
+from freetoken.quant import (
+    QuantTensor,
+    format_for_gguf_type,
+    gguf_read,
+    gguf_read_nbytes,
+    gguf_row_bytes,
+)
 
 _MAGIC = b"GGUF"
 # GGUF value types: id -> struct code (scalars); 8 = string, 9 = array
@@ -165,16 +173,35 @@ class GGUFCheckpoint:
     def tensor_names(self) -> list[str]:
         return [n for n in (gguf_to_ours(i[0], self.family) for i in self._infos) if n]
 
+    def tensor_infos(self) -> Iterator[TensorInfo]:
+        for name, ne, ttype, _ in self._infos:
+            ours = gguf_to_ours(name, self.family)
+            if ours is None:
+                continue
+            shape = tuple(reversed(ne))
+            if self._shifted_norm(ours):
+                yield TensorInfo(ours, "f32", shape, 4 * math.prod(shape))
+                continue
+            fmt = format_for_gguf_type(ttype).name
+            try:
+                nbytes = gguf_read_nbytes(fmt, shape, _nbytes(ne, ttype, name, self.path))
+            except ValueError as e:
+                raise CheckpointError(f"{self.path}: tensor {name}: {e}") from e
+            yield TensorInfo(ours, fmt, shape, nbytes)
+
     def tensors(self) -> Iterator[tuple[str, QuantTensor]]:
         for name, ne, ttype, offset in self._infos:
             ours = gguf_to_ours(name, self.family)
             if ours is None:
                 continue
             t = self._view(name, ne, ttype, offset)
-            if self.family == "gemma3" and ours.endswith("norm.weight"):
-                # llama.cpp's converter stores Gemma's (1 + w) norm scale; we keep w.
+            if self._shifted_norm(ours):
                 t = QuantTensor("f32", t.shape, self._as_float(t) - 1.0)
             yield ours, t
+
+    def _shifted_norm(self, ours: str) -> bool:
+        """llama.cpp's converter stores Gemma-3's (1 + w) norm scale; we keep w (float32)."""
+        return self.family == "gemma3" and ours.endswith("norm.weight")
 
     def stored_tensors(self) -> Iterator[tuple[str, QuantTensor]]:
         """Every tensor under its GGUF name, exactly as stored (Gemma norms stay ``1 + w``)."""

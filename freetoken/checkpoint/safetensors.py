@@ -5,6 +5,8 @@ into that mapping. Formats that keep scales in companion tensors are grouped her
 ``w.weight`` (float8) + ``w.weight_scale_inv`` is fp8_block; ``w.weight`` (uint8) +
 ``w.weight_scale`` + ``w.weight_scale_2`` is nvfp4; ``w_blocks`` (uint8) + ``w_scales`` is
 mxfp4 (GPT-OSS), repacked into our blocks as it is read. A companion may sit in another shard.
+``tensor_infos`` runs the same grouping and layouts on meta tensors of the header's shapes and
+dtypes, so its formats, shapes and sizes are ``tensors()``'s with no byte read or repacked.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from freetoken.checkpoint.base import TensorInfo
 from freetoken.checkpoint.layouts import our_names, to_ours
 from freetoken.checkpoint.tokenizer import load_hf_tokenizer
 from freetoken.config import ModelConfig
@@ -67,9 +70,12 @@ class _SafetensorsFile:
             if self.base + e["data_offsets"][1] > size:
                 raise CheckpointError(f"{bad}: tensor {name} runs past the end; download it again")
 
-    def view(self, name: str) -> torch.Tensor:
+    def view(self, name: str, meta: bool = False) -> torch.Tensor:
+        """The tensor's bytes as its dtype and shape; ``meta``: only the dtype and shape."""
         e = self.entries[name]
         start, end = e["data_offsets"]
+        if meta:
+            return torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]], device="meta")
         if end == start:
             raw = torch.empty(0, dtype=torch.uint8)
         else:
@@ -123,34 +129,41 @@ class HFCheckpoint:
         return [o for f in self._files for n in f.entries if not self._companion(n)
                 for o in our_names(fam, n)]
 
+    def tensor_infos(self) -> Iterator[TensorInfo]:
+        for name, qt in self._read(meta=True):
+            yield TensorInfo(name, qt.fmt, tuple(qt.shape), qt.nbytes)
+
     def tensors(self) -> Iterator[tuple[str, QuantTensor]]:
+        return self._read(meta=False)
+
+    def _read(self, meta: bool) -> Iterator[tuple[str, QuantTensor]]:
         fam = self.config.family
         for f in self._files:
             for name in f.entries:
                 if self._companion(name) or not our_names(fam, name):
                     continue
-                yield from to_ours(fam, name, self._tensor(f, name))
+                yield from to_ours(fam, name, self._tensor(f, name, meta))
 
     def _companion(self, name: str) -> bool:
         return name.endswith(_COMPANIONS) or (
             name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in self._where)
 
-    def _view(self, name: str) -> torch.Tensor:
-        return self._where[name].view(name)
+    def _view(self, name: str, meta: bool) -> torch.Tensor:
+        return self._where[name].view(name, meta)
 
-    def _tensor(self, f: _SafetensorsFile, name: str) -> QuantTensor:
-        data = f.view(name)
+    def _tensor(self, f: _SafetensorsFile, name: str, meta: bool) -> QuantTensor:
+        data = f.view(name, meta)
         stem = name.removesuffix("weight")
         if stem + "weight_scale_inv" in self._where:
             return QuantTensor("fp8_block", tuple(data.shape), data,
-                               {"weight_scale_inv": self._view(stem + "weight_scale_inv")})
+                               {"weight_scale_inv": self._view(stem + "weight_scale_inv", meta)})
         if data.dtype == torch.uint8 and stem + "weight_scale" in self._where:
-            scales = {k: self._view(stem + k) for k in ("weight_scale", "weight_scale_2")}
+            scales = {k: self._view(stem + k, meta) for k in ("weight_scale", "weight_scale_2")}
             return QuantTensor("nvfp4", (data.shape[0], data.shape[1] * 2), data, scales)
         if name.endswith("_blocks") and (scales := name.removesuffix("_blocks") + "_scales") \
                 in self._where:
             try:
-                return from_split_blocks(data, self._view(scales))
+                return from_split_blocks(data, self._view(scales, meta))
             except ValueError as e:
                 raise CheckpointError(f"{f.path}: tensor {name}: {e}") from e
         if data.dtype not in _FMT:

@@ -257,4 +257,4 @@ def check_host_memory(needed: int, available: int | None = None) -> None:
 
 def expert_bytes(ckpt: Checkpoint) -> int:
     """Bytes of every expert tensor of a checkpoint, read from its index, not its data."""
-    return sum(qt.nbytes for name, qt in ckpt.tensors() if ".experts." in name)
+    return sum(t.nbytes for t in ckpt.tensor_infos() if ".experts." in t.name)

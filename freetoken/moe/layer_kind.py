@@ -123,19 +123,19 @@ def _options(values: Mapping[str, object]) -> Options:
 def layer_kinds(ckpt: Checkpoint) -> dict[LayerKind, list[int]]:
     """Each MoE layer kind of a checkpoint and its layer indices, ascending.
 
-    Reads only tensor formats: ``tensors()`` yields zero-copy views, so no weight is read.
+    Reads only tensor formats (``tensor_infos()``): no weight is read.
     """
     if not ckpt.config.is_moe:
         return {}
     seen: dict[int, dict[str, set[str]]] = {}
-    for name, qt in ckpt.tensors():
-        m = _EXPERT.fullmatch(name)
+    for t in ckpt.tensor_infos():
+        m = _EXPERT.fullmatch(t.name)
         if m is None:
             continue
         targets = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else (m.group(2),)
         for proj in targets:
             seen.setdefault(int(m.group(1)), {}).setdefault(proj, set()).add(
-                _CPU_FLOAT.get(qt.fmt, qt.fmt))
+                _CPU_FLOAT.get(t.fmt, t.fmt))
     formats: dict[int, dict[str, str]] = {}
     for layer, projs in seen.items():
         for proj, fmts in projs.items():

@@ -185,12 +185,12 @@ def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:
     resident keeps as blocks on a GPU (``moe/resident.py``), else at the compute dtype."""
     mc, size = ckpt.config, getattr(torch, cfg.dtype).itemsize
     dense, blocks, formats = 0, 0, set()
-    for n, qt in ckpt.tensors():
-        if ".experts." not in n:
-            dense += math.prod(qt.shape)
-        elif len(qt.shape) >= 2 and not n.endswith("_bias"):
-            blocks += qt.nbytes
-            formats.add(qt.fmt)
+    for t in ckpt.tensor_infos():
+        if ".experts." not in t.name:
+            dense += math.prod(t.shape)
+        elif len(t.shape) >= 2 and not t.name.endswith("_bias"):
+            blocks += t.nbytes
+            formats.add(t.fmt)
     if formats and fused(tuple(formats)) and keeps_blocks(torch.device("cuda")):
         return dense * size, blocks // max(1, sum(mc.moe_layers))
     return dense * size, 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * size

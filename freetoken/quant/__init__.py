@@ -9,11 +9,12 @@ from freetoken.quant.registry import (
     gguf_block_size,
     gguf_quantize,
     gguf_read,
+    gguf_read_nbytes,
     gguf_row_bytes,
     gguf_type_of,
     gguf_write,
 )
 
 __all__ = ["FORMATS", "QuantFormat", "QuantTensor", "dequantize_as", "format_for_gguf_type",
-           "get_format", "gguf_block_size", "gguf_quantize", "gguf_read", "gguf_row_bytes",
-           "gguf_type_of", "gguf_write"]
+           "get_format", "gguf_block_size", "gguf_quantize", "gguf_read", "gguf_read_nbytes",
+           "gguf_row_bytes", "gguf_type_of", "gguf_write"]

@@ -15,6 +15,8 @@ package's bit for bit: code 8 (-0) becomes code 0, as ggml decodes it to +0. Sca
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -41,6 +43,14 @@ def _blocks(cols: int) -> int:
 def row_bytes(cols: int) -> int:
     """Bytes one GGUF row of ``cols`` weights takes."""
     return _blocks(cols) * BLOCK_BYTES
+
+
+def read_nbytes(shape: tuple[int, ...]) -> int:
+    """``QuantTensor.nbytes`` of what :func:`read` makes of a tensor of ``shape``: the codes,
+    one e4m3 scale per 16 weights and the float32 global scale."""
+    *lead, cols = shape
+    _blocks(cols)
+    return math.prod(lead) * (cols // 2 + cols // GROUP) + 4
 
 
 def ue4m3(x: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,14 @@ def gguf_read(name: str, data: torch.Tensor, shape: tuple[int, ...]) -> QuantTen
     return QuantTensor(name, shape, data)
 
 
+def gguf_read_nbytes(name: str, shape: tuple[int, ...], stored: int) -> int:
+    """``nbytes`` of :func:`gguf_read`'s tensor of ``shape`` whose file bytes are ``stored``,
+    without reading them."""
+    if name in GGUF_REPACKED:
+        return GGUF_REPACKED[name].read_nbytes(shape)
+    return stored
+
+
 def gguf_write(qt: QuantTensor) -> torch.Tensor:
     """``qt`` as the uint8 rows a GGUF file stores (:func:`gguf_read`'s inverse)."""
     if qt.fmt in GGUF_REPACKED:

@@ -20,19 +20,20 @@ from freetoken.moe.plan import plan_moe
 def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
               strategy: str = "resident", cache: CacheSizing | None = None, threads: int = 1,
               max_fetch: int | str = "auto", lookahead: str = "auto",
-              online: bool = True) -> torch.nn.Module:
+              online: bool = True, act: str = "auto") -> torch.nn.Module:
     """Our model on ``device`` as the runner builds it, without a KV pool: the MoE plan for
     ``strategy``, offloaded layers with an expert cache sized by ``cache``, a CPU pool of one
     worker (planned as ``threads``, the count a profile row is looked up for) where needed;
     ``lookahead`` as ``--moe-lookahead``, ``online`` as ``--moe-hybrid-online``; rope tables of
-    the engine's 64 positions."""
+    the engine's 64 positions; ``act``: how the pool's int kernels read activations (the engine
+    runs ``auto``; ``f32`` takes their rounding out)."""
     ckpt = open_checkpoint(path)
     cfg = EngineConfig(model=str(path), device=device, dtype=str(dtype).split(".")[1],
                        moe_strategy=strategy, max_seq_len=64, moe_cpu_threads=threads,
                        moe_cache=cache or CacheSizing("rate", 1.0), moe_hybrid_max_fetch=max_fetch,
                        moe_lookahead=lookahead, moe_hybrid_online=online)
     plan = plan_moe(cfg, ckpt, torch.device(device))
-    pool = CpuMoeExecutor(threads=1) if plan.pool_threads else None
+    pool = CpuMoeExecutor(threads=1, act=act) if plan.pool_threads else None
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

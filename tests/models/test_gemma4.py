@@ -5,6 +5,7 @@ q8_0 experts), greedy decoding, every MoE strategy."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -126,6 +127,73 @@ def test_native_strategies_give_residents_tokens(tiny_gemma4, tmp_path, monkeypa
     assert got[5:-1].argmax(-1)[clear].tolist() == torch.tensor(want)[clear].tolist()
     # and the same request gives the same tokens again
     assert our_greedy(other, IDS[:6], 32) == our_greedy(other, IDS[:6], 32)
+
+
+# experts of three formats, two layers each; every format's layers are a pool of the cache
+MIXED = ("q8_0", "q8_0", "bf16", "bf16", "mxfp4", "mxfp4")
+# relative to the largest output, as tests/cpu/test_kernels.py allows the pool's kernels:
+# int8 activations (q8_0, mxfp4) and bf16 ones
+AS_SERVED = {"q8_0": 3e-2, "bf16": 2e-2, "mxfp4": 3e-2}
+
+
+def _mixed_gguf(src, out):
+    def fmt(name: str, shape: tuple[int, ...]) -> str:
+        m = re.match(r"model\.layers\.(\d+)\.experts\.", name)
+        return MIXED[int(m.group(1))] if m else "f32"
+
+    return convert_to_gguf(open_checkpoint(src), out, fmt)
+
+
+@pytest.mark.parametrize("strategy", ["offload", "cpu", "hybrid"])
+def test_mixed_format_experts_serve_with_residents_tokens(tiny_gemma4, tmp_path, monkeypatch,
+                                                          strategy):
+    """q8_0, bf16 and mxfp4 expert layers in one GGUF. Offload gives resident's logits bit for
+    bit. The CPU pool's kernels, with float32 activations, give them to 1e-5 and resident's
+    tokens; as the engine runs them (int8 activations for q8_0 and mxfp4, bf16 for bf16) each
+    layer's experts stay within the kernels' tolerance of resident's on the same input, a
+    rounding the tiny model's next router can turn into another expert, so tokens are compared
+    on the float32 run."""
+    from gguf import GGUFReader
+
+    from freetoken.cpu import executor as cx
+
+    if strategy != "offload" and (why := cx.available()) is not None:
+        pytest.skip(why)
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    out = _mixed_gguf(tiny_gemma4, tmp_path / "mixed.gguf")
+    types = {t.name: t.tensor_type.name.lower() for t in GGUFReader(out).tensors}
+    assert [types[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate_up", "down")
+            for i in range(6)] == list(MIXED) * 2
+    resident = load_ours(out)
+    want = our_greedy(resident, IDS[:6], 32)
+    ref = our_logits(resident, IDS[:6] + want, prefill=6)
+    # 3 slots per pool for 16 experts: misses and evictions in every layer (a pool of fewer
+    # slots than the top-k streams every call, and hybrid would never split)
+    cache = CacheSizing("size", 9)
+    if strategy == "offload":
+        other = load_ours(out, strategy=strategy, cache=cache)
+        assert torch.equal(our_logits(other, IDS[:6] + want, prefill=6), ref)
+        assert our_greedy(other, IDS[:6], 32) == want
+        return
+    exact = load_ours(out, strategy=strategy, cache=cache, max_fetch=1, online=False, act="f32")
+    torch.testing.assert_close(our_logits(exact, IDS[:6] + want, prefill=6), ref, atol=1e-5,
+                               rtol=0)
+    assert our_greedy(exact, IDS[:6], 32) == want
+    served = load_ours(out, strategy=strategy, cache=cache, max_fetch=1, online=False)
+    calls: dict[int, list] = {}
+    for i, layer in enumerate(served.model.layers):
+        layer.experts.register_forward_hook(
+            lambda m, args, y, i=i: calls.setdefault(i, []).append((args, y)))
+    our_logits(served, IDS[:6] + want, prefill=6)
+    for i, layer in enumerate(resident.model.layers):
+        for args, y in calls[i]:
+            with torch.inference_mode():
+                r = layer.experts(*args)
+            err = float((y - r).abs().max() / r.abs().max())
+            assert err < AS_SERVED[MIXED[i]], f"layer {i} ({MIXED[i]}): {err:.4f}"
+    if strategy == "hybrid":  # each layer both fetched misses and computed some on the CPU
+        stats = served.model.layers[0].experts.runtime.stats.layers
+        assert all(stats[i].misses > 0 and stats[i].cpu_experts > 0 for i in range(6))
 
 
 def test_per_layer_embeddings_are_refused_by_name(tiny_gemma4, tmp_path):

@@ -99,6 +99,14 @@ def test_blocks_are_read_as_mxfp4_and_dequantise_to_transformers(mxfp4_dir):
             assert torch.equal(torch.from_numpy(np.ascontiguousarray(ref)), want)
 
 
+def test_tensor_infos_are_the_blocks_as_read(mxfp4_dir):
+    """The infos group ``*_blocks`` with ``*_scales`` and split gate from up as reading does."""
+    ckpt = open_checkpoint(mxfp4_dir)
+    infos = [(t.name, t.fmt, t.shape, t.nbytes) for t in ckpt.tensor_infos()]
+    assert infos == [(n, qt.fmt, tuple(qt.shape), qt.nbytes) for n, qt in ckpt.tensors()]
+    assert {i[1] for i in infos if i[0].endswith("experts.gate_proj")} == {"mxfp4"}
+
+
 def test_logits_match_transformers_on_the_dequantised_experts(mxfp4_dir, tiny_gpt_oss):
     ref = _hf_logits(mxfp4_dir)
     got = our_logits(load_ours(mxfp4_dir), IDS, prefill=9)

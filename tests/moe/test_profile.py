@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGML
 
-from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint import TensorInfo, open_checkpoint
 from freetoken.checkpoint.synth import resolve_spec, write_synth
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError, ConfigError
@@ -34,7 +34,6 @@ from freetoken.moe.profile import (
     profile_path,
     save_rows,
 )
-from freetoken.quant import QuantTensor
 
 Q8 = str(int(GGML.Q8_0))
 Q8_KIND = LayerKind("gguf", 2816, 704, 8, (("down_type", Q8), ("gate_up_type", Q8)))
@@ -123,9 +122,9 @@ class _FakeCheckpoint:
         self.config = _config(moe_layers=(True, True))
         self._tensors = tensors
 
-    def tensors(self) -> Iterator[tuple[str, QuantTensor]]:
+    def tensor_infos(self) -> Iterator[TensorInfo]:
         for name, fmt in self._tensors:
-            yield name, QuantTensor(fmt, (1,), torch.empty(0))
+            yield TensorInfo(name, fmt, (1,), 0)
 
 
 def test_layer_kinds_of_fused_and_per_expert_names():

@@ -402,7 +402,7 @@ def test_swiglu_and_biases_are_checked() -> None:
         ex.add_layer(0, *stacks(b), activation="silu", swiglu=(1.702, 7.0))
     with pytest.raises(ValueError, match="positive alpha and limit"):
         ex.add_layer(0, *stacks(b), activation="swiglu_oai", swiglu=(1.702, 0.0))
-    I_, H = b.gate.shape[1], b.gate.shape[2]
+    I_ = b.gate.shape[1]
     with pytest.raises(ValueError, match=r"expert biases of shapes .* want"):
         ex.add_layer(0, *stacks(b), bias=(torch.zeros(E, I_), torch.zeros(E, I_),
                                           torch.zeros(E, I_)))

@@ -79,8 +79,8 @@ def _expert_cache(layers: list[Experts], sizing: CacheSizing) -> OffloadRuntime:
         assert isinstance(m, OffloadExperts) and m.bank is not None, \
             f"layer {m.shape.layer} keeps a device cache without a loaded bank"
         by_size.setdefault(m.bank.expert_bytes, []).append(m)
-    groups = [ExpertGroup(size, tuple(m.shape.layer for m in ms), ms[0].shape.num_experts)
-              for size, ms in by_size.items()]
+    groups = [ExpertGroup(size, tuple(m.shape.layer for m in ms), ms[0].shape.num_experts,
+                          max(m.shape.top_k for m in ms)) for size, ms in by_size.items()]
     plans = plan_moe_cache(sizing, groups)
     first = next(iter(by_size.values()))[0]
     device: torch.device = first.device

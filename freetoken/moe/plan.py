@@ -270,6 +270,7 @@ class ExpertGroup:
     slot_bytes: int
     layers: tuple[int, ...]
     experts_per_layer: int
+    top_k: int = 1  # experts one token routes to in these layers
 
     @property
     def experts(self) -> int:
@@ -309,6 +310,14 @@ def plan_moe_cache(sizing: CacheSizing, groups: list[ExpertGroup]) -> list[PoolP
                 f"{what} leaves no room for {where}; the expert cache needs at least {least} "
                 "(give a larger --moe-cache-mem, --moe-cache-rate or --moe-cache-size, or "
                 "lower --kv-reserve-tokens)")
+        if n < min(g.top_k, g.experts):
+            log.warning(
+                "expert cache: %d slot%s for the %s experts of layers %s, fewer than the %d "
+                "experts one token routes to: every decode call there streams its experts (no "
+                "reuse between calls, no CPU share for hybrid); give at least %d (a larger "
+                "--moe-cache-mem, --moe-cache-rate or --moe-cache-size)", n,
+                "" if n == 1 else "s", human_bytes(g.slot_bytes), layer_span(g.layers), g.top_k,
+                g.top_k)
         plans.append(PoolPlan(g.slot_bytes, min(n, g.experts), g.layers))
     n_slots = sum(p.num_slots for p in plans)
     log.info("resolved moe_cache_size=%d (%s, %.1f %% of %d experts) from %s%s", n_slots,

@@ -154,6 +154,17 @@ def test_cache_plans_split_mixed_formats_by_bytes():
                                                                                            64]
 
 
+def test_a_pool_smaller_than_top_k_is_named(caplog):
+    q8 = ExpertGroup(5_000_000, (0, 1), 8, top_k=2)
+    bf = ExpertGroup(10_000_000, (2, 3), 8, top_k=2)
+    with caplog.at_level("WARNING"):
+        plans = plan_moe_cache(CacheSizing("size", 3), [q8, bf])
+    assert [p.num_slots for p in plans] == [2, 1]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "1 slot for the 10MB experts of layers 2-3, fewer than the 2 " \
+        "experts one token routes to" in warned[0]
+
+
 def test_auto_cache_uses_the_budget_and_caps_at_all_experts(caplog):
     g = ExpertGroup(slot_bytes=1_000_000, layers=(0, 1), experts_per_layer=64)
     with caplog.at_level("INFO"):

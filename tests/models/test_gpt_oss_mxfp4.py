@@ -156,3 +156,18 @@ def test_scales_in_another_shard(mxfp4_dir, tmp_path):
     got = dict(open_checkpoint(tmp_path).tensors())["model.layers.0.mlp.experts.down_proj"]
     want = _reference_experts(mxfp4_dir, 0)["down_proj"]
     assert torch.equal(get_format("mxfp4").dequantize(got), want)
+
+
+@pytest.mark.parametrize("strategy", ["cpu", "hybrid"])
+def test_cpu_kernels_read_the_hf_blocks(mxfp4_dir, tmp_path, monkeypatch, strategy):
+    """The official layout's blocks on the CPU kernels (biases and the clamp included): the
+    logits within the int8 activations' rounding of resident's (about 1e-4 on this model)."""
+    from freetoken.cpu import executor as cx
+
+    if (why := cx.available()) is not None:
+        pytest.skip(why)
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    ref = our_logits(load_ours(mxfp4_dir), IDS, prefill=5)
+    got = our_logits(load_ours(mxfp4_dir, strategy=strategy, cache=CacheSizing("size", 3),
+                               max_fetch=1, online=False), IDS, prefill=5)
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)

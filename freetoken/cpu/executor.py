@@ -127,10 +127,12 @@ class CpuMoeExecutor:
         self._announced = False
         self._timing = False
         spare = max(1, len(usable) - len(set(self.cores)))
+        self._torch_threads: int | None = None  # torch's count before the cap, for close()
         if torch.get_num_threads() > spare:
             log.info(
                 "capping torch CPU threads at %d so they leave the MoE pool's cores alone", spare
             )
+            self._torch_threads = torch.get_num_threads()
             torch.set_num_threads(spare)
 
     def add_layer(
@@ -459,10 +461,15 @@ class CpuMoeExecutor:
         log.info("%s", self.ready_line(top_k))
 
     def close(self) -> None:
-        """Stop the workers (every future must have been waited)."""
+        """Stop the workers (every future must have been waited) and give torch back the
+        threads the pool's cores had capped it to (a later engine in this process plans its
+        own)."""
         if self._handle:
             self._lib.ft_executor_free(self._handle)
             self._handle = None
+            if self._torch_threads is not None and torch.get_num_threads() < self._torch_threads:
+                torch.set_num_threads(self._torch_threads)
+            self._torch_threads = None
 
     def __del__(self) -> None:
         if getattr(self, "_handle", None):

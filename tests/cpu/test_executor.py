@@ -71,8 +71,11 @@ def test_startup_line(caplog: pytest.LogCaptureFixture) -> None:
 def test_torch_threads_leave_the_pool_alone() -> None:
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(len(cx.usable_cores()))
         ex = cx.CpuMoeExecutor()
         assert torch.get_num_threads() <= max(1, len(cx.usable_cores()) - len(set(ex.cores)))
+        ex.close()  # a later engine in this process starts from torch's own count again
+        assert torch.get_num_threads() == len(cx.usable_cores())
     finally:
         torch.set_num_threads(before)
 

@@ -92,17 +92,14 @@ def last_logits(llm: Any, llama_cpp: Any) -> np.ndarray:
     return np.array(np.ctypeslib.as_array(ptr, shape=(n_vocab,)), dtype=np.float32, copy=True)
 
 
-def greedy_case(llm: Any, llama_cpp: Any, prompt: str, n_tokens: int) -> dict[str, Any]:
-    prompt_ids: list[int] = [
-        int(t) for t in llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
-    ]
+def greedy_ids(llm: Any, llama_cpp: Any, prompt_ids: list[int],
+               n_tokens: int) -> tuple[list[int], list[float]]:
+    """``n_tokens`` greedy ids after ``prompt_ids`` (one eval per token, argmax of the float32
+    logits) and each step's top-1 minus top-2 logit."""
     llm.reset()
     llm.eval(prompt_ids)
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-
     output_ids: list[int] = []
     margins: list[float] = []
-    first_eog_step: int | None = None
     for step in range(n_tokens):
         logits = last_logits(llm, llama_cpp)
         top2 = np.argpartition(-logits, 1)[:2]
@@ -110,11 +107,19 @@ def greedy_case(llm: Any, llama_cpp: Any, prompt: str, n_tokens: int) -> dict[st
         second = int(top2[0] if int(top2[0]) != top1 else top2[1])
         margins.append(float(logits[top1] - logits[second]))
         output_ids.append(top1)
-        if first_eog_step is None and llama_cpp.llama_vocab_is_eog(vocab, top1):
-            first_eog_step = step
         if step + 1 < n_tokens:
             llm.eval([top1])
+    return output_ids, margins
 
+
+def greedy_case(llm: Any, llama_cpp: Any, prompt: str, n_tokens: int) -> dict[str, Any]:
+    prompt_ids: list[int] = [
+        int(t) for t in llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
+    ]
+    output_ids, margins = greedy_ids(llm, llama_cpp, prompt_ids, n_tokens)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    first_eog_step = next((i for i, t in enumerate(output_ids)
+                           if llama_cpp.llama_vocab_is_eog(vocab, t)), None)
     output_text = llm.detokenize(output_ids).decode("utf-8", errors="replace")
     return {
         "prompt": prompt,
@@ -126,6 +131,23 @@ def greedy_case(llm: Any, llama_cpp: Any, prompt: str, n_tokens: int) -> dict[st
     }
 
 
+def open_llama(model: Path, threads: int) -> Any:
+    """llama.cpp on ``model``: float32 KV, last-position logits."""
+    import llama_cpp  # imported lazily so --help works without llama.cpp installed
+
+    return llama_cpp.Llama(
+        model_path=str(model),
+        n_ctx=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=0,
+        logits_all=False,
+        verbose=False,
+        type_k=GGML_TYPE_F32,
+        type_v=GGML_TYPE_F32,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="GGUF model path")
@@ -134,19 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     args = parser.parse_args(argv)
 
-    import llama_cpp  # imported lazily so --help works without llama.cpp installed
+    import llama_cpp
 
-    llm = llama_cpp.Llama(
-        model_path=str(args.model),
-        n_ctx=512,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        seed=0,
-        logits_all=False,
-        verbose=False,
-        type_k=GGML_TYPE_F32,
-        type_v=GGML_TYPE_F32,
-    )
+    llm = open_llama(args.model, args.threads)
 
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     n_vocab = int(llm.n_vocab())

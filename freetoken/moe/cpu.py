@@ -34,7 +34,7 @@ class CpuExperts(Experts):
         self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
                                    shape.intermediate)
         self._pool: cx.CpuMoeExecutor | None = None  # given by attach
-        self.registered = False  # the banks are on the pool (at the first forward)
+        self.registered = False  # the banks are on the pool (from attach)
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -48,11 +48,14 @@ class CpuExperts(Experts):
         return [] if self.registered else self.builder.missing()
 
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
-        """Run on the model's CPU pool; the banks go there at the first forward."""
+        """Run on the model's CPU pool, the banks handed to it now (with the model's load, so
+        the first request does not pay the copy: seconds for a large model)."""
         if shared.pool is None:
             raise RuntimeError(f"layer {self.shape.layer}: cpu experts need the CPU pool, "
                                "and none was made")
         self._pool = shared.pool
+        if not self.registered:
+            self.register()
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

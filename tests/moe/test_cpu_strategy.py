@@ -25,9 +25,10 @@ def pool() -> cx.CpuMoeExecutor:
     return cx.CpuMoeExecutor(threads=1)
 
 
-def _attached(pool: cx.CpuMoeExecutor) -> CpuExperts:
-    experts = CpuExperts(SHAPE)
+def _attach(experts: CpuExperts, pool: cx.CpuMoeExecutor) -> CpuExperts:
+    """As the runner does once the weights are loaded: the banks go to the pool."""
     experts.attach(LayerPlan("cpu"), Shared(pool=pool))
+    assert experts.registered
     return experts
 
 
@@ -64,7 +65,7 @@ def test_cpu_is_a_registered_strategy() -> None:
 @pytest.mark.parametrize("how", ["stacked", "per_expert", "fused"])
 def test_matches_resident_twin(fmt: str, how: str, pool: cx.CpuMoeExecutor) -> None:
     weights = _weights(fmt)
-    experts = _attached(pool)
+    experts = CpuExperts(SHAPE)
     if how == "stacked":
         for name, qt in weights.items():
             assert experts.load_expert_tensor(name, qt)
@@ -79,6 +80,7 @@ def test_matches_resident_twin(fmt: str, how: str, pool: cx.CpuMoeExecutor) -> N
                 assert experts.missing_expert_tensors()
                 experts.load_expert_tensor(name, QuantTensor(fmt, qt.shape[1:], qt.data[e]), e)
     assert experts.missing_expert_tensors() == []
+    _attach(experts, pool)
     x, ids, w = _route(5)
     want = reference_experts(_twin(weights), x, ids, w)
     got = experts(x.to(torch.bfloat16), ids, w.to(torch.bfloat16))
@@ -87,13 +89,13 @@ def test_matches_resident_twin(fmt: str, how: str, pool: cx.CpuMoeExecutor) -> N
 
 
 def test_missing_weights_are_named(pool: cx.CpuMoeExecutor) -> None:
-    experts = _attached(pool)
+    experts = CpuExperts(SHAPE)
     experts.load_expert_tensor("gate_proj", _weights("bf16")["gate_proj"])
     qt = _weights("bf16")["up_proj"]
     experts.load_expert_tensor("up_proj", QuantTensor("bf16", qt.shape[1:], qt.data[0]), 0)
     assert experts.missing_expert_tensors()[:2] == ["up_proj[1]", "up_proj[2]"]
     with pytest.raises(ConfigError, match=r"layer 7: the cpu strategy was not given .*up_proj"):
-        experts(*_route(1))
+        _attach(experts, pool)
 
 
 def test_wrong_shape_is_refused() -> None:

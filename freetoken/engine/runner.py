@@ -15,7 +15,7 @@ from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.context import ForwardContext, Segment
-from freetoken.layers.pool_linear import PoolLinear, use_pool_linears
+from freetoken.layers.pool_linear import PoolLinear, place_pool_linears, use_pool_linears
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
 from freetoken.models.native_decode import attach_native_decode
@@ -64,6 +64,8 @@ class ModelRunner:
             check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)
         self.model.eval()
+        if cfg.cpu_dense == "pool":
+            place_pool_linears(self.model)
         if self.pool is not None and cfg.cpu_dense == "pool" and self.device.type == "cpu" \
                 and self.dtype == torch.float32:
             native = attach_native_decode(self.model, self.pool)

@@ -95,8 +95,9 @@ class PoolLinear(nn.Module):
         self.ties: str | None = None  # the checkpoint tensor it shares (a tied head)
 
     def load_weight_tensor(self, qt: QuantTensor) -> None:
-        """Keep the checkpoint tensor (a view of the file) until the first forward, which puts
-        it on the pool: a weight is loaded once, before that."""
+        """Keep the checkpoint tensor (a view of the file) until it goes to the pool
+        (:func:`place_pool_linears` as the load ends, else the first forward): a weight is
+        loaded once, before that."""
         if self._id is not None or (self.group is not None and self.group.stacked):
             raise RuntimeError("a PoolLinear's weight is loaded once, before its first forward; "
                                "build a new model to load other weights")
@@ -114,7 +115,7 @@ class PoolLinear(nn.Module):
             self.group is None or not self.group.stacked)
 
     def linear_id(self) -> int:
-        """This matrix's id on the pool, registered at the first call."""
+        """This matrix's id on the pool, registered now if it was not yet."""
         if self._id is None:
             assert self.weight_q is not None, "PoolLinear used before its weight was loaded"
             self._id = self.pool.add_linear(ExpertStack.from_quant(self.weight_q, copy=True))
@@ -162,3 +163,19 @@ def use_pool_linears(model: nn.Module, pool: CpuMoeExecutor) -> int:
                 for m in members:
                     m.group = group  # type: ignore[union-attr]
     return swapped
+
+
+def place_pool_linears(model: nn.Module) -> int:
+    """Hand every loaded :class:`PoolLinear` weight to its pool now (stacked per input group
+    where the members stack), as the model's load ends, so the first request does not pay the
+    copies (the head of a large vocabulary is the largest matrix of a small model). Returns
+    how many matrices the pool holds for the model."""
+    ids: set[tuple[int, int]] = set()
+    for m in model.modules():
+        if not isinstance(m, PoolLinear) or m.missing_weight():
+            continue
+        lid = m.group.linear_id() if m.group is not None else None
+        if lid is None:
+            lid = m.linear_id()
+        ids.add((id(m.pool), lid))
+    return len(ids)

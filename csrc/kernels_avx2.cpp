@@ -5,7 +5,10 @@
 
 #include <type_traits>
 
+#include <initializer_list>
+
 #include "common.h"
+#include "panels.h"
 #include "q8_blocks.h"
 #include "row_groups.h"
 
@@ -219,9 +222,84 @@ uint64_t read_avx2(const uint8_t* p, int64_t bytes) {
   return (uint64_t)_mm256_extract_epi64(acc0, 0) ^ (uint64_t)_mm256_extract_epi64(acc0, 3);
 }
 
+// The batched kernel (BatchFn): NT vectors at a time against a panel's 16 rows (two vectors
+// of 8). maddubs multiplies unsigned by signed bytes: the activations are moved to x + 128 and
+// 128 * qsum taken back out (|q| <= 64 keeps each pair's sum within int16), or, for q8_0's
+// full-range weights (kWide), |q| meets x with q's sign.
+template <bool kWide, int NT>
+static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float* out,
+                                 int64_t ldo) {
+  const int64_t K = a.K;
+  const int sub = p.sub;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  __m256 acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < p.nsub; ++s) {
+    __m256i dot[NT][2];
+    for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
+    const int8_t* qs = p.q + s * sub * kPanelRows;
+    for (int k = 0; k < sub / 4; ++k) {
+      __m256i w0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * k));
+      __m256i w1 = _mm256_loadu_si256((const __m256i*)(qs + 64 * k + 32));
+      __m256i u0 = kWide ? _mm256_abs_epi8(w0) : w0, u1 = kWide ? _mm256_abs_epi8(w1) : w1;
+      for (int t = 0; t < NT; ++t) {
+        __m256i x = _mm256_set1_epi32((int)load_u32((const uint8_t*)(a.q + (m0 + t) * K +
+                                                                     s * sub + 4 * k)));
+        __m256i p0, p1;
+        if (kWide) {
+          p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(x, w0));
+          p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(x, w1));
+        } else {
+          x = _mm256_xor_si256(x, flip);
+          p0 = _mm256_maddubs_epi16(x, w0);
+          p1 = _mm256_maddubs_epi16(x, w1);
+        }
+        dot[t][0] = _mm256_add_epi32(dot[t][0], _mm256_madd_epi16(p0, ones));
+        dot[t][1] = _mm256_add_epi32(dot[t][1], _mm256_madd_epi16(p1, ones));
+      }
+    }
+    const float* sc = p.scale + s * kPanelRows;
+    __m256 sc0 = _mm256_loadu_ps(sc), sc1 = _mm256_loadu_ps(sc + 8);
+    __m256i b0 = _mm256_setzero_si256(), b1 = b0;
+    if (!kWide) {
+      b0 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(p.qsum + s * kPanelRows)), 7);
+      b1 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(p.qsum + s * kPanelRows + 8)),
+                             7);
+    }
+    for (int t = 0; t < NT; ++t) {
+      float d = a.d[(m0 + t) * (K / 32) + s * sub / 32];
+      __m256 sd0 = _mm256_mul_ps(sc0, _mm256_set1_ps(d)), sd1 = _mm256_mul_ps(sc1, _mm256_set1_ps(d));
+      acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[t][0], b0)), sd0,
+                                  acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot[t][1], b1)), sd1,
+                                  acc[t][1]);
+      if (p.min) {
+        __m256 nds = _mm256_set1_ps(-(d * (float)act_sum(a, m0 + t, s, sub)));
+        acc[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(p.min + s * kPanelRows), nds, acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(p.min + s * kPanelRows + 8), nds, acc[t][1]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    alignas(32) float row[kPanelRows];
+    _mm256_store_ps(row, acc[t][0]);
+    _mm256_store_ps(row + 8, acc[t][1]);
+    std::memcpy(out + (m0 + t) * ldo, row, sizeof(float) * (size_t)p.rows);
+  }
+}
+
+template <bool kWide>
+void batch_q8(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) batch_vectors<kWide, 2>(p, a, m, out, ldo);
+  if (m < M) batch_vectors<kWide, 1>(p, a, m, out, ldo);
+}
+
 }  // namespace
 
 void register_avx2(KernelTable& t) {
+  t.batch[F_Q8_0][ISA_AVX2] = batch_q8<true>;
+  for (int f : {F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4}) t.batch[f][ISA_AVX2] = batch_q8<false>;
   t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_f32<BF16>;
   t.fn[F_F32][ACT_F32][ISA_AVX2] = gemv_f32<F32>;
   t.fn[F_Q8_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q8_0>;

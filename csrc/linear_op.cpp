@@ -1,10 +1,13 @@
 // Dense matrices in their checkpoint format on the expert pool: out = x @ W^T for T vectors,
-// with the same per-format, per-ISA row kernels the expert op uses. Phase 0 encodes each
-// vector in the kernel's activation format; phase 1 runs chunks of rows for every vector, so
-// the result does not depend on the number of threads.
+// with the same per-format, per-ISA row kernels the expert op uses, or from kBatchVectors
+// vectors on (a prompt) the batched kernels over weight panels. Phase 0 encodes each vector
+// in the kernel's activation format; phase 1 runs chunks of rows (or panels) for every
+// vector, so the result does not depend on the number of threads.
 #include <cstring>
 
+#include "dispatch.h"
 #include "expert_op.h"
+#include "panels.h"
 
 namespace ft {
 namespace {
@@ -20,6 +23,13 @@ void run_linear_item(void* ctx, int phase, int64_t item, int) {
     return;
   }
   int64_t r0 = item * j.chunk, r1 = min64(W.rows, r0 + j.chunk);
+  if (j.batched) {
+    thread_local PanelBuf buf;
+    Panel p;
+    decode_panel(W.fmt, W.experts[0], r0, (int)(r1 - r0), W.cols, buf, &p);
+    W.batch(p, j.xa, j.T, j.out + r0, W.rows);
+    return;
+  }
   for (int t0 = 0; t0 < j.T; t0 += kVectors) {
     int n = (int)min64(kVectors, j.T - t0);
     W.fn(W.experts[0], W.cols, r0, r1, j.xa, j.tok + t0, n, j.out + t0 * W.rows + r0, W.rows);
@@ -37,6 +47,11 @@ std::string Executor::add_linear(int id, Proj w, int act_mode) {
            " are not whole blocks";
   std::string err = set_kernel(w, act_mode);
   if (!err.empty()) return err;
+  if (w.act == ACT_Q8 && panel_sub(w.fmt) && w.cols % 32 == 0) {
+    BatchPick b = pick_batch(w.fmt, isa_);
+    w.batch = b.fn;
+    w.batch_isa = b.isa;
+  }
   std::lock_guard<std::mutex> lock(layers_mu_);
   if ((int)linears_.size() <= id) linears_.resize(id + 1);
   linears_[id] = std::make_unique<Proj>(std::move(w));
@@ -73,9 +88,11 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   j.xa = act_view(K, x, part);
   j.tok = (int32_t*)part[kActParts];
   for (int t = 0; t < T; ++t) j.tok[t] = t;
+  j.batched = W->batch && T >= kBatchVectors;
   // Enough items that every worker takes several; chunks stay within the kernels' limits.
   const int64_t target = 8 * (int64_t)threads();
-  j.chunk = W->rows / 64 >= target ? 64 : W->rows / 32 >= target ? 32 : 16;
+  j.chunk = j.batched ? kPanelRows
+            : W->rows / 64 >= target ? 64 : W->rows / 32 >= target ? 32 : 16;
   j.chunks = (W->rows + j.chunk - 1) / j.chunk;
   bytes_[slot] = W->expert_bytes;
   int64_t counts[2] = {bf || q ? T : 0, j.chunks};

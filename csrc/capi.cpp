@@ -126,9 +126,9 @@ FT_API int ft_kernel_isa(int fmt, int act, int cap) { return ft::pick_kernel(fmt
 // The tier of fmt's batched kernel under `cap`, or -1 when there is none.
 FT_API int ft_batch_isa(int fmt, int cap) { return ft::pick_batch(fmt, cap).isa; }
 
-// out (M, rows) = x (M, cols) @ W^T with fmt's batched kernel at or below `cap` on the calling
-// thread (W: rows x cols in fmt, row_bytes apart), x quantised by the scalar quantiser (every
-// tier's bits). Returns the tier used, or -1 when fmt has none or cols is not whole sub-blocks.
+// out (M, rows) = x (M, cols) @ W^T with fmt's batched kernel and panel decoder at or below
+// `cap` on the calling thread (W: rows x cols in fmt, row_bytes apart), x quantised by the
+// scalar quantiser (every tier's bits). Returns the tier used, or -1 when fmt has none or cols is not whole sub-blocks.
 FT_API int ft_batch_linear(int fmt, int cap, const uint8_t* w, int64_t rows, int64_t cols,
                            int64_t row_bytes, const float* x, int M, float* out) {
   ft::BatchPick b = ft::pick_batch(fmt, cap);
@@ -143,9 +143,10 @@ FT_API int ft_batch_linear(int fmt, int cap, const uint8_t* w, int64_t rows, int
   ft::Act a{cols, x, nullptr, q.data(), d.data(), dl.data(), gs.data(), gb.data()};
   ft::Mat mat{w, row_bytes, nullptr, 0, 1.0f};
   ft::PanelBuf buf;
+  ft::PanelFn panel = ft::pick_panel(fmt, cap);
   for (int64_t r0 = 0; r0 < rows; r0 += ft::kPanelRows) {
     ft::Panel p;
-    ft::decode_panel(fmt, mat, r0, (int)ft::min64(ft::kPanelRows, rows - r0), cols, buf, &p);
+    panel(fmt, mat, r0, (int)ft::min64(ft::kPanelRows, rows - r0), cols, buf, &p);
     b.fn(p, a, M, out + r0, rows);
   }
   return b.isa;

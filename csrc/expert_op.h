@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common.h"
+#include "panels.h"
 #include "dispatch.h"
 #include "thread_pool.h"
 
@@ -131,6 +132,7 @@ struct LinearJob {
   int T = 0;
   int64_t chunk = 64, chunks = 0;
   bool batched = false;  // phase 1 items are panels of kPanelRows rows (W->batch)
+  PanelFn panel = nullptr;  // their decoder
   Act xa{};
   int32_t* tok = nullptr;  // (T) 0..T-1, the vector index of each output row block
   Scratch scratch;

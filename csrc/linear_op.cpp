@@ -26,7 +26,7 @@ void run_linear_item(void* ctx, int phase, int64_t item, int) {
   if (j.batched) {
     thread_local PanelBuf buf;
     Panel p;
-    decode_panel(W.fmt, W.experts[0], r0, (int)(r1 - r0), W.cols, buf, &p);
+    j.panel(W.fmt, W.experts[0], r0, (int)(r1 - r0), W.cols, buf, &p);
     W.batch(p, j.xa, j.T, j.out + r0, W.rows);
     return;
   }
@@ -89,6 +89,7 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   j.tok = (int32_t*)part[kActParts];
   for (int t = 0; t < T; ++t) j.tok[t] = t;
   j.batched = W->batch && T >= kBatchVectors;
+  j.panel = pick_panel(W->fmt, isa_);
   // Enough items that every worker takes several; chunks stay within the kernels' limits.
   const int64_t target = 8 * (int64_t)threads();
   j.chunk = j.batched ? kPanelRows

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common.h"
+#include "dispatch.h"
 
 namespace ft {
 
@@ -22,8 +23,24 @@ struct PanelBuf {
 };
 
 // Rows [r0, r0 + rows) of m (cols wide, fmt), rows <= kPanelRows, into buf; the view in *p.
+// decode_panel is the reference (through decode_int); the ISA tiers' PanelFn give its bytes.
+using PanelFn = void (*)(int fmt, const Mat& m, int64_t r0, int rows, int64_t cols,
+                         PanelBuf& buf, Panel* p);
 void decode_panel(int fmt, const Mat& m, int64_t r0, int rows, int64_t cols, PanelBuf& buf,
                   Panel* p);
+// The panel decoders of tier isa by format (null where it has none); the AVX2 tier fills its
+// own (kernels_avx2.cpp), which the tiers above it use.
+const PanelFn* panel_fns(int isa);
+void register_panels_avx2(PanelFn* fns);
+// The fastest panel decoder for fmt at or below `cap` (the reference where none is faster).
+PanelFn pick_panel(int fmt, int cap);
+// Sizes buf for a panel of fmt, cols wide (zeroed), and points *p at it.
+void panel_view(int fmt, int rows, int64_t cols, PanelBuf& buf, Panel* p);
+// Where dword j (weights 4j..4j+3) of 32-weight block b of panel row n goes in Panel::q, in
+// dwords: the same for sub-blocks of 16 and 32.
+static inline int64_t panel_dword(int64_t b, int j, int n) {
+  return (8 * b + j) * kPanelRows + n;
+}
 
 // The activation values' sum over sub-block s (of `sub` values) of Q8 vector m, from its per-4
 // sums: the batched kernels' min term.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "decode_steps.h"
 #include "expert_op.h"
 #include "prefetch.h"
 
@@ -61,7 +62,7 @@ void gate_up(Job& j, int64_t item) {
     for (int v = 0; v < n; ++v) {
       int64_t p = p0 + v;
       float* h = j.hf + p * I + i0;
-      for (int64_t i = 0; i < rows; ++i) h[i] = activate(L.activation, g[v * rows + i]) * u[v * rows + i];
+      glu(g + v * rows, rows, u + v * rows, rows, 1, (int)rows, L.activation, h);
       if (L.down.act == ACT_BF16)
         for (int64_t i = 0; i < rows; ++i) j.hbf[p * I + i0 + i] = f32_to_bf16(h[i]);
       else if (L.down.act == ACT_Q8)

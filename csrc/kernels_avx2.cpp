@@ -295,6 +295,46 @@ void batch_q8(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
   if (m < M) batch_vectors<kWide, 1>(p, a, m, out, ldo);
 }
 
+// quantize_q8 eight lanes at a time, with its bits: the same max, scale, round-to-nearest-even
+// and clamp; the int32 values packed to bytes in order (packs interleave 128-bit lanes, one
+// permute puts them back), group sums of four through maddubs/madd.
+void quantize_q8_avx2(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
+                      int32_t* gb) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f),
+               lo = _mm256_set1_ps(-127.0f);
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float amax = _mm_cvtss_f32(h);
+    float db = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+    d[b] = db;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i) {
+      __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      n[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    __m256i qb = _mm256_permutevar8x32_epi32(w, order);
+    _mm256_storeu_si256((__m256i*)(q + 32 * b), qb);
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, qb), ones16);
+    _mm256_storeu_si256((__m256i*)(gs + 8 * b), s);
+    _mm256_storeu_si256((__m256i*)(gb + 8 * b), _mm256_mullo_epi32(s, _mm256_set1_epi32(-128)));
+    _mm256_storeu_ps(dl + 8 * b, _mm256_set1_ps(db));
+  }
+}
+
 // Panel decoders (PanelFn) from the row kernels' block decoders: each 32-weight block's
 // quants with the offset removed, spread a dword per panel row, and its scale (and min) from
 // the same products as the reference's.
@@ -423,6 +463,7 @@ void register_panels_avx2(PanelFn* fns) {
 }
 
 void register_avx2(KernelTable& t) {
+  t.quant[ISA_AVX2] = quantize_q8_avx2;
   t.batch[F_Q8_0][ISA_AVX2] = batch_q8<true>;
   for (int f : {F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4}) t.batch[f][ISA_AVX2] = batch_q8<false>;
   t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_f32<BF16>;

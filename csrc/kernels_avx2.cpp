@@ -224,9 +224,10 @@ uint64_t read_avx2(const uint8_t* p, int64_t bytes) {
 
 // The batched kernel (BatchFn): NT vectors at a time against a panel's 16 rows (two vectors
 // of 8). maddubs multiplies unsigned by signed bytes: the activations are moved to x + 128 and
-// 128 * qsum taken back out (|q| <= 64 keeps each pair's sum within int16), or, for q8_0's
-// full-range weights (kWide), |q| meets x with q's sign.
-template <bool kWide, int NT>
+// 128 * qsum taken back out, or, for q8_0's full-range weights (kWide), |q| meets x with q's
+// sign. G groups of 4 columns are summed in int16 before widening: G * 2 * 255 * max|q| stays
+// below 2^15, so the sums are exact.
+template <bool kWide, int G, int NT>
 static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float* out,
                                  int64_t ldo) {
   const int64_t K = a.K;
@@ -238,24 +239,29 @@ static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float
     __m256i dot[NT][2];
     for (int t = 0; t < NT; ++t) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
     const int8_t* qs = p.q + s * sub * kPanelRows;
-    for (int k = 0; k < sub / 4; ++k) {
-      __m256i w0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * k));
-      __m256i w1 = _mm256_loadu_si256((const __m256i*)(qs + 64 * k + 32));
-      __m256i u0 = kWide ? _mm256_abs_epi8(w0) : w0, u1 = kWide ? _mm256_abs_epi8(w1) : w1;
-      for (int t = 0; t < NT; ++t) {
-        __m256i x = _mm256_set1_epi32((int)load_u32((const uint8_t*)(a.q + (m0 + t) * K +
-                                                                     s * sub + 4 * k)));
-        __m256i p0, p1;
-        if (kWide) {
-          p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(x, w0));
-          p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(x, w1));
-        } else {
-          x = _mm256_xor_si256(x, flip);
-          p0 = _mm256_maddubs_epi16(x, w0);
-          p1 = _mm256_maddubs_epi16(x, w1);
+    for (int k0 = 0; k0 < sub / 4; k0 += G) {
+      __m256i h[NT][2];
+      for (int t = 0; t < NT; ++t) h[t][0] = h[t][1] = _mm256_setzero_si256();
+      for (int k = k0; k < k0 + G; ++k) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i*)(qs + 64 * k));
+        __m256i w1 = _mm256_loadu_si256((const __m256i*)(qs + 64 * k + 32));
+        __m256i u0 = kWide ? _mm256_abs_epi8(w0) : w0, u1 = kWide ? _mm256_abs_epi8(w1) : w1;
+        for (int t = 0; t < NT; ++t) {
+          __m256i x = _mm256_set1_epi32((int)load_u32((const uint8_t*)(a.q + (m0 + t) * K +
+                                                                       s * sub + 4 * k)));
+          if (kWide) {
+            h[t][0] = _mm256_add_epi16(h[t][0], _mm256_maddubs_epi16(u0, _mm256_sign_epi8(x, w0)));
+            h[t][1] = _mm256_add_epi16(h[t][1], _mm256_maddubs_epi16(u1, _mm256_sign_epi8(x, w1)));
+          } else {
+            x = _mm256_xor_si256(x, flip);
+            h[t][0] = _mm256_add_epi16(h[t][0], _mm256_maddubs_epi16(x, w0));
+            h[t][1] = _mm256_add_epi16(h[t][1], _mm256_maddubs_epi16(x, w1));
+          }
         }
-        dot[t][0] = _mm256_add_epi32(dot[t][0], _mm256_madd_epi16(p0, ones));
-        dot[t][1] = _mm256_add_epi32(dot[t][1], _mm256_madd_epi16(p1, ones));
+      }
+      for (int t = 0; t < NT; ++t) {
+        dot[t][0] = _mm256_add_epi32(dot[t][0], _mm256_madd_epi16(h[t][0], ones));
+        dot[t][1] = _mm256_add_epi32(dot[t][1], _mm256_madd_epi16(h[t][1], ones));
       }
     }
     const float* sc = p.scale + s * kPanelRows;
@@ -288,11 +294,12 @@ static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float
   }
 }
 
-template <bool kWide>
+// G per format from its largest |q| (q8_0: 128, one group at a time).
+template <bool kWide, int G>
 void batch_q8(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 2 <= M; m += 2) batch_vectors<kWide, 2>(p, a, m, out, ldo);
-  if (m < M) batch_vectors<kWide, 1>(p, a, m, out, ldo);
+  for (; m + 2 <= M; m += 2) batch_vectors<kWide, G, 2>(p, a, m, out, ldo);
+  if (m < M) batch_vectors<kWide, G, 1>(p, a, m, out, ldo);
 }
 
 // quantize_q8 eight lanes at a time, with its bits: the same max, scale, round-to-nearest-even
@@ -464,8 +471,12 @@ void register_panels_avx2(PanelFn* fns) {
 
 void register_avx2(KernelTable& t) {
   t.quant[ISA_AVX2] = quantize_q8_avx2;
-  t.batch[F_Q8_0][ISA_AVX2] = batch_q8<true>;
-  for (int f : {F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4}) t.batch[f][ISA_AVX2] = batch_q8<false>;
+  t.batch[F_Q8_0][ISA_AVX2] = batch_q8<true, 1>;
+  t.batch[F_Q4_0][ISA_AVX2] = batch_q8<false, 8>;   // |q| <= 8
+  t.batch[F_Q5_0][ISA_AVX2] = batch_q8<false, 4>;   // 16
+  t.batch[F_Q4_K][ISA_AVX2] = batch_q8<false, 4>;   // 15
+  t.batch[F_MXFP4][ISA_AVX2] = batch_q8<false, 4>;  // 12
+  t.batch[F_Q6_K][ISA_AVX2] = batch_q8<false, 2>;   // 32
   t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_f32<BF16>;
   t.fn[F_F32][ACT_F32][ISA_AVX2] = gemv_f32<F32>;
   t.fn[F_Q8_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q8_0>;

@@ -103,3 +103,34 @@ def test_pool_linear_jobs_run_the_batched_kernel(fmt: str) -> None:
     want = x[: n - 1].double() @ dense.T
     assert float((small.double() - want).abs().max() / want.abs().max()) < TOLERANCE
 
+
+
+# Where each format's block scale sits (byte offset in the block, bytes), to make random
+# blocks finite: the quants of random bytes reach every value, the extremes included.
+SCALE_BYTES = {"q8_0": (0, 2), "q4_0": (0, 2), "q5_0": (0, 2), "mxfp4": (0, 1), "q4_k": (0, 4),
+               "q6_k": (208, 2)}
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", list(SHAPES))
+def test_extreme_quants_keep_exact_sums(fmt: str, tier: str) -> None:
+    """Random bytes (every quant value, the largest magnitudes included) against activations
+    that quantise to +-127 everywhere: the int16 partial sums of the AVX2 tier must not wrap."""
+    tier_or_skip(fmt, tier)
+    rows, cols = SHAPES[fmt]
+    q = get_format(fmt)
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (rows, cols // q.block_size, q.block_bytes), generator=g,
+                           dtype=torch.uint8)
+    at, n = SCALE_BYTES[fmt]
+    scale = {1: [127], 2: [0x00, 0x3C], 4: [0x00, 0x3C, 0x00, 0x38]}[n]  # 1.0 (dmin 0.5)
+    blocks[:, :, at:at + n] = torch.tensor(scale, dtype=torch.uint8)
+    data = blocks.reshape(rows, -1).contiguous()
+    x = torch.where(torch.rand(9, cols, generator=g) < 0.5, -1.0, 1.0)
+    x[1::2] = 1.0  # every value +127
+    want, _ = lib.batch_linear(data, fmt, rows, cols, x, "scalar")
+    got, _ = lib.batch_linear(data, fmt, rows, cols, x, tier)
+    assert torch.equal(got, want)
+    dense = dequantize(data.numpy(), GGMLQuantizationType[fmt.upper()]).astype(np.float64)
+    ref = x.double() @ torch.from_numpy(dense).reshape(rows, cols).T
+    assert float((want.double() - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -227,11 +227,10 @@ uint64_t read_avx2(const uint8_t* p, int64_t bytes) {
 // 128 * qsum taken back out, or, for q8_0's full-range weights (kWide), |q| meets x with q's
 // sign. G groups of 4 columns are summed in int16 before widening: G * 2 * 255 * max|q| stays
 // below 2^15, so the sums are exact.
-template <bool kWide, int G, int NT>
+template <bool kWide, int G, int NT, int sub>
 static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float* out,
                                  int64_t ldo) {
   const int64_t K = a.K;
-  const int sub = p.sub;
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   __m256 acc[NT][2];
   for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
@@ -295,11 +294,19 @@ static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float
 }
 
 // G per format from its largest |q| (q8_0: 128, one group at a time).
+template <bool kWide, int G, int sub>
+void batch_sub(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) batch_vectors<kWide, G, 2, sub>(p, a, m, out, ldo);
+  if (m < M) batch_vectors<kWide, G, 1, sub>(p, a, m, out, ldo);
+}
+
 template <bool kWide, int G>
 void batch_q8(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + 2 <= M; m += 2) batch_vectors<kWide, G, 2>(p, a, m, out, ldo);
-  if (m < M) batch_vectors<kWide, G, 1>(p, a, m, out, ldo);
+  if (p.sub == 16)
+    batch_sub<kWide, G, 16>(p, a, M, out, ldo);
+  else
+    batch_sub<kWide, G, 32>(p, a, M, out, ldo);
 }
 
 // quantize_q8 eight lanes at a time, with its bits: the same max, scale, round-to-nearest-even

@@ -286,10 +286,16 @@ static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float
     }
   }
   for (int t = 0; t < NT; ++t) {
-    alignas(32) float row[kPanelRows];
-    _mm256_store_ps(row, acc[t][0]);
-    _mm256_store_ps(row + 8, acc[t][1]);
-    std::memcpy(out + (m0 + t) * ldo, row, sizeof(float) * (size_t)p.rows);
+    float* o = out + (m0 + t) * ldo;
+    if (p.rows == kPanelRows) {
+      _mm256_storeu_ps(o, acc[t][0]);
+      _mm256_storeu_ps(o + 8, acc[t][1]);
+    } else {
+      alignas(32) float row[kPanelRows];
+      _mm256_store_ps(row, acc[t][0]);
+      _mm256_store_ps(row + 8, acc[t][1]);
+      for (int n = 0; n < p.rows; ++n) o[n] = row[n];
+    }
   }
 }
 

@@ -13,6 +13,19 @@ namespace ft {
 namespace {
 
 constexpr int kVectors = 16;  // vectors per kernel call
+constexpr int kPanelsPerItem = 4;  // a batched job's item: up to this many panels of rows
+constexpr int kSliceVectors = 64;  // vectors per batched kernel call
+
+// The Q8 parts of `a` from vector `first` on.
+Act act_from(const Act& a, int64_t first) {
+  Act o = a;
+  o.q += first * a.K;
+  o.d += first * (a.K / 32);
+  o.dl += first * (a.K / 4);
+  o.gs += first * (a.K / 4);
+  o.gb += first * (a.K / 4);
+  return o;
+}
 
 
 void run_linear_item(void* ctx, int phase, int64_t item, int) {
@@ -24,10 +37,21 @@ void run_linear_item(void* ctx, int phase, int64_t item, int) {
   }
   int64_t r0 = item * j.chunk, r1 = min64(W.rows, r0 + j.chunk);
   if (j.batched) {
-    thread_local PanelBuf buf;
-    Panel p;
-    j.panel(W.fmt, W.experts[0], r0, (int)(r1 - r0), W.cols, buf, &p);
-    W.batch(p, j.xa, j.T, j.out + r0, W.rows);
+    // The item's panels side by side, a slice of vectors at a time: each output row gets
+    // kPanelsPerItem * 64 contiguous bytes while its lines are fresh.
+    thread_local PanelBuf bufs[kPanelsPerItem];
+    Panel p[kPanelsPerItem];
+    const int np = (int)cdiv(r1 - r0, kPanelRows);
+    for (int i = 0; i < np; ++i) {
+      int64_t p0 = r0 + i * kPanelRows;
+      j.panel(W.fmt, W.experts[0], p0, (int)min64(kPanelRows, r1 - p0), W.cols, bufs[i], &p[i]);
+    }
+    for (int m0 = 0; m0 < j.T; m0 += kSliceVectors) {
+      const int m = (int)min64(kSliceVectors, j.T - m0);
+      const Act a = act_from(j.xa, m0);
+      for (int i = 0; i < np; ++i)
+        W.batch(p[i], a, m, j.out + (int64_t)m0 * W.rows + r0 + i * kPanelRows, W.rows);
+    }
     return;
   }
   for (int t0 = 0; t0 < j.T; t0 += kVectors) {
@@ -92,7 +116,8 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   j.panel = pick_panel(W->fmt, isa_);
   // Enough items that every worker takes several; chunks stay within the kernels' limits.
   const int64_t target = 8 * (int64_t)threads();
-  j.chunk = j.batched ? kPanelRows
+  j.chunk = j.batched ? (W->rows / (kPanelsPerItem * kPanelRows) >= 2 * (int64_t)threads()
+                             ? kPanelsPerItem * kPanelRows : kPanelRows)
             : W->rows / 64 >= target ? 64 : W->rows / 32 >= target ? 32 : 16;
   j.chunks = (W->rows + j.chunk - 1) / j.chunk;
   bytes_[slot] = W->expert_bytes;

@@ -134,3 +134,16 @@ def test_extreme_quants_keep_exact_sums(fmt: str, tier: str) -> None:
     dense = dequantize(data.numpy(), GGMLQuantizationType[fmt.upper()]).astype(np.float64)
     ref = x.double() @ torch.from_numpy(dense).reshape(rows, cols).T
     assert float((want.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_pool_items_of_several_panels_and_slices() -> None:
+    """A matrix tall enough for items of several panels (the last one partial) and a prompt
+    longer than one slice of vectors: the same bits as the one-panel-at-a-time reference."""
+    fmt, rows, cols = "q5_0", 300, 640
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4)) / cols**0.5
+    qt = get_format(fmt).quantize(w)
+    ex = cx.CpuMoeExecutor(threads=1)
+    lid = ex.add_linear(cx.ExpertStack.from_quant(qt, copy=True))
+    x = torch.randn(150, cols, generator=torch.Generator().manual_seed(5))
+    want, _ = lib.batch_linear(qt.data.reshape(rows, -1), fmt, rows, cols, x, "scalar")
+    assert torch.equal(ex.run_linear(x, lid), want)

@@ -1,11 +1,10 @@
 // AVX2 + FMA tier: bf16 and f32 with float activations, int formats with int8 activations
 // (maddubs: unsigned weights times signed activations, the sign trick for q8_0), several rows
-// per activation load.
+// per activation load; the batched kernel, the panel decoders and the int8 quantiser.
 #include <immintrin.h>
 
-#include <type_traits>
-
 #include <initializer_list>
+#include <type_traits>
 
 #include "common.h"
 #include "panels.h"

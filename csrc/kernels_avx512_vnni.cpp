@@ -3,9 +3,8 @@
 // unsigned by +128 and the offset comes back out through the activation group sums).
 #include <immintrin.h>
 
-#include <type_traits>
-
 #include <initializer_list>
+#include <type_traits>
 
 #include "common.h"
 #include "panels.h"

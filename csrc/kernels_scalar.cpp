@@ -1,8 +1,8 @@
 // Scalar reference kernels: the slow twin of every ISA override. Each format decodes one unit
 // of a row into floats (F32 activations, the torch reference's arithmetic) or into small
-// integers with per-16 scales and mins (Q8 activations: w = s * q - m).
+// integers with per-16 scales and mins (Q8 activations: w = s * q - m); the batched kernels'
+// reference reads those integers from a panel.
 #include <cmath>
-
 #include <initializer_list>
 
 #include "common.h"

@@ -9,6 +9,7 @@
 #include "decode_steps.h"
 #include "dispatch.h"
 #include "expert_op.h"
+#include "panels.h"
 #include "row_copy.h"
 
 #define FT_API extern "C" __attribute__((visibility("default")))
@@ -143,6 +144,35 @@ FT_API const char* ft_isa_name(int isa) { return ft::isa_name(isa); }
 // The tier of the kernel that (fmt, act) gets under `cap`, or -1 when there is none.
 FT_API int ft_kernel_isa(int fmt, int act, int cap) { return ft::pick_kernel(fmt, act, cap).isa; }
 
+// The tier of fmt's batched kernel under `cap`, or -1 when there is none.
+FT_API int ft_batch_isa(int fmt, int cap) { return ft::pick_batch(fmt, cap).isa; }
+
+// out (M, rows) = x (M, cols) @ W^T with fmt's batched kernel and panel decoder at or below
+// `cap` on the calling thread (W: rows x cols in fmt, row_bytes apart), x quantised by the
+// scalar quantiser (every tier's bits). Returns the tier used, or -1 when fmt has none or cols is not whole sub-blocks.
+FT_API int ft_batch_linear(int fmt, int cap, const uint8_t* w, int64_t rows, int64_t cols,
+                           int64_t row_bytes, const float* x, int M, float* out) {
+  ft::BatchPick b = ft::pick_batch(fmt, cap);
+  if (!b.fn || cols % 32 || cols % ft::FMT_INFO[fmt].block) return -1;
+  std::vector<int8_t> q((size_t)(M * cols));
+  std::vector<float> d((size_t)(M * cols / 32)), dl((size_t)(M * cols / 4));
+  std::vector<int32_t> gs((size_t)(M * cols / 4)), gb(gs.size());
+  for (int m = 0; m < M; ++m)
+    ft::quantize_q8(x + m * cols, cols, q.data() + m * cols, d.data() + m * (cols / 32),
+                    dl.data() + m * (cols / 4), gs.data() + m * (cols / 4),
+                    gb.data() + m * (cols / 4));
+  ft::Act a{cols, x, nullptr, q.data(), d.data(), dl.data(), gs.data(), gb.data()};
+  ft::Mat mat{w, row_bytes, nullptr, 0, 1.0f};
+  ft::PanelBuf buf;
+  ft::PanelFn panel = ft::pick_panel(fmt, cap);
+  for (int64_t r0 = 0; r0 < rows; r0 += ft::kPanelRows) {
+    ft::Panel p;
+    panel(fmt, mat, r0, (int)ft::min64(ft::kPanelRows, rows - r0), cols, buf, &p);
+    b.fn(p, a, M, out + r0, rows);
+  }
+  return b.isa;
+}
+
 // Tuning: how far ahead the SIMD kernels prefetch weights (bytes) and into which cache level
 // (0 = L1, 1 = L2, 2 = L3); process-wide.
 FT_API void ft_set_prefetch(int bytes, int level) { ft::set_prefetch(bytes, level); }
@@ -219,6 +249,15 @@ FT_API int ft_linear_kernel(void* ex, int id, int* isa, int* act) {
   *act = p->act;
   return 0;
 }
+
+// The tier of linear `id`'s batched kernel (jobs of ft_batch_vectors() vectors or more), -1
+// when it has none; -2 for an unknown id.
+FT_API int ft_linear_batch_isa(void* ex, int id) {
+  const ft::Proj* p = ((ft::Executor*)ex)->linear(id);
+  return p ? p->batch_isa : -2;
+}
+
+FT_API int ft_batch_vectors() { return ft::kBatchVectors; }
 
 FT_API int64_t ft_submit_linear(void* ex, int id, const float* x, float* out, int T) {
   return ((ft::Executor*)ex)->submit_linear(id, x, out, T);

@@ -20,7 +20,7 @@ namespace ft {
 
 // The C ABI's version: bump it with any change to a signature, struct or enum the Python side
 // mirrors (freetoken/cpu/abi.py checks it, and the tables below, when it loads the library).
-constexpr int ABI_VERSION = 5;
+constexpr int ABI_VERSION = 6;
 
 // Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/cpu/abi.py).
 enum Fmt : int {
@@ -105,11 +105,41 @@ using QuantFn = void (*)(const float* x, int64_t K, int8_t* q, float* d, float* 
 void quantize_q8(const float* x, int64_t K, int8_t* q, float* d, float* dl, int32_t* gs,
                  int32_t* gb);
 
+// kPanelRows rows of a matrix decoded for the batched kernels (panels.cpp): per sub-block of
+// `sub` weights (16 or 32, within one 32-element activation block) small signed integers q,
+// one float scale and, where the format has them, one min, so that
+//   weight = scale * q - min.
+// q is laid out as AMX tiles read it: the 4 weights 4k..4k+3 of row n in sub-block s at
+// q[((s * sub / 4 + k) * kPanelRows + n) * 4]; rows past `rows` are zero.
+constexpr int kPanelRows = 16;
+struct Panel {
+  int sub = 32;
+  int64_t nsub = 0;
+  int rows = 0;
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;  // (nsub, kPanelRows)
+  const float* min = nullptr;    // (nsub, kPanelRows), null for formats without mins
+  const int32_t* qsum = nullptr;  // (nsub, kPanelRows) sum of each row's q in the sub-block
+};
+
+// out[m * ldo + n] for M Q8 activation vectors (a.q, a.d, a.gs) and the panel's rows n. Each
+// output is, in sub-block order from 0 (the scalar twin in kernels_scalar.cpp),
+//   acc = fma(float(dot_s), scale_s * d_m, acc);  acc = fma(min_s, -(d_m * float(sum_s)), acc)
+// with dot_s the exact integer dot product of the sub-block and sum_s that of the activation
+// values (the second step only where the format has mins): the same bits on every tier and
+// for every M, as each vector's outputs depend on nothing but that vector.
+using BatchFn = void (*)(const Panel& p, const Act& a, int M, float* out, int64_t ldo);
+
 struct KernelTable {
   GemvFn fn[F_COUNT][ACT_COUNT][ISA_COUNT];
+  BatchFn batch[F_COUNT][ISA_COUNT];
   ReadFn read[ISA_COUNT];
   QuantFn quant[ISA_COUNT];
 };
+
+// The scalar reference's integer decoding of unit u (a block; 256 weights for the k-quants) of
+// row r: q[i] with the offset removed, and per-16 scales s[g] and mins mn[g] (weight = s q - mn).
+void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* s, float* mn);
 
 // How far ahead of the row being read the SIMD kernels prefetch weights (bytes); a tuning knob
 // for the memory system. The defaults (8 KiB ahead into L2) beat 2 KiB into L1 by 10-25 % on
@@ -128,6 +158,9 @@ void register_avx2(KernelTable& t);
 void register_avx512(KernelTable& t);
 void register_avx512_vnni(KernelTable& t);
 void register_avx512_bf16(KernelTable& t);
+// AMX (tiles of int8 dot products) where the CPU has it and the OS grants it: the batched
+// kernels of the top tier (every AMX CPU has AVX512-BF16).
+void register_amx(KernelTable& t);
 
 static inline float fp16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16;

@@ -17,6 +17,7 @@ KernelTable build_table() {
   register_avx512(t);
   register_avx512_vnni(t);
   register_avx512_bf16(t);
+  register_amx(t);
 #endif
   return t;
 }
@@ -68,6 +69,14 @@ Pick pick_kernel(int fmt, int act, int cap) {
   if (cap > best_isa()) cap = best_isa();
   for (int isa = cap; isa >= 0; --isa)
     if (GemvFn fn = table().fn[fmt][act][isa]) return {fn, isa};
+  return {nullptr, -1};
+}
+
+BatchPick pick_batch(int fmt, int cap) {
+  if (fmt < 0 || fmt >= F_COUNT) return {nullptr, -1};
+  if (cap > best_isa()) cap = best_isa();
+  for (int isa = cap; isa >= 0; --isa)
+    if (BatchFn fn = table().batch[fmt][isa]) return {fn, isa};
   return {nullptr, -1};
 }
 

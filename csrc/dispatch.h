@@ -18,6 +18,15 @@ struct Pick {
 // The best kernel for (fmt, act) at or below `cap`; fn is null when none exists.
 Pick pick_kernel(int fmt, int act, int cap);
 
+struct BatchPick {
+  BatchFn fn;
+  int isa;
+};
+
+// The best batched kernel for fmt's panels at or below `cap` (Q8 activations); fn is null
+// when none exists. At the top tier it is AMX's where the CPU has it.
+BatchPick pick_batch(int fmt, int cap);
+
 // The widest memory reader at or below `cap`.
 ReadFn pick_reader(int cap);
 

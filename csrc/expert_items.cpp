@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "decode_steps.h"
 #include "expert_op.h"
 #include "prefetch.h"
 
@@ -71,12 +72,13 @@ void gate_up(Job& j, int64_t item) {
     for (int v = 0; v < n; ++v) {
       int64_t p = p0 + v;
       float* h = j.hf + p * I + i0;
-      const float* gv = g + v * rows;
-      const float* uv = u + v * rows;
-      if (L.activation == ACTV_SWIGLU_OAI)
+      if (L.activation == ACTV_SWIGLU_OAI) {
+        const float* gv = g + v * rows;
+        const float* uv = u + v * rows;
         for (int64_t i = 0; i < rows; ++i) h[i] = clamped_swiglu(G.alpha, G.limit, gv[i], uv[i]);
-      else
-        for (int64_t i = 0; i < rows; ++i) h[i] = activate(L.activation, gv[i]) * uv[i];
+      } else {
+        glu(g + v * rows, rows, u + v * rows, rows, 1, (int)rows, L.activation, h);
+      }
       if (L.down.act == ACT_BF16)
         for (int64_t i = 0; i < rows; ++i) j.hbf[p * I + i0 + i] = f32_to_bf16(h[i]);
       else if (L.down.act == ACT_Q8)

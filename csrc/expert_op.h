@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "panels.h"
 #include "dispatch.h"
 #include "thread_pool.h"
 
@@ -83,7 +84,14 @@ struct Proj {
   GemvFn fn = nullptr;
   int act = ACT_F32;
   int isa = ISA_SCALAR;
+  BatchFn batch = nullptr;  // a dense matrix's batched kernel (kBatchVectors or more), if any
+  int batch_isa = -1;
 };
+
+// A dense matrix's job with at least this many vectors runs its batched kernel (panels), where
+// its format has one: its outputs then differ from the row kernels' in the last bits, and
+// depend on nothing but their own vector (not on T). Fewer run the row kernels.
+constexpr int kBatchVectors = 16;
 
 struct Layer {
   int E = 0, H = 0, I = 0, activation = ACTV_SILU;
@@ -140,6 +148,8 @@ struct LinearJob {
   float* out = nullptr;
   int T = 0;
   int64_t chunk = 64, chunks = 0;
+  bool batched = false;  // phase 1 items are panels of kPanelRows rows (W->batch)
+  PanelFn panel = nullptr;  // their decoder
   Act xa{};
   int32_t* tok = nullptr;  // (T) 0..T-1, the vector index of each output row block
   Scratch scratch;

@@ -3,9 +3,11 @@
 // unsigned by +128 and the offset comes back out through the activation group sums).
 #include <immintrin.h>
 
+#include <initializer_list>
 #include <type_traits>
 
 #include "common.h"
+#include "panels.h"
 #include "q8_blocks.h"
 #include "q8_pairs.h"
 #include "row_groups.h"
@@ -231,9 +233,57 @@ void gemv_q8(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   }
 }
 
+// The batched kernel (BatchFn) without AMX: a panel's 16 rows are one vector of bytes per
+// group of 4 columns, so each vector's 4 activation bytes (moved to x + 128, unsigned) meet
+// all 16 rows in one vpdpbusd, the sum starting from -128 * qsum.
+template <int NT>
+static inline void batch_vectors(const Panel& p, const Act& a, int64_t m0, float* out,
+                                 int64_t ldo) {
+  const int64_t K = a.K;
+  const int sub = p.sub;
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < p.nsub; ++s) {
+    const __m512i bias = _mm512_slli_epi32(_mm512_loadu_si512(p.qsum + s * kPanelRows), 7);
+    __m512i dot[NT];
+    for (int t = 0; t < NT; ++t) dot[t] = _mm512_sub_epi32(_mm512_setzero_si512(), bias);
+    const int8_t* qs = p.q + s * sub * kPanelRows;
+    for (int k = 0; k < sub / 4; ++k) {
+      __m512i w = _mm512_loadu_si512(qs + 64 * k);
+      for (int t = 0; t < NT; ++t) {
+        __m512i x = _mm512_xor_si512(
+            _mm512_set1_epi32((int)load_u32((const uint8_t*)(a.q + (m0 + t) * K + s * sub +
+                                                              4 * k))),
+            flip);
+        dot[t] = _mm512_dpbusd_epi32(dot[t], x, w);
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(p.scale + s * kPanelRows);
+    for (int t = 0; t < NT; ++t) {
+      float d = a.d[(m0 + t) * (K / 32) + s * sub / 32];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(sc, _mm512_set1_ps(d)),
+                               acc[t]);
+      if (p.min)
+        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(p.min + s * kPanelRows),
+                                 _mm512_set1_ps(-(d * (float)act_sum(a, m0 + t, s, sub))), acc[t]);
+    }
+  }
+  const __mmask16 valid = (__mmask16)((1u << p.rows) - 1);
+  for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(out + (m0 + t) * ldo, valid, acc[t]);
+}
+
+void batch_q8(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) batch_vectors<4>(p, a, m, out, ldo);
+  for (; m < M; ++m) batch_vectors<1>(p, a, m, out, ldo);
+}
+
 }  // namespace
 
 void register_avx512_vnni(KernelTable& t) {
+  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4})
+    t.batch[f][ISA_AVX512_VNNI] = batch_q8;
   t.fn[F_Q8_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q8_0>;
   t.fn[F_Q4_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q4_0>;
   t.fn[F_Q5_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q5_0>;

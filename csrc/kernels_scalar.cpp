@@ -1,6 +1,10 @@
 // Scalar reference kernels: the slow twin of every ISA override. Each format decodes one unit
 // of a row into floats (F32 activations, the torch reference's arithmetic) or into small
-// integers with per-16 scales and mins (Q8 activations: w = s * q - m).
+// integers with per-16 scales and mins (Q8 activations: w = s * q - m); the batched kernels'
+// reference reads those integers from a panel.
+#include <cmath>
+#include <initializer_list>
+
 #include "common.h"
 
 namespace ft {
@@ -12,7 +16,8 @@ constexpr int kMaxUnit = 256;
 // unit of a bf16/f32/fp8 row may be partial).
 constexpr int unit_of(int fmt) { return FMT_INFO[fmt].block > 1 ? FMT_INFO[fmt].block : 32; }
 
-// Integer decoding of unit u of row r: q[i] (offset removed) and per-16 s[g], m[g].
+}  // namespace
+
 void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* s, float* mn) {
   const uint8_t* row = m.data + r * m.row_bytes;
   switch (fmt) {
@@ -103,6 +108,8 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
       return;
   }
 }
+
+namespace {
 
 // Float decoding of unit u of row r (n valid elements), matching the torch references.
 void decode_f32(int fmt, const Mat& m, int64_t r, int64_t u, int n, float* w) {
@@ -211,6 +218,30 @@ void gemv_bf16_bf16(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Ac
   }
 }
 
+// The batched kernels' reference (BatchFn in common.h), one output at a time.
+void batch_ref(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
+  const int64_t K = a.K;
+  const int sub = p.sub;
+  for (int m = 0; m < M; ++m) {
+    const int8_t* xq = a.q + m * K;
+    for (int n = 0; n < p.rows; ++n) {
+      float acc = 0;
+      for (int64_t s = 0; s < p.nsub; ++s) {
+        int32_t dot = 0, sum = 0;
+        for (int k = 0; k < sub; ++k) {
+          int x = xq[s * sub + k];
+          dot += x * p.q[((s * sub / 4 + k / 4) * kPanelRows + n) * 4 + k % 4];
+          sum += x;
+        }
+        float d = a.d[m * (K / 32) + s * sub / 32];
+        acc = std::fma((float)dot, p.scale[s * kPanelRows + n] * d, acc);
+        if (p.min) acc = std::fma(p.min[s * kPanelRows + n], -(d * (float)sum), acc);
+      }
+      out[m * ldo + n] = acc;
+    }
+  }
+}
+
 uint64_t read_scalar(const uint8_t* p, int64_t bytes) {
   uint64_t acc = 0;
   for (int64_t i = 0; i < bytes; i += 8) {
@@ -243,6 +274,7 @@ void register_scalar(KernelTable& t) {
   t.fn[F_Q4_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q4_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q6_K>;
   t.fn[F_MXFP4][ACT_Q8][ISA_SCALAR] = gemv_q8<F_MXFP4>;
+  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4}) t.batch[f][ISA_SCALAR] = batch_ref;
 }
 
 }  // namespace ft

@@ -330,6 +330,14 @@ class CpuMoeExecutor:
         self._lib.ft_linear_kernel(self._handle, lid, ctypes.byref(isa), ctypes.byref(act))
         return ISAS[isa.value], ACT_KINDS[act.value]
 
+    def linear_batch_isa(self, lid: int) -> str | None:
+        """The tier of dense matrix ``lid``'s batched kernel, which jobs of
+        :func:`~freetoken.cpu.library.batch_vectors` or more vectors run; None if it has none."""
+        tier = self._lib.ft_linear_batch_isa(self._handle, lid)
+        if tier == -2:
+            raise ValueError(f"dense matrix {lid} is not registered")
+        return ISAS[tier] if tier >= 0 else None
+
     def _check_linear(self, x: torch.Tensor, lid: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input, output) of dense matrix ``lid`` for x (T, cols), as the workers read them."""
         w = self._linears[lid]

@@ -73,6 +73,11 @@ def native() -> ctypes.CDLL:
     sigs: dict[str, tuple[object, list[object]]] = {
         "ft_best_isa": (c.c_int, []),
         "ft_kernel_isa": (c.c_int, [c.c_int, c.c_int, c.c_int]),
+        "ft_batch_isa": (c.c_int, [c.c_int, c.c_int]),
+        "ft_batch_linear": (c.c_int, [c.c_int, c.c_int, c.c_void_p, c.c_int64, c.c_int64,
+                                      c.c_int64, c.c_void_p, c.c_int, c.c_void_p]),
+        "ft_batch_vectors": (c.c_int, []),
+        "ft_linear_batch_isa": (c.c_int, [c.c_void_p, c.c_int]),
         "ft_executor_new": (c.c_void_p, [c.c_void_p, c.c_int, c.c_int, c.c_int]),
         "ft_executor_free": (None, [c.c_void_p]),
         "ft_executor_threads": (c.c_int, [c.c_void_p]),
@@ -211,6 +216,35 @@ def kernel_isa(fmt: str, act: str, cap: str) -> str | None:
     """The tier whose kernel (fmt, act) runs with under ``cap``; None if there is none."""
     tier = native().ft_kernel_isa(FORMATS.index(fmt), ACT_KINDS.index(act), ISAS.index(cap))
     return ISAS[tier] if tier >= 0 else None
+
+
+def batch_isa(fmt: str, cap: str) -> str | None:
+    """The tier of ``fmt``'s batched kernel (a prompt's dense matrices) under ``cap``; None if
+    there is none. At the top tier it is AMX's where the CPU and OS have it."""
+    tier = native().ft_batch_isa(FORMATS.index(fmt), ISAS.index(cap))
+    return ISAS[tier] if tier >= 0 else None
+
+
+def batch_vectors() -> int:
+    """Vectors from which a dense matrix's pool job runs its batched kernel."""
+    return int(native().ft_batch_vectors())
+
+
+def batch_linear(data: torch.Tensor, fmt: str, rows: int, cols: int, x: torch.Tensor,
+                 cap: str) -> tuple[torch.Tensor, str]:
+    """x (M, cols) @ W^T with ``fmt``'s batched kernel at or below ``cap`` on this thread (W:
+    the raw blocks ``data``, rows x cols); the result (M, rows) and the tier that ran."""
+    import torch
+
+    x = x.detach().to("cpu", torch.float32).contiguous()
+    data = data.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    tier = native().ft_batch_linear(FORMATS.index(fmt), ISAS.index(cap), data.data_ptr(), rows,
+                                    cols, data.numel() * data.element_size() // rows,
+                                    x.data_ptr(), x.shape[0], out.data_ptr())
+    if tier < 0:
+        raise ValueError(f"no batched kernel for {fmt} rows of {cols} at or below {cap}")
+    return out, ISAS[tier]
 
 
 def quantize_q8(x: torch.Tensor, cap: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:

@@ -1,4 +1,5 @@
-"""Every vector width of the engine thread's native steps (decode attention, RMSNorm, rotary).
+"""Every vector width of the engine thread's native steps (decode attention, RMSNorm, rotary,
+the MLP's gated activation).
 
 The library compiles them once per width and the CPU picks its widest at load time, so the
 other widths never run on a test machine. Here each width is built on its own (FT_ONE_TIER,
@@ -25,9 +26,13 @@ TIERS = {"default": ([], None), "avx2": (["-mavx2"], "avx2"),
          "avx512": (["-mavx512f"], "avx512f")}
 WRAPPER = """
 #include "attention_decode.cpp"
+#include "glu.cpp"
 #include "rms_norm.cpp"
 #include "rotary.cpp"
 extern "C" {
+void t_glu(const float* g, const float* u, int64_t T, int I, int act, float* out) {
+  ft::glu(g, I, u, I, T, I, act, out);
+}
 void t_attention(const float* q, const float* k, const float* v, const int64_t* ns, float* kc,
                  float* vc, const int64_t* s, const uint8_t* vis, int B, int S, int Hq,
                  int Hkv, int D, float scale, float* out) {
@@ -111,3 +116,22 @@ def test_rms_norm_and_rotary_at_every_width(tier_lib):
                              c.c_void_p(rot.sin.data_ptr()), 32, c.c_void_p(pos.data_ptr()), 5,
                              3, 64, c.c_void_p(y.data_ptr())) == 0
     assert torch.equal(y, rot.reference(x, pos))
+
+
+@pytest.mark.parametrize(("act", "name"), [(0, "silu"), (1, "gelu_pytorch_tanh")])
+def test_glu_at_every_width_gives_the_librarys_bits(tier_lib, act, name):
+    """Each width's activation is within float32 rounding of torch's and has the bits of the
+    library's (the CPU's widest): glu.cpp is built without contraction."""
+    from freetoken.cpu.library import native
+    from freetoken.kernels.activation import ACTIVATIONS
+
+    torch.manual_seed(7)
+    g, u = torch.randn(3, 1000) * 6, torch.randn(3, 1000)
+    g[0, :6] = torch.tensor([-100.0, -87.5, 0.0, 1e-20, 88.0, 100.0])
+    out, lib_out = torch.empty_like(g), torch.empty_like(g)
+    tier_lib.t_glu(*(c.c_void_p(t.data_ptr()) for t in (g, u)), 3, 1000, act,
+                   c.c_void_p(out.data_ptr()))
+    native().ft_glu(g.data_ptr(), 1000, u.data_ptr(), 1000, 3, 1000, act, lib_out.data_ptr())
+    assert torch.equal(out, lib_out)
+    want = ACTIVATIONS[name](g.double()) * u.double()
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)

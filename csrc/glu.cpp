@@ -5,34 +5,15 @@
 #include <cstring>
 
 #include "decode_steps.h"
+#include "exp_nonpositive.h"
 #include "expert_op.h"
 
 namespace ft {
 namespace {
 
-// e^x for x <= 0 within 2 ulp (the only range the activations below need): x = n ln2 + r,
-// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n put into the exponent bits.
-static inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - n * 0.693145752f;  // ln2's high part has 16 bits: n times it is exact
-  r = r - n * 1.42860677e-6f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float s;
-  std::memcpy(&s, &bits, 4);
-  return p * s;
-}
-
 // g * sigmoid(z) for z of either sign, through e^-|z|.
 static inline float times_sigmoid(float g, float z) {
-  float e = exp_neg(z < 0 ? z : -z);
+  float e = exp_nonpositive(z < 0 ? z : -z);
   float s = 1.0f / (1.0f + e);
   return g * (z < 0 ? e * s : s);
 }

@@ -315,6 +315,12 @@ FT_API int ft_set_gate_up_rows(void* ex, int rows) {
   return ((ft::Executor*)ex)->set_gate_up_rows(rows) ? 0 : -1;
 }
 
+// Linear jobs of `vectors` vectors or more run the batched kernels (0: none; the default is
+// ft_batch_vectors()).
+FT_API void ft_set_batch_from(void* ex, int vectors) {
+  ((ft::Executor*)ex)->set_batch_from(vectors);
+}
+
 FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);
 }

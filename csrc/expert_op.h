@@ -208,6 +208,10 @@ class Executor {
   }
   // Rows of I per gate/up item of later jobs: a multiple of 32 up to kMaxGateUpRows, or 0 for
   // the default (the most that leaves each worker about three items). False if out of range.
+  // Linear jobs of at least `vectors` vectors run the batched kernels (0: none does). The
+  // engine sets it per forward so that a request's kernel does not depend on what is batched
+  // with it: 1 for a prompt's chunks, 0 for decode steps.
+  void set_batch_from(int vectors) { batch_from_ = vectors < 0 ? 0 : vectors; }
   bool set_gate_up_rows(int rows) {
     if (rows < 0 || rows % 32 || rows > kMaxGateUpRows) return false;
     gate_up_rows_ = rows;
@@ -236,6 +240,7 @@ class Executor {
   std::mutex layers_mu_;
   std::atomic<int> down_split_{DOWN_AUTO};
   std::atomic<int> gate_up_rows_{0};
+  std::atomic<int> batch_from_{kBatchVectors};
   std::atomic<bool> join_{true};
   QuantFn quant_;
 };

@@ -112,7 +112,8 @@ int64_t Executor::submit_linear(int id, const float* x, float* out, int T) {
   j.xa = act_view(K, x, part);
   j.tok = (int32_t*)part[kActParts];
   for (int t = 0; t < T; ++t) j.tok[t] = t;
-  j.batched = W->batch && T >= kBatchVectors;
+  const int from = batch_from_.load(std::memory_order_relaxed);
+  j.batched = W->batch && from > 0 && T >= from;
   j.panel = pick_panel(W->fmt, isa_);
   // Enough items that every worker takes several; chunks stay within the kernels' limits.
   const int64_t target = 8 * (int64_t)threads();

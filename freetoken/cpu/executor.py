@@ -394,6 +394,13 @@ class CpuMoeExecutor:
         the job) or only blocks (its caches stay its own, for the Python work after)."""
         self._lib.ft_set_join(self._handle, int(on))
 
+    def set_batch_from(self, vectors: int) -> None:
+        """Dense-matrix jobs of ``vectors`` vectors or more run the batched kernels, whose last
+        bits differ from the row kernels'; 0: none does (the default: ``batch_vectors()``).
+        The runner sets it per forward (1 for prompts, 0 for decode steps), so that a request's
+        output does not depend on how many others share its step."""
+        self._lib.ft_set_batch_from(self._handle, max(0, vectors))
+
     def set_gate_up_rows(self, rows: int) -> None:
         """Rows of the intermediate size per gate/up work item of later jobs (a multiple of 32
         up to 128; 0 restores the default). A tuning knob for benchmarks."""

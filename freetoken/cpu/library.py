@@ -146,6 +146,7 @@ def native() -> ctypes.CDLL:
                    c.c_void_p],
         ),
         "ft_set_gate_up_rows": (c.c_int, [c.c_void_p, c.c_int]),
+        "ft_set_batch_from": (None, [c.c_void_p, c.c_int]),
         "ft_add_linear": (
             c.c_int, [c.c_void_p, c.c_int, c.POINTER(ProjDesc), c.c_int, c.c_char_p, c.c_int],
         ),

@@ -143,6 +143,11 @@ class ModelRunner:
             split = self._split_mixed(tokens, segments)
             if split is not None:
                 return split
+        if self.pool is not None and self.cfg.cpu_dense == "pool":
+            # the same kernels for a request whatever shares its step: a prompt's chunks
+            # through the batched kernels however short, decode tokens through the row kernels
+            decode = all(s.count == 1 and s.start > 0 for s in segments)
+            self.pool.set_batch_from(0 if decode else 1)
         flat = [t for seq in tokens for t in seq]
         ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         ctx = ForwardContext.build(self.kv, segments, self.device, self.windows, all_logits)

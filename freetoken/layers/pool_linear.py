@@ -165,17 +165,11 @@ def use_pool_linears(model: nn.Module, pool: CpuMoeExecutor) -> int:
     return swapped
 
 
-def place_pool_linears(model: nn.Module) -> int:
+def place_pool_linears(model: nn.Module) -> None:
     """Hand every loaded :class:`PoolLinear` weight to its pool now (stacked per input group
     where the members stack), as the model's load ends, so the first request does not pay the
-    copies (the head of a large vocabulary is the largest matrix of a small model). Returns
-    how many matrices the pool holds for the model."""
-    ids: set[tuple[int, int]] = set()
+    copies (the head of a large vocabulary is the largest matrix of a small model)."""
     for m in model.modules():
-        if not isinstance(m, PoolLinear) or m.missing_weight():
-            continue
-        lid = m.group.linear_id() if m.group is not None else None
-        if lid is None:
-            lid = m.linear_id()
-        ids.add((id(m.pool), lid))
-    return len(ids)
+        if isinstance(m, PoolLinear) and not m.missing_weight():
+            if m.group is None or m.group.linear_id() is None:
+                m.linear_id()

@@ -11,8 +11,8 @@ from freetoken.engine.sample import SamplingParams
 from freetoken.engine.scheduler import Scheduler, Sequence
 
 
-def _runner(path, kv_tokens=2048, page=16, device="cpu", graphs=0):
-    cfg = EngineConfig(model=str(path), device=device, dtype="float32", moe_strategy="resident",
+def _runner(path, kv_tokens=2048, page=16, device="cpu", graphs=0, strategy="resident"):
+    cfg = EngineConfig(model=str(path), device=device, dtype="float32", moe_strategy=strategy,
                        max_seq_len=256, cuda_graph_max_bs=graphs)
     return ModelRunner(cfg, kv_tokens=kv_tokens, page_size=page, progress=False)
 
@@ -32,7 +32,7 @@ def _prompts(n: int) -> list[list[int]]:
 @pytest.mark.parametrize("device, graphs", [
     ("cpu", 0), pytest.param("cuda", 0, marks=pytest.mark.cuda),
     pytest.param("cuda", 8, marks=pytest.mark.cuda, id="cuda-graphs")])
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3", "tiny_gpt_oss"])
 def test_batched_equals_solo(fixture, request, device, graphs):
     runner = _runner(request.getfixturevalue(fixture), device=device, graphs=graphs)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -97,13 +97,15 @@ def test_abort_frees_pages(tiny_qwen3_moe):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe", "tiny_gemma3"])
-def test_graph_decode_matches_eager(fixture, request):
+@pytest.mark.parametrize("fixture, strategy", [
+    ("tiny_qwen3_moe", "resident"), ("tiny_gemma3", "resident"), ("tiny_gpt_oss", "resident"),
+    ("tiny_gpt_oss", "offload"), ("tiny_gpt_oss", "hybrid")])
+def test_graph_decode_matches_eager(fixture, strategy, request):
     from freetoken.layers.context import Segment
 
     path = request.getfixturevalue(fixture)
-    eager = _runner(path, device="cuda")
-    graphs = _runner(path, device="cuda", graphs=4)
+    eager = _runner(path, device="cuda", strategy=strategy)
+    graphs = _runner(path, device="cuda", graphs=4, strategy=strategy)
     prompts = _prompts(3)
     for r in (eager, graphs):
         r.pages = [r.kv.allocate(r.pages_for(len(p) + 1)) for p in prompts]

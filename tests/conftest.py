@@ -107,6 +107,17 @@ def tiny_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4(tiny_gpt_oss: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GPT-OSS as a GGUF with mxfp4 experts (the format its checkpoints ship)."""
+    from freetoken.checkpoint import open_checkpoint
+    from freetoken.checkpoint.convert import convert_to_gguf
+
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "m.gguf"
+    return convert_to_gguf(open_checkpoint(tiny_gpt_oss), out, lambda n, s: "mxfp4"
+                           if ".experts." in n and len(s) == 3 else "f32")
+
+
 def _randomise(model: torch.nn.Module, pattern: str, offset: float) -> None:
     """Parameters that start at 0 or 1 (norms, scales, biases), made random around ``offset``."""
     import re

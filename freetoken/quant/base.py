@@ -9,6 +9,7 @@ every kernel that reads the format).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Protocol
 
 import torch
@@ -55,3 +56,10 @@ class QuantFormat(Protocol):
     def quantize(self, x: torch.Tensor) -> QuantTensor:
         """Encode a float tensor (last axis a multiple of block_size) in this format."""
         ...
+
+
+@cache
+def value_table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A code -> value table (float32) on ``device``, made once per device: a dequantisation
+    inside a CUDA graph capture must not copy a fresh table from the host."""
+    return torch.tensor(values, dtype=torch.float32, device=device)

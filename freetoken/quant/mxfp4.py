@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.quant.base import QuantTensor
+from freetoken.quant.base import QuantTensor, value_table
 from freetoken.quant.blocks import BlockFormat, nibbles, pack_nibbles
 
 # e2m1 code -> twice its value
@@ -51,8 +51,7 @@ class MXFP4(BlockFormat):
 
     def dequantize(self, t: QuantTensor) -> torch.Tensor:
         b = self.blocks(t)
-        table = torch.tensor(E2M1_DOUBLED, dtype=torch.float32, device=b.device)
-        values = table[nibbles(b[..., 1:]).long()]
+        values = value_table(E2M1_DOUBLED, b.device)[nibbles(b[..., 1:]).long()]
         return (e8m0_half(b[..., :1]) * values).reshape(t.shape)
 
     def quantize(self, x: torch.Tensor) -> QuantTensor:

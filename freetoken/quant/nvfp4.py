@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.quant.base import QuantTensor
+from freetoken.quant.base import QuantTensor, value_table
 
 GROUP = 16
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -40,7 +40,7 @@ class NVFP4:
         if tuple(ws.shape) != (*lead, cols // GROUP):
             raise ValueError(f"nvfp4: weight_scale {tuple(ws.shape)} does not match {t.shape}")
         codes = torch.stack([t.data & 0x0F, t.data >> 4], dim=-1).flatten(-2).long()
-        values = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[codes]
+        values = value_table(E2M1, codes.device)[codes]
         # e2m1 * e4m3 is exact in float32, so only the global scale rounds.
         scaled = values * ws.float().repeat_interleave(GROUP, -1)
         return scaled * ws2.float()

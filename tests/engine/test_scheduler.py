@@ -99,7 +99,8 @@ def test_abort_frees_pages(tiny_qwen3_moe):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fixture, strategy", [
     ("tiny_qwen3_moe", "resident"), ("tiny_gemma3", "resident"), ("tiny_gpt_oss", "resident"),
-    ("tiny_gpt_oss", "offload"), ("tiny_gpt_oss", "hybrid")])
+    ("tiny_gpt_oss", "offload"), ("tiny_gpt_oss", "hybrid"), ("tiny_gpt_oss_mxfp4", "resident"),
+    ("tiny_gpt_oss_mxfp4", "offload"), ("tiny_gpt_oss_mxfp4", "hybrid")])
 def test_graph_decode_matches_eager(fixture, strategy, request):
     from freetoken.layers.context import Segment
 

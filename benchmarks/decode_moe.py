@@ -104,6 +104,7 @@ def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> di
 
 VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online, graphs)
     "offload-eager": ("offload", "auto", True, False),
+    "cpu-eager": ("cpu", "auto", True, False),
     "hybrid-cap1": ("hybrid", 1, False, True),
     "hybrid-profile": ("hybrid", "auto", False, True),
     "hybrid-online": ("hybrid", "auto", True, True),
@@ -149,7 +150,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
-    capture = capture and strategy != "cpu" and args.device == "cuda"
+    capture = capture and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        moe_strategy=strategy, max_seq_len=args.tokens + 256,

@@ -2,7 +2,7 @@
 outputs (one per placement) with a ``decode_moe.py`` result into ``peer_gpu-*.json``, where each
 of our strategies carries ``tokens_per_s`` and ``ratio_to_llamacpp`` (over the best llama.cpp
 placement of the run that keeps at most ``--expert-vram`` of experts on the GPU; resident is
-compared with llama.cpp all on the GPU).
+compared with llama.cpp all on the GPU, cpu with every expert on the CPU, ``ot_cpu``).
 
     python benchmarks/peer_gpu.py --llama ncmoe10=a.json ot_cpu=b.json gpu=c.json \\
         --ours decode_moe-....json --expert-vram-gb 5 --label ... --out benchmarks/results
@@ -60,7 +60,9 @@ def main() -> None:
     for s in ours["strategies"]:
         row = {"strategy": s["strategy"], "tokens_per_s": s.get("decode_tokens_per_s"),
                "hit_rate": s.get("hit_rate"), "error": s.get("error")}
-        ref = "gpu" if s["strategy"] == "resident" else best
+        # resident against all on the GPU, cpu against every expert on the CPU (-ot exps=CPU)
+        ref = {"resident": "gpu", "cpu": "ot_cpu"}.get(s["strategy"].split("+")[0], best)
+        ref = ref if ref in speeds else best
         if ref in speeds and row["tokens_per_s"]:
             row |= {"compared_with": ref, "ratio_to_llamacpp": row["tokens_per_s"] / speeds[ref]}
         for k in ("share_fetch", "share_plan", "share_cpu_wait", "share_expert_compute"):

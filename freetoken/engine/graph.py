@@ -31,6 +31,7 @@ import torch
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.context import ForwardContext, Segment
 from freetoken.moe.pieces import Break, HostStep, LateStep, PiecewiseCapture
+from freetoken.moe.strategy import Experts
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ class DecodeGraphs:
         self.model, self.kv, self.keys, self.windows = model, kv, max_len, windows
         self.scratch = kv.allocate(1)[0] * kv.page_size
         self.graphs: dict[int, _Graph] = {}
-        self.recorders = list({id(rt): rt for m in model.modules()
-                               if (rt := getattr(m, "runtime", None)) is not None}.values())
+        self.recorders = list({id(r): r for m in model.modules() if isinstance(m, Experts)
+                               and (r := m.recorder()) is not None}.values())
         pool = torch.cuda.graph_pool_handle()
         for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first
             g = _Graph(bs, max_len, windows, kv, device)
@@ -100,7 +101,8 @@ class DecodeGraphs:
 
     def _capture_pieces(self, g: _Graph, pool: tuple[int, int],
                         stream: torch.cuda.Stream) -> None:
-        cap = PiecewiseCapture(pool, self.recorders[0].rows)
+        rows = next((r.rows for r in self.recorders if r.rows is not None), None)
+        cap = PiecewiseCapture(pool, rows)
         for rt in self.recorders:
             rt.capture = cap
         torch.cuda.synchronize()

@@ -15,7 +15,7 @@ from freetoken.cpu.cores import core_plan, usable_cores
 from freetoken.cpu.library import available as native_available
 from freetoken.errors import ConfigError
 from freetoken.moe.plan import wants_pool
-from freetoken.moe.registry import AUTO, needs_of
+from freetoken.moe.registry import AUTO
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ def resolve_engine(args: Any) -> EngineConfig:
     if args.cuda_graph_max_bs < 0:
         raise ConfigError(f"--cuda-graph-max-bs must be >= 0, got {args.cuda_graph_max_bs}")
     graphs = args.cuda_graph_max_bs if device == "cuda" else 0
-    if graphs and args.moe_strategy != AUTO and needs_of(args.moe_strategy).eager_decode:
-        log.info("--moe-strategy %s: decode runs eagerly (CUDA graphs are not captured)",
-                 args.moe_strategy)
-        graphs = 0
     cache = _cache_sizing(args)
     if getattr(args, "kv_reserve_tokens", 0) < 0:
         raise ConfigError(f"--kv-reserve-tokens must be >= 0, got {args.kv_reserve_tokens}")

@@ -81,7 +81,7 @@ class ModelRunner:
         windows = {0} | ({mc.sliding_window} if any(mc.sliding_layers) else set())
         self.windows = tuple(sorted(windows))
         self.graphs: DecodeGraphs | None = None
-        if cfg.cuda_graph_max_bs and self.device.type == "cuda" and not needs.eager_decode:
+        if cfg.cuda_graph_max_bs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.kv, self.max_len, self.windows,
                                        cfg.cuda_graph_max_bs, self.device)
         log.info("loaded %s (%s, %d layers) on %s in %s in %.1f s; KV pool %d pages x %d tokens",

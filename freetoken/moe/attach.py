@@ -16,11 +16,13 @@ from torch import nn
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.moe import lookahead
+from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
+from freetoken.moe.pieces import Recorder
 from freetoken.moe.plan import ExpertGroup, MoEPlan, plan_moe_cache
 from freetoken.moe.resident import ResidentExperts, keeps_blocks
-from freetoken.moe.runtime import OffloadRuntime
+from freetoken.moe.runtime import OffloadRuntime, row_copier
 from freetoken.moe.stats import MoEStats
 from freetoken.moe.strategy import Experts, Shared
 
@@ -37,7 +39,11 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
     if cached:
         assert plan.cache is not None, "the plan has no expert cache for its cached layers"
         runtime = _expert_cache(cached, plan.cache)
-    shared = Shared(pool, runtime)
+    recorder: Recorder | None = runtime
+    if recorder is None and any(isinstance(m, CpuExperts) and m.device.type == "cuda"
+                                for m in layers):
+        recorder = Recorder(row_copier(True))
+    shared = Shared(pool, runtime, recorder)
     for m in layers:
         m.attach(plan.layers[m.shape.layer], shared)
     if cached:

@@ -4,6 +4,13 @@ executor computes the routed ones; the result goes back to the model's device.
 The loader hands expert tensors over undequantised through :meth:`CpuExperts.load_expert_tensor`
 (stacked ``E x out x in``, fused ``gate_up_proj``, or one expert at a time). All layers share the
 one pool of pinned workers the runner made and :meth:`CpuExperts.attach` hands over.
+
+On a GPU, decode CUDA graphs break at each layer's experts (``moe/pieces.py``): a host step
+copies the routed ids, weights and hidden states to pinned memory (one sync), runs the pool's
+job on them, which writes into pinned memory, and queues the copy of that result into the
+buffer the next piece adds. The dense part of every layer stays captured (nothing is left for
+the device to do while the pool works, so the job is waited for in the same step). Prefill runs
+eagerly: ``x`` to the host, the pool's job, the result back.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import torch
 from freetoken.cpu import executor as cx
 from freetoken.errors import ConfigError
 from freetoken.moe.host_banks import BankBuilder
+from freetoken.moe.host_job import HostJobs
+from freetoken.moe.pieces import HostCopies, Recorder
 from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
 
@@ -20,7 +29,7 @@ from freetoken.quant import QuantTensor, get_format
 class CpuExperts(Experts):
     """One MoE layer's experts in host memory; forward runs them on the CPU executor."""
 
-    NEEDS = Needs(cpu_pool=True, host_banks=True, eager_decode=True)
+    NEEDS = Needs(cpu_pool=True, host_banks=True)
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
@@ -33,8 +42,11 @@ class CpuExperts(Experts):
         self.make_bias()
         self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
                                    shape.intermediate)
+        self.device = torch.empty(0).device  # the device the model is being built on
         self._pool: cx.CpuMoeExecutor | None = None  # given by attach
+        self._recorder: Recorder | None = None  # given by attach on a GPU
         self.registered = False  # the banks are on the pool (from attach)
+        self.host_jobs = HostJobs(shape.layer)  # the pool's jobs between graph pieces
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -53,17 +65,30 @@ class CpuExperts(Experts):
         if shared.pool is None:
             raise RuntimeError(f"layer {self.shape.layer}: cpu experts need the CPU pool, "
                                "and none was made")
-        self._pool = shared.pool
+        self._pool, self._recorder = shared.pool, shared.recorder
         if not self.registered:
             self.register()
+
+    def recorder(self) -> Recorder | None:
+        return self._recorder
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
         ex = self._pool if self.registered else self.register()
         assert ex is not None
+        capture = self._recorder.capture if self._recorder is not None else None
+        if capture is not None:  # decode graphs: the pool's job between two pieces
+            return capture.host(self._host_step, x, topk_ids, topk_weights)
         out = ex.run(x, topk_ids, topk_weights, self.shape.layer)
         return out.to(device=x.device, dtype=x.dtype)
+
+    def _host_step(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   host: HostCopies) -> torch.Tensor:
+        """The step between graph pieces: the pool's job on the inputs' host copies (``x``,
+        ``ids`` and ``w`` are the device's, not read); its result is ``host.cpu_out``."""
+        assert self._pool is not None
+        return self.host_jobs.submit(self._pool, host).wait()
 
     def register(self) -> cx.CpuMoeExecutor:
         """Copy the banks to huge-page host memory and hand them to the executor."""

@@ -30,6 +30,7 @@ from freetoken.cpu.jobs import CpuMoeFuture
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import PROJECTIONS
+from freetoken.moe.host_job import HostJobs
 from freetoken.moe.layer_kind import LayerKind, cpu_format
 from freetoken.moe.offload import OffloadExperts
 from freetoken.moe.pieces import HostCopies
@@ -57,32 +58,6 @@ class _Pending:
     plan_s: float
 
 
-class _HostJob:
-    """The CPU's share of calls that read one set of host copies (a decode graph's pinned
-    buffers, :class:`HostCopies`), checked once: its ids buffer, float32 copies of x and w
-    where the host copies are of another dtype, and the executor's prepared job."""
-
-    def __init__(self, executor: cx.CpuMoeExecutor, layer: int, host: HostCopies) -> None:
-        self.host = host
-        self.x = host.x if host.x.dtype is torch.float32 else torch.empty(
-            host.x.shape, dtype=torch.float32)
-        self.w = host.w if host.w.dtype is torch.float32 else torch.empty(
-            host.w.shape, dtype=torch.float32)
-        self.ids = torch.empty(host.ids.shape, dtype=torch.int64)
-        self._ids = self.ids.numpy().reshape(-1)
-        self.job = executor.prepare(self.x, self.ids, self.w, layer, host.cpu_out)
-        self.executor = executor
-
-    def submit(self, cpu_ids: list[int]) -> CpuMoeFuture:
-        """The job with these ids (-1: not the CPU's), on the host copies' current values."""
-        if self.x is not self.host.x:
-            self.x.copy_(self.host.x)
-        if self.w is not self.host.w:
-            self.w.copy_(self.host.w)
-        self._ids[:] = cpu_ids
-        return self.executor.submit_prepared(self.job)
-
-
 class _Calls:
     """A layer's state between its calls: the last call's times for the policy, the planned
     call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA)."""
@@ -91,8 +66,6 @@ class _Calls:
         self.last: tuple[int, float, int, Span | None, float] | None = None
         self.pending: _Pending | None = None
         self.staged: torch.Tensor | None = None
-        # per host-copy buffer: the CPU's job, checked once (:class:`_HostJob`)
-        self.jobs: dict[tuple[int, int], _HostJob] = {}
 
 
 class HybridExperts(OffloadExperts):
@@ -117,6 +90,7 @@ class HybridExperts(OffloadExperts):
         self.policy = SplitPolicy()
         self.executor: cx.CpuMoeExecutor | None = None
         self.calls = _Calls()  # per-call state, kept off nn.Module's slow attribute setter
+        self.host_jobs = HostJobs(shape.layer)  # the CPU's share between graph pieces
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -235,11 +209,8 @@ class HybridExperts(OffloadExperts):
         assert self.executor is not None
         t0 = time.perf_counter()
         if host is not None:
-            key = (host.x.data_ptr(), host.x.shape[0])
-            job = self.calls.jobs.get(key)
-            if job is None:
-                job = self.calls.jobs[key] = _HostJob(self.executor, self.shape.layer, host)
-            return job.submit([e if e in on_cpu else -1 for e in flat]), \
+            return self.host_jobs.submit(self.executor, host,
+                                         [e if e in on_cpu else -1 for e in flat]), \
                 time.perf_counter() - t0
         cpu_ids = torch.from_numpy(np.array([e if e in on_cpu else -1 for e in flat],
                                             dtype=np.int64)).view(ids.shape)

@@ -84,6 +84,9 @@ class OffloadExperts(Experts):
     def missing_expert_tensors(self) -> list[str]:
         return [] if self.bank is not None else self.builder.missing()
 
+    def recorder(self) -> OffloadRuntime | None:
+        return self.runtime
+
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
         """Serve misses through the model's shared expert cache."""
         if shared.runtime is None:

@@ -22,6 +22,17 @@ from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 T = TypeVar("T", "Break", "HostStep", "LateStep")
 
 
+class Recorder:
+    """What the layers whose experts the host plans share with the decode graph runner: it
+    sets ``capture`` while it records the model (their calls then become breaks between
+    pieces) and copies a host step's inputs with ``rows`` (the library's copier; None: torch's
+    copies). The offload runtime is one; layers with no device cache (cpu) share a bare one."""
+
+    def __init__(self, rows: RowCopier | None) -> None:
+        self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
+        self.rows = rows
+
+
 class Break:
     """Host-planned experts between two captured pieces: their inputs and static output."""
 

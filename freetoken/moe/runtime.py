@@ -20,7 +20,7 @@ from freetoken.cpu.library import NativeUnavailable
 from freetoken.cpu.row_copy import RowCopier, current_stream
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.host_banks import HostBank
-from freetoken.moe.pieces import PiecewiseCapture
+from freetoken.moe.pieces import Recorder
 from freetoken.moe.stats import EventPool, MoEStats, Span
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 STREAM_CHUNK = 8  # experts per staging buffer of the prefill stream
 
 
-class OffloadRuntime:
+class OffloadRuntime(Recorder):
     """What all offloaded layers of one model share: the cache, the copy stream, the stats and
     the staging buffers of the prefill stream. Made by ``moe/attach.py`` when a layer needs a
     device cache."""
@@ -36,11 +36,10 @@ class OffloadRuntime:
     def __init__(self, cache: ExpertCache, stats: MoEStats, device: torch.device) -> None:
         self.cache, self.stats, self.device = cache, stats, device
         self.cuda = device.type == "cuda"
+        super().__init__(row_copier(self.cuda))
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._staging: dict[int, list[torch.Tensor]] = {}
-        self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
         self.copied: torch.cuda.Event | None = None  # the end of the last copy not waited for
-        self.rows = _row_copier(self.cuda)  # None: torch's copies
         self.events = EventPool()  # the library's copy spans (CUDA)
         self._ready = self.events.take() if self.rows is not None and self.cuda else None
         self.index = torch.device(device).index or 0 if self.cuda else -1
@@ -112,7 +111,7 @@ class OffloadRuntime:
         self.wait(event)
 
 
-def _row_copier(cuda: bool) -> RowCopier | None:
+def row_copier(cuda: bool) -> RowCopier | None:
     """The library's row copier, or None (torch's copies) with the reason logged."""
     if env.row_copy() == "torch":
         return None

@@ -22,6 +22,7 @@ from freetoken.kernels.expert_matmul import ExpertBias
 
 if TYPE_CHECKING:
     from freetoken.cpu.executor import CpuMoeExecutor
+    from freetoken.moe.pieces import Recorder
     from freetoken.moe.runtime import OffloadRuntime
 
 @dataclass(frozen=True)
@@ -60,7 +61,6 @@ class Needs:
     cpu_pool: bool = False  # the CPU pool computes (some of) their experts
     host_banks: bool = False  # their experts live in host memory (there must be room)
     device_cache: bool = False  # a device expert cache of slots, shared by all such layers
-    eager_decode: bool = False  # their decode steps cannot be captured in CUDA graphs
 
     def __or__(self, other: Needs) -> Needs:
         return Needs(*(getattr(self, f.name) or getattr(other, f.name) for f in fields(self)))
@@ -85,10 +85,13 @@ class LayerPlan:
 @dataclass(frozen=True)
 class Shared:
     """What the runner made for the model's layers, by the union of their needs: the CPU pool
-    (``pool``) and the device expert cache with its copy stream and stats (``runtime``)."""
+    (``pool``), the device expert cache with its copy stream and stats (``runtime``), and what
+    host-planned layers share with the decode graph runner (``recorder``: the runtime where
+    there is one; on a GPU without a cache, a bare :class:`~freetoken.moe.pieces.Recorder`)."""
 
     pool: CpuMoeExecutor | None = None
     runtime: OffloadRuntime | None = None
+    recorder: Recorder | None = None
 
 
 class Experts(nn.Module):
@@ -126,6 +129,11 @@ class Experts(nn.Module):
 
     def attach(self, plan: LayerPlan, shared: Shared) -> None:
         """Take this layer's plan and what :attr:`NEEDS` asked for from ``shared``."""
+
+    def recorder(self) -> Recorder | None:
+        """Where this layer learns that decode graphs are being captured, if the host plans
+        its calls (offload, hybrid, cpu on a GPU); None for layers captured whole."""
+        return None
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

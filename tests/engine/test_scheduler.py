@@ -100,7 +100,8 @@ def test_abort_frees_pages(tiny_qwen3_moe):
 @pytest.mark.parametrize("fixture, strategy", [
     ("tiny_qwen3_moe", "resident"), ("tiny_gemma3", "resident"), ("tiny_gpt_oss", "resident"),
     ("tiny_gpt_oss", "offload"), ("tiny_gpt_oss", "hybrid"), ("tiny_gpt_oss_mxfp4", "resident"),
-    ("tiny_gpt_oss_mxfp4", "offload"), ("tiny_gpt_oss_mxfp4", "hybrid")])
+    ("tiny_gpt_oss_mxfp4", "offload"), ("tiny_gpt_oss_mxfp4", "hybrid"),
+    ("tiny_qwen3_moe", "cpu"), ("tiny_gpt_oss", "cpu"), ("tiny_gpt_oss_mxfp4", "cpu")])
 def test_graph_decode_matches_eager(fixture, strategy, request):
     from freetoken.layers.context import Segment
 

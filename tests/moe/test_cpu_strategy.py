@@ -88,6 +88,34 @@ def test_matches_resident_twin(fmt: str, how: str, pool: cx.CpuMoeExecutor) -> N
     assert float((got.float() - want).abs().max() / want.abs().max()) < 3e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_between_graph_pieces_gives_the_eager_bits(dtype: torch.dtype,
+                                                             pool: cx.CpuMoeExecutor) -> None:
+    """Between decode graph pieces the pool's job reads the pinned host copies of the inputs
+    (of the model's dtype) and writes into the pinned buffer the next piece copies in: the
+    eager call's numbers, bit for bit, call after call on the same buffers."""
+    from freetoken.moe.pieces import HostCopies
+
+    experts = CpuExperts(SHAPE)
+    for name, qt in _weights("q8_0").items():
+        experts.load_expert_tensor(name, qt)
+    _attach(experts, pool)
+    T = 3
+    host = HostCopies(torch.empty(T, SHAPE.hidden, dtype=dtype),
+                      torch.empty(T, 2, dtype=torch.int64), torch.empty(T, 2, dtype=dtype),
+                      torch.full((T, SHAPE.hidden), float("nan")))
+    nan = float("nan")
+    for step in range(3):
+        x, ids, w = _route(T + step)
+        x, ids, w = x[:T].to(dtype), ids[:T], w[:T].to(dtype)
+        eager = experts(x.float(), ids, w.float())
+        host.x.copy_(x), host.ids.copy_(ids), host.w.copy_(w)
+        # the step reads the host copies, never the device inputs
+        got = experts._host_step(torch.full_like(x, nan), ids, torch.full_like(w, nan), host)
+        assert got.data_ptr() == host.cpu_out.data_ptr()
+        torch.testing.assert_close(got, eager, rtol=0, atol=0)
+
+
 def test_missing_weights_are_named(pool: cx.CpuMoeExecutor) -> None:
     experts = CpuExperts(SHAPE)
     experts.load_expert_tensor("gate_proj", _weights("bf16")["gate_proj"])

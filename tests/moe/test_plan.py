@@ -46,11 +46,11 @@ def test_each_strategy_declares_its_needs():
     assert needs_of("resident") == Needs()
     assert needs_of("offload") == Needs(host_banks=True, device_cache=True)
     assert needs_of("hybrid") == Needs(cpu_pool=True, host_banks=True, device_cache=True)
-    assert needs_of("cpu") == Needs(cpu_pool=True, host_banks=True, eager_decode=True)
+    assert needs_of("cpu") == Needs(cpu_pool=True, host_banks=True)
     union = Needs()
     for cls in STRATEGIES.values():
         union = union | cls.NEEDS
-    assert needs_of("auto") == union == Needs(True, True, True, True)
+    assert needs_of("auto") == union == Needs(True, True, True)
 
 
 @pytest.mark.parametrize("strategy, cache, pool", [

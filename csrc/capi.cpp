@@ -9,6 +9,7 @@
 #include "decode_steps.h"
 #include "dispatch.h"
 #include "expert_op.h"
+#include "expert_slots.h"
 #include "panels.h"
 #include "row_copy.h"
 
@@ -323,6 +324,43 @@ FT_API void ft_set_batch_from(void* ex, int vectors) {
 
 FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps) {
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);
+}
+
+// The expert cache's slot decisions (expert_slots.h). Tables are the caller's int64 arrays.
+FT_API void* ft_slots_new(int slots) { return slots > 0 ? new ft::SlotLru(slots) : nullptr; }
+
+FT_API void ft_slots_free(void* h) { delete (ft::SlotLru*)h; }
+
+FT_API int ft_slots_add_layer(void* h, int layer, int64_t* table, int experts) {
+  return ((ft::SlotLru*)h)->add_layer(layer, table, experts) ? 0 : -1;
+}
+
+FT_API int ft_slots_lookup(void* h, int layer, const int64_t* experts, int n, int64_t* slots) {
+  return ((ft::SlotLru*)h)->lookup(layer, experts, n, slots) ? 0 : -1;
+}
+
+FT_API int ft_slots_admit(void* h, int layer, const int64_t* experts, int n,
+                          const int64_t* keep, int n_keep, int64_t* slots) {
+  return ((ft::SlotLru*)h)->admit(layer, experts, n, keep, n_keep, slots) ? 0 : -1;
+}
+
+FT_API int ft_slots_route(void* h, int layer, const int64_t* flat, int n_flat, int64_t* needed,
+                          int64_t* uses, int64_t* slot) {
+  return ((ft::SlotLru*)h)->route(layer, flat, n_flat, needed, uses, slot);
+}
+
+FT_API int ft_slots_split(void* h, int layer, const int64_t* flat, int n_flat,
+                          const int64_t* needed, const int64_t* uses, const int64_t* slot,
+                          int n_needed, int n_fetch, int64_t* fetched, int64_t* fetched_slots,
+                          int64_t* cpu_ids) {
+  return ((ft::SlotLru*)h)->split(layer, flat, n_flat, needed, uses, slot, n_needed, n_fetch,
+                                  fetched, fetched_slots, cpu_ids);
+}
+
+FT_API void ft_slots_state(void* h, int64_t* order, int64_t* owner_layer,
+                           int64_t* owner_expert) {
+  ((ft::SlotLru*)h)->order(order);
+  ((ft::SlotLru*)h)->owners(owner_layer, owner_expert);
 }
 
 // Expert rows into cache slots in one call (row_copy.h): 0, or the CUDA driver's error.

@@ -36,6 +36,20 @@ def git_sha() -> str | None:
 
 
 ROW_COPIES = ("native", "torch")
+EXPERT_SLOTS = ("native", "python")
+
+
+def expert_slots() -> str:
+    """FREETOKEN_EXPERT_SLOTS: who makes the expert cache's slot decisions (LRU, hits and
+    misses, the hybrid split's fetched and CPU experts): ``native`` (default, the library,
+    where it loads) or ``python`` (the slow twin)."""
+    value = os.environ.get("FREETOKEN_EXPERT_SLOTS", "native").strip().lower() or "native"
+    if value not in EXPERT_SLOTS:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_EXPERT_SLOTS={value!r} is not one of "
+                          f"{', '.join(EXPERT_SLOTS)}; unset it for native")
+    return value
 
 
 def row_copy() -> str:

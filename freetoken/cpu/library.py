@@ -162,6 +162,22 @@ def native() -> ctypes.CDLL:
                       c.c_void_p, c.c_int],
         ),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
+        "ft_slots_new": (c.c_void_p, [c.c_int]),
+        "ft_slots_free": (None, [c.c_void_p]),
+        "ft_slots_add_layer": (c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int]),
+        "ft_slots_lookup": (c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p]),
+        "ft_slots_admit": (
+            c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p],
+        ),
+        "ft_slots_route": (
+            c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
+                      c.c_void_p],
+        ),
+        "ft_slots_split": (
+            c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
+                      c.c_void_p, c.c_int, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p],
+        ),
+        "ft_slots_state": (None, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
         "ft_quantize_q8": (
             c.c_int, [c.c_int, c.c_void_p, c.c_int64, c.c_void_p, c.c_void_p, c.c_void_p],

@@ -88,7 +88,7 @@ class CpuExperts(Experts):
         """The step between graph pieces: the pool's job on the inputs' host copies (``x``,
         ``ids`` and ``w`` are the device's, not read); its result is ``host.cpu_out``."""
         assert self._pool is not None
-        return self.host_jobs.submit(self._pool, host).wait()
+        return self.host_jobs.get(self._pool, host).submit(all_pairs=True).wait()
 
     def register(self) -> cx.CpuMoeExecutor:
         """Copy the banks to huge-page host memory and hand them to the executor."""

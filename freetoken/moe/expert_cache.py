@@ -7,19 +7,61 @@ budget split between them by their share of expert bytes. Each layer has a table
 kept on the host for planning and published to the device (:meth:`SlotPool.publish`) for the
 kernels that read the slots, so they need no host-made index and can run inside a CUDA graph.
 
+A decode call's plan asks the pool twice: :meth:`SlotPool.route` (the call's experts, how
+often each is routed, hits and misses) and :meth:`SlotPool.split` (which misses are fetched into
+which victim slots, which go to the CPU). :class:`NativeSlotPool` makes every decision in the
+library (``csrc/expert_slots.cpp``); :class:`SlotPool` is its slow twin, with the same decisions
+(``FREETOKEN_EXPERT_SLOTS=python``).
+
 Threads: the engine's main thread only. A slot handed out by :meth:`SlotPool.admit` is not
 evicted again within the same call's ``keep`` set, so a step never loses an expert it still needs.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from freetoken import env
+from freetoken.cpu.library import NativeUnavailable, native
 from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One call's experts (:meth:`SlotPool.route`): ``needed`` ascending, how often each is
+    routed (``uses``), its slot or -1 for a miss (``slot``); int64 arrays of one length, and
+    how many ``misses``. The library's pool reuses the arrays at its next route."""
+
+    needed: np.ndarray
+    uses: np.ndarray
+    slot: np.ndarray
+    misses: int
+
+    def hits(self) -> dict[int, int]:
+        """Expert -> slot of the hits."""
+        hit = self.slot >= 0
+        return dict(zip(self.needed[hit].tolist(), self.slot[hit].tolist(), strict=True))
+
+    def missed(self) -> list[int]:
+        """The misses, ascending."""
+        return self.needed[self.slot < 0].tolist()
+
+
+@dataclass(frozen=True)
+class Split:
+    """What :meth:`SlotPool.split` decided: the fetched experts (ascending) and the slots they
+    now hold, and how many experts go to the CPU."""
+
+    fetched: np.ndarray
+    slots: np.ndarray
+    cpu: int
 
 
 class SlotPool:
@@ -34,7 +76,7 @@ class SlotPool:
         self.device = device
         self.owner: list[tuple[int, int] | None] = [None] * num_slots  # slot -> (layer, expert)
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
-        self.tables: dict[int, list[int]] = {}  # layer -> expert -> slot (-1: not cached)
+        self.tables: dict[int, list[int] | np.ndarray] = {}  # layer -> expert -> slot (-1: none)
         self.device_tables: dict[int, torch.Tensor] = {}  # the same, as last published
         self._staged: dict[int, torch.Tensor] = {}  # pinned host copies being published
         self._staged_np: dict[int, np.ndarray] = {}  # numpy views of those (no tensor made)
@@ -108,6 +150,135 @@ class SlotPool:
         """Experts of ``layer`` in the cache now."""
         return [e for e, s in enumerate(self.tables[layer]) if s >= 0]
 
+    def state(self) -> tuple[list[int], list[tuple[int, int] | None]]:
+        """The slots from least to most recently used, and each slot's (layer, expert)."""
+        return list(self.lru), list(self.owner)
+
+    def route(self, layer: int, flat: torch.Tensor) -> Routed:
+        """A call's routed ids ``flat`` (int64, contiguous, on the CPU) -> its experts, their
+        uses and slots; hits become most recently used, in ascending expert order
+        (:meth:`lookup`)."""
+        ids = flat.tolist()
+        needed = sorted(set(ids))
+        uses = Counter(ids)
+        hits, misses = self.lookup(layer, needed)
+        return Routed(np.array(needed, dtype=np.int64),
+                      np.array([uses[e] for e in needed], dtype=np.int64),
+                      np.array([hits.get(e, -1) for e in needed], dtype=np.int64), len(misses))
+
+    def split(self, layer: int, flat: torch.Tensor, routed: Routed, n_fetch: int,
+              cpu_ids: torch.Tensor | None = None) -> Split:
+        """Of ``routed``'s misses the ``n_fetch`` most used (ties: the lower id) are given
+        slots (:meth:`admit`, in ascending expert order, the hits' slots kept); the others are
+        the CPU's: ``cpu_ids`` (if given: int64, contiguous, as many as ``flat``) gets each
+        routed id that is, -1 elsewhere."""
+        uses = dict(zip(routed.needed.tolist(), routed.uses.tolist(), strict=True))
+        slots = routed.slot.tolist()
+        misses = [e for e, s in zip(routed.needed.tolist(), slots, strict=True) if s < 0]
+        by_use = sorted(misses, key=lambda e: (-uses[e], e))
+        n = max(0, min(n_fetch, len(misses)))
+        fetched = sorted(by_use[:n])
+        given = self.admit(layer, fetched, {s for s in slots if s >= 0})
+        on_cpu = set(by_use[n:])
+        if cpu_ids is not None:
+            cpu_ids.numpy().reshape(-1)[:] = [e if e in on_cpu else -1 for e in flat.tolist()]
+        return Split(np.array(fetched, dtype=np.int64), np.array(given, dtype=np.int64),
+                     len(on_cpu))
+
+
+class NativeSlotPool(SlotPool):
+    """:class:`SlotPool` whose decisions the library makes (``csrc/expert_slots.cpp``): the
+    LRU and the owners live there, the tables are int64 arrays both sides read and write."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device) -> None:
+        super().__init__(slot_bytes, num_slots, device)
+        self._lib = native()
+        self._handle = self._lib.ft_slots_new(num_slots)
+        self.lru, self.owner = OrderedDict(), []  # kept by the library: see :meth:`state`
+        self._out = np.empty((5, 0), dtype=np.int64)  # route's and split's outputs, reused
+        self._at: tuple[int, ...] = ()  # their rows' addresses
+
+    def _outputs(self, n: int) -> tuple[int, ...]:
+        """Room for ``n`` experts in the output rows; their addresses."""
+        if self._out.shape[1] < n:
+            self._out = np.empty((5, max(n, 64)), dtype=np.int64)
+            self._at = tuple(int(self._out[r].ctypes.data) for r in range(5))
+        return self._at
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.ft_slots_free(handle)
+
+    def add_layer(self, layer: int, num_experts: int) -> None:
+        super().add_layer(layer, num_experts)
+        table = self.tables[layer] = np.full(num_experts, -1, dtype=np.int64)
+        if self._lib.ft_slots_add_layer(self._handle, layer, table.ctypes.data, num_experts):
+            raise ValueError(f"expert cache: layer {layer} of {num_experts} experts refused")
+
+    def lookup(self, layer: int, experts: list[int]) -> tuple[dict[int, int], list[int]]:
+        want = np.array(experts, dtype=np.int64)
+        slot = np.empty(len(experts), dtype=np.int64)
+        if self._lib.ft_slots_lookup(self._handle, layer, want.ctypes.data, len(experts),
+                                     slot.ctypes.data):
+            raise ValueError(f"expert cache: layer {layer} has no experts {experts}")
+        hit = slot >= 0
+        return (dict(zip(want[hit].tolist(), slot[hit].tolist(), strict=True)),
+                want[~hit].tolist())
+
+    def admit(self, layer: int, experts: list[int], keep: set[int]) -> list[int]:
+        want = np.array(experts, dtype=np.int64)
+        kept = np.array(sorted(keep), dtype=np.int64)
+        slots = np.empty(len(experts), dtype=np.int64)
+        if self._lib.ft_slots_admit(self._handle, layer, want.ctypes.data, len(experts),
+                                    kept.ctypes.data, len(kept), slots.ctypes.data):
+            raise RuntimeError(f"expert cache: {len(keep)} slots in use, none left to evict")
+        keep.update(slots.tolist())
+        return slots.tolist()
+
+    def route(self, layer: int, flat: torch.Tensor) -> Routed:
+        n = flat.numel()
+        needed, uses, slot, _, _ = self._outputs(n)
+        k = self._lib.ft_slots_route(self._handle, layer, flat.data_ptr(), n, needed, uses, slot)
+        if k < 0:
+            raise ValueError(f"expert cache: layer {layer} was routed to an expert it lacks "
+                             f"({flat.tolist()})")
+        out = self._out
+        return Routed(out[0, :k], out[1, :k], out[2, :k], int(np.count_nonzero(out[2, :k] < 0)))
+
+    def split(self, layer: int, flat: torch.Tensor, routed: Routed, n_fetch: int,
+              cpu_ids: torch.Tensor | None = None) -> Split:
+        if routed.needed.base is not self._out:
+            raise ValueError("a native pool splits the experts of its own last route")
+        k = routed.needed.size
+        needed, uses, slot, fetched, slots = self._at  # route made room for k
+        n_cpu = self._lib.ft_slots_split(
+            self._handle, layer, flat.data_ptr(), flat.numel(), needed, uses, slot, k, n_fetch,
+            fetched, slots, None if cpu_ids is None else cpu_ids.data_ptr())
+        if n_cpu < 0:
+            raise RuntimeError(f"expert cache: {self.num_slots} slots, none left to evict")
+        n = routed.misses - n_cpu
+        return Split(self._out[3, :n].copy(), self._out[4, :n].copy(), n_cpu)
+
+    def state(self) -> tuple[list[int], list[tuple[int, int] | None]]:
+        n = self.num_slots
+        out = np.empty((3, n), dtype=np.int64)
+        self._lib.ft_slots_state(self._handle, out[0].ctypes.data, out[1].ctypes.data,
+                                 out[2].ctypes.data)
+        owners = [None if la < 0 else (la, e) for la, e in zip(out[1].tolist(),
+                                                               out[2].tolist(), strict=True)]
+        return out[0].tolist(), owners
+
+
+def make_pool(slot_bytes: int, num_slots: int, device: torch.device) -> SlotPool:
+    """The library's pool where it loads and FREETOKEN_EXPERT_SLOTS allows, else the twin."""
+    if env.expert_slots() == "native":
+        try:
+            return NativeSlotPool(slot_bytes, num_slots, device)
+        except NativeUnavailable as e:
+            log.info("expert cache decisions in Python: %s", e)
+    return SlotPool(slot_bytes, num_slots, device)
+
 
 @dataclass(frozen=True)
 class PoolPlan:
@@ -126,7 +297,7 @@ class ExpertCache:
         self.pools: list[SlotPool] = []
         self._by_layer: dict[int, SlotPool] = {}
         for plan in plans:
-            pool = SlotPool(plan.slot_bytes, plan.num_slots, device)
+            pool = make_pool(plan.slot_bytes, plan.num_slots, device)
             for layer in plan.layers:
                 pool.add_layer(layer, experts_per_layer[layer])
                 self._by_layer[layer] = pool

@@ -27,22 +27,19 @@ class HostJob:
             host.x.shape, dtype=torch.float32)
         self.w = host.w if host.w.dtype is torch.float32 else torch.empty(
             host.w.shape, dtype=torch.float32)
-        self.ids = torch.empty(host.ids.shape, dtype=torch.int64)
-        self._ids = self.ids.numpy().reshape(-1)
+        self.ids = torch.empty(host.ids.shape, dtype=torch.int64)  # a caller may fill them
         self.job = executor.prepare(self.x, self.ids, self.w, layer, host.cpu_out)
         self.executor = executor
 
-    def submit(self, cpu_ids: list[int] | None = None) -> CpuMoeFuture:
-        """The job on the host copies' current values, with ``cpu_ids`` in place of their ids
-        (-1: a pair that is not the CPU's), or every routed pair when None."""
+    def submit(self, all_pairs: bool) -> CpuMoeFuture:
+        """The job on the host copies' current values: every routed pair (``all_pairs``), or
+        the pairs a caller wrote into :attr:`ids` (-1: a pair that is not the CPU's)."""
         if self.x is not self.host.x:
             self.x.copy_(self.host.x)
         if self.w is not self.host.w:
             self.w.copy_(self.host.w)
-        if cpu_ids is None:
+        if all_pairs:
             self.ids.copy_(self.host.ids)
-        else:
-            self._ids[:] = cpu_ids
         return self.executor.submit_prepared(self.job)
 
 
@@ -54,11 +51,10 @@ class HostJobs:
         self.layer = layer
         self._jobs: dict[tuple[int, int], HostJob] = {}
 
-    def submit(self, executor: cx.CpuMoeExecutor, host: HostCopies,
-               cpu_ids: list[int] | None = None) -> CpuMoeFuture:
-        """:meth:`HostJob.submit` on ``host``'s job (made at its first call)."""
+    def get(self, executor: cx.CpuMoeExecutor, host: HostCopies) -> HostJob:
+        """``host``'s job (made at its first call)."""
         key = (host.x.data_ptr(), host.x.shape[0])
         job = self._jobs.get(key)
         if job is None:
             job = self._jobs[key] = HostJob(executor, self.layer, host)
-        return job.submit(cpu_ids)
+        return job

@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from freetoken.cpu import executor as cx
 from freetoken.cpu.jobs import CpuMoeFuture
 from freetoken.errors import ConfigError
-from freetoken.moe.expert_cache import SlotPool
+from freetoken.moe.expert_cache import Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS
-from freetoken.moe.host_job import HostJobs
+from freetoken.moe.host_job import HostJob, HostJobs
 from freetoken.moe.layer_kind import LayerKind, cpu_format
-from freetoken.moe.offload import OffloadExperts
+from freetoken.moe.offload import OffloadExperts, slot_of
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.split import SplitPolicy
@@ -48,9 +46,9 @@ class _Pending:
     needs to collect it and record the call."""
 
     x: torch.Tensor
-    hits: dict[int, int]
-    fetched: list[int]
-    on_cpu: set[int]
+    hits: int
+    fetched: int
+    on_cpu: int
     fetch: Span | None
     future: CpuMoeFuture | None
     overhead: float
@@ -131,20 +129,26 @@ class HybridExperts(OffloadExperts):
         return super()._runtime()
 
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                     flat: list[int], pool: SlotPool, hits: dict[int, int], misses: list[int],
-                     host: HostCopies | None, t0: float) -> torch.Tensor | None:
+                     flat: torch.Tensor, pool: SlotPool, routed: Routed,
+                     host: HostCopies | None,
+                     t0: float) -> torch.Tensor | None:
         """The CPU's share submitted, the most used misses fetched and the slot table
         published (the CPU's experts stay out of it, so :meth:`_from_table` gives their pairs
         0). The CPU's result is left for :meth:`_finish`, so the device computes its share
-        meanwhile."""
-        fetched, on_cpu = self._split(flat, misses)
-        future, overhead = self._submit(x, ids, w, flat, on_cpu, host)
-        slot_of, fetch = self._fetch(pool, hits, fetched)
+        meanwhile. Between graph pieces the split writes the CPU's pairs straight into the
+        host job's ids."""
+        assert self.executor is not None
+        job = None if host is None else self.host_jobs.get(self.executor, host)
+        cpu_ids = torch.empty_like(flat) if job is None else job.ids
+        split = self._split(pool, flat, routed, cpu_ids)
+        future, overhead = self._submit(x, ids, w, split, cpu_ids, job)
+        fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
-        self._prefetch(x if host is None else host.x, set(slot_of.values()))
-        plan_s = time.perf_counter() - t0
-        self.calls.pending = _Pending(x, hits, fetched, on_cpu, fetch, future, overhead, host,
-                                      plan_s)
+        self._prefetch(x if host is None else host.x, routed, split)
+        n_fetch = split.fetched.size
+        self.calls.pending = _Pending(x, routed.needed.size - n_fetch - split.cpu, n_fetch,
+                                      split.cpu, fetch, future, overhead, host,
+                                      time.perf_counter() - t0)
         return None
 
     def _finish(self) -> torch.Tensor | None:
@@ -159,37 +163,41 @@ class HybridExperts(OffloadExperts):
         return cpu_out
 
     def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-               flat: list[int], pool: SlotPool, hits: dict[int, int],
-               misses: list[int]) -> torch.Tensor:
+               flat: torch.Tensor, pool: SlotPool, routed: Routed) -> torch.Tensor:
         """A call with too many pairs to gather (or on the CPU): the CPU's share submitted
         first, the fetched experts and hits computed expert by expert meanwhile."""
         rt = self.runtime
         assert rt is not None
-        fetched, on_cpu = self._split(flat, misses)
-        future, overhead = self._submit(x, topk_ids, topk_weights, flat, on_cpu)
-        slot_of, fetch = self._fetch(pool, hits, fetched)
-        self._prefetch(x, set(slot_of.values()))
+        cpu_ids = torch.empty_like(flat)
+        split = self._split(pool, flat, routed, cpu_ids)
+        future, overhead = self._submit(x, topk_ids, topk_weights, split, cpu_ids)
+        fetch = self._fetch(pool, split)
+        self._prefetch(x, routed, split)
         compute = rt.stats.span()
-        out = (self._compute(x, topk_ids, topk_weights, pool, slot_of) if slot_of
+        slots = slot_of(routed, split)
+        out = (self._compute(x, topk_ids, topk_weights, pool, slots) if slots
                else torch.zeros_like(x))
         compute.stop()
         cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
-        self._record(x, hits, fetched, on_cpu, fetch, compute, t_cpu, overhead)
+        n_fetch = split.fetched.size
+        self._record(x, routed.needed.size - n_fetch - split.cpu, n_fetch, split.cpu, fetch,
+                     compute, t_cpu, overhead)
         return out if cpu_out is None else out + cpu_out
 
-    def _split(self, flat: list[int], misses: list[int]) -> tuple[list[int], set[int]]:
-        """Misses to fetch (the policy's count, most used first) and misses for the CPU. The
-        last call's times reach the policy first (n_fetch's probe flag is this call's)."""
+    def _split(self, pool: SlotPool, flat: torch.Tensor, routed: Routed,
+               cpu_ids: torch.Tensor) -> Split:
+        """The policy's count of misses fetched (the most used; :meth:`SlotPool.split` gives
+        them slots), the rest the CPU's (their pairs written to ``cpu_ids``). The last call's
+        times reach the policy first (n_fetch's probe flag is this call's)."""
         self._observe_last()
-        uses = Counter(flat)
-        by_use = sorted(misses, key=lambda e: (-uses[e], e))
+        misses, arrived = routed.misses, self.incoming.arrived
         # experts look-ahead fetched count as fetched: the split is over the misses there
         # would have been without it
-        n = self.policy.n_fetch(len(misses) + self.arrived) - self.arrived
+        n = self.policy.n_fetch(misses + arrived) - arrived
         if self.policy.probing == "pcie":  # a probe still times one fetch
             n = max(n, 1)
-        n = max(0, min(n, len(misses)))
-        return sorted(by_use[:n]), set(by_use[n:])
+        n = max(0, min(n, misses))
+        return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
 
     def prefetch_share(self, misses: int) -> int:
         """The share of predicted misses the split would fetch (none before it has one)."""
@@ -199,25 +207,23 @@ class HybridExperts(OffloadExperts):
         p = self.policy
         return p.fraction is not None and p.fraction >= 1.0 and p.max_fetch is None
 
-    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
-                on_cpu: set[int], host: HostCopies | None = None,
+    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
+                cpu_ids: torch.Tensor, job: HostJob | None = None,
                 ) -> tuple[CpuMoeFuture | None, float]:
-        """The CPU's share on the pool (pairs of other experts as -1); returns at once. With
-        ``host``, it reads the host copies and writes into ``host.cpu_out``."""
-        if not on_cpu:
+        """The CPU's share on the pool (``cpu_ids``: the pairs of other experts as -1);
+        returns at once. With a host ``job`` (whose ids ``cpu_ids`` are), it reads the host
+        copies and writes into their ``cpu_out``."""
+        if not split.cpu:
             return None, 0.0
         assert self.executor is not None
         t0 = time.perf_counter()
-        if host is not None:
-            return self.host_jobs.submit(self.executor, host,
-                                         [e if e in on_cpu else -1 for e in flat]), \
-                time.perf_counter() - t0
-        cpu_ids = torch.from_numpy(np.array([e if e in on_cpu else -1 for e in flat],
-                                            dtype=np.int64)).view(ids.shape)
+        if job is not None:
+            return job.submit(all_pairs=False), time.perf_counter() - t0
         if x.is_cuda:  # one transfer (one sync) for both
             both = torch.cat([x.float(), w.float()], dim=1).cpu()
             x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
-        return self.executor.submit(x, cpu_ids, w, self.shape.layer), time.perf_counter() - t0
+        return (self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer),
+                time.perf_counter() - t0)
 
     def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor, overhead: float,
                  host: HostCopies | None = None) -> tuple[torch.Tensor | None, float, float]:
@@ -246,15 +252,16 @@ class HybridExperts(OffloadExperts):
         staged.copy_(out)
         return staged.to(x.device, non_blocking=True)
 
-    def _record(self, x: torch.Tensor, hits: dict[int, int], fetched: list[int],
-                on_cpu: set[int], fetch: Span | None, compute: Span | None, t_cpu: float,
-                overhead: float, plan_s: float = 0.0) -> None:
+    def _record(self, x: torch.Tensor, hits: int, fetched: int, on_cpu: int,
+                fetch: Span | None, compute: Span | None, t_cpu: float, overhead: float,
+                plan_s: float = 0.0) -> None:
+        """A call's counts of experts (hits, fetched, on the CPU) and times."""
         rt, bank, layer = self.runtime, self.bank, self.shape.layer
         assert rt is not None and bank is not None
-        self.calls.last = (len(on_cpu), t_cpu, len(fetched), fetch, overhead)
-        rt.stats.record(layer, x.shape[0], len(hits), len(fetched),
-                        len(fetched) * bank.expert_bytes, fetch=fetch, compute=compute,
-                        cpu_experts=len(on_cpu), cpu_s=t_cpu, plan_s=plan_s)
+        self.calls.last = (on_cpu, t_cpu, fetched, fetch, overhead)
+        rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
+                        fetch=fetch, compute=compute, cpu_experts=on_cpu, cpu_s=t_cpu,
+                        plan_s=plan_s)
         rt.stats.set_fraction(layer, self.policy.fraction)
 
     def _observe_last(self) -> None:

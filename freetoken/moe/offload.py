@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from freetoken.kernels.activation import expert_activation
 from freetoken.kernels.build import raised_by_triton
 from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
-from freetoken.moe.expert_cache import SlotPool
+from freetoken.moe.expert_cache import Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies
@@ -46,6 +47,16 @@ from freetoken.quant import QuantTensor
 log = logging.getLogger(__name__)
 
 STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a layer's experts
+
+
+@dataclass
+class Incoming:
+    """What the layer before's look-ahead did for a layer's next call (a plain object: the
+    engine thread writes it every call, which an nn.Module attribute makes slow)."""
+
+    predicted: set[int] | None = None  # the experts it predicted
+    prefetched: set[int] = field(default_factory=set)  # of those, the misses it fetched
+    arrived: int = 0  # experts of the last call that it had fetched
 
 
 class OffloadExperts(Experts):
@@ -70,9 +81,7 @@ class OffloadExperts(Experts):
         self._pool_views: dict[str, QuantTensor] = {}
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
         self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
-        self.predicted: set[int] | None = None  # what the layer before predicted for us
-        self.prefetched: set[int] = set()  # of those, the misses it fetched for our next call
-        self.arrived = 0  # experts of the last call that look-ahead had fetched
+        self.incoming = Incoming()  # what the layer before's look-ahead did for us
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -102,10 +111,10 @@ class OffloadExperts(Experts):
             return self._gathered_call(rt, x, topk_ids, topk_weights)
         if rt.capture is not None:  # too many pairs to gather: all of it between the pieces
             return rt.capture.split(self, x, topk_ids, topk_weights)
-        flat, pool, hits, misses = self._route(topk_ids)
-        if self._must_stream(len(hits) + len(misses), len(misses), pool):
-            return self._streamed(x, topk_ids, topk_weights, pool, hits, misses)
-        return self._serve(x, topk_ids, topk_weights, flat, pool, hits, misses)
+        flat, pool, routed = self._route(topk_ids)
+        if self._must_stream(routed.needed.size, routed.misses, pool):
+            return self._streamed(x, topk_ids, topk_weights, pool, routed.hits(), routed.missed())
+        return self._serve(x, topk_ids, topk_weights, flat, pool, routed)
 
     def _gathered_call(self, rt: OffloadRuntime, x: torch.Tensor, ids: torch.Tensor,
                        w: torch.Tensor) -> torch.Tensor:
@@ -132,21 +141,26 @@ class OffloadExperts(Experts):
         share), called once the device's compute is queued."""
         return None
 
-    def _route(self, ids: torch.Tensor) -> tuple[list[int], SlotPool, dict[int, int], list[int]]:
-        """The routed ids on the host (a sync if they are on the device), and the experts they
-        need split into hits (expert -> slot) and misses."""
+    def _route(self, ids: torch.Tensor) -> tuple[torch.Tensor, SlotPool, Routed]:
+        """The routed ids on the host (int64, flat; a sync if they are on the device), and the
+        experts they need with their hits and misses (:meth:`SlotPool.route`)."""
         assert self.runtime is not None
         pool = self.runtime.cache.pool(self.shape.layer)
-        flat = ids.reshape(-1).tolist()
-        needed = sorted(set(flat))
-        if self.predicted is not None:  # the layer before's look-ahead, scored
-            pred, self.predicted = self.predicted, None
-            self.runtime.stats.record_lookahead(self.shape.layer, len(pred),
-                                                len(pred.intersection(needed)), len(needed))
-        self.arrived = len(self.prefetched.intersection(needed))
-        self.prefetched = set()
-        hits, misses = pool.lookup(self.shape.layer, needed)
-        return flat, pool, hits, misses
+        flat = ids.reshape(-1)
+        if flat.is_cuda or flat.dtype is not torch.int64:
+            flat = flat.to("cpu", torch.int64)
+        flat = flat.contiguous()
+        routed = pool.route(self.shape.layer, flat)
+        came = self.incoming
+        if came.predicted is not None or came.prefetched:
+            needed = set(routed.needed.tolist())
+            if came.predicted is not None:  # the layer before's look-ahead, scored
+                self.runtime.stats.record_lookahead(self.shape.layer, len(came.predicted),
+                                                    len(came.predicted & needed), len(needed))
+            self.incoming = Incoming(arrived=len(came.prefetched & needed))
+        elif came.arrived:
+            came.arrived = 0
+        return flat, pool, routed
 
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
         return needed > pool.num_slots or misses > STREAM_ABOVE * self.shape.num_experts
@@ -157,25 +171,26 @@ class OffloadExperts(Experts):
         for :meth:`_from_table`. Returns what :meth:`_from_table` does not compute (streamed
         experts here, the CPU's share in hybrid), or None. Between graph pieces, ``host`` holds
         the inputs already copied to the host."""
-        flat, pool, hits, misses = self._route(ids if host is None else host.ids)
         t0 = time.perf_counter()
-        if self._must_stream(len(hits) + len(misses), len(misses), pool):
+        flat, pool, routed = self._route(ids if host is None else host.ids)
+        if self._must_stream(routed.needed.size, routed.misses, pool):
             pool.publish(self.shape.layer, empty=True)
-            return self._streamed(x, ids, w, pool, hits, misses)
-        return self._plan_misses(x, ids, w, flat, pool, hits, misses, host, t0)
+            return self._streamed(x, ids, w, pool, routed.hits(), routed.missed())
+        return self._plan_misses(x, ids, w, flat, pool, routed, host, t0)
 
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                     flat: list[int], pool: SlotPool, hits: dict[int, int], misses: list[int],
-                     host: HostCopies | None, t0: float) -> torch.Tensor | None:
+                     flat: torch.Tensor, pool: SlotPool, routed: Routed, host: HostCopies | None,
+                     t0: float) -> torch.Tensor | None:
         """What :meth:`_plan` does with a call's misses (``t0``: when the plan began)."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        slot_of, fetch = self._fetch(pool, hits, misses)
+        split = pool.split(self.shape.layer, flat, routed, routed.misses)
+        fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
-        self._prefetch(x if host is None else host.x, set(slot_of.values()))
-        rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
-                        len(misses) * bank.expert_bytes, fetch=fetch,
-                        plan_s=time.perf_counter() - t0)
+        self._prefetch(x if host is None else host.x, routed, split)
+        n = split.fetched.size
+        rt.stats.record(self.shape.layer, x.shape[0], routed.needed.size - n, n,
+                        n * bank.expert_bytes, fetch=fetch, plan_s=time.perf_counter() - t0)
         return None
 
     def _from_table(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -210,38 +225,37 @@ class OffloadExperts(Experts):
                                "attach() gave them a cache")
         return self.runtime
 
-    def _serve(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: list[int],
-               pool: SlotPool, hits: dict[int, int], misses: list[int]) -> torch.Tensor:
+    def _serve(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: torch.Tensor,
+               pool: SlotPool, routed: Routed) -> torch.Tensor:
         """One decode-sized call: every miss fetched into the cache, then computed."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        slot_of, fetch = self._fetch(pool, hits, misses)
-        self._prefetch(x, set(slot_of.values()))
+        split = pool.split(self.shape.layer, flat, routed, routed.misses)
+        fetch = self._fetch(pool, split)
+        self._prefetch(x, routed, split)
         compute = rt.stats.span()
-        out = self._compute(x, ids, w, pool, slot_of)
-        rt.stats.record(self.shape.layer, x.shape[0], len(hits), len(misses),
-                        len(misses) * bank.expert_bytes, fetch=fetch, compute=compute.stop())
+        out = self._compute(x, ids, w, pool, slot_of(routed, split))
+        n = split.fetched.size
+        rt.stats.record(self.shape.layer, x.shape[0], routed.needed.size - n, n,
+                        n * bank.expert_bytes, fetch=fetch, compute=compute.stop())
         return out
 
-    def _fetch(self, pool: SlotPool, hits: dict[int, int],
-               misses: list[int]) -> tuple[dict[int, int], Span | None]:
-        """Slots for ``misses`` (LRU victims, never one of ``hits``), filled from the bank; the
-        compute stream waits for the copies. Returns expert -> slot for hits and misses."""
+    def _fetch(self, pool: SlotPool, split: Split) -> Span | None:
+        """The experts ``split`` gave slots copied from the bank into them; the compute stream
+        waits for the copies (and for what look-ahead fetched for this call before)."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        slots = pool.admit(self.shape.layer, misses, set(hits.values()))
-        if misses:  # the compute stream waits for these and what look-ahead fetched before
-            fetch = rt.fetch(pool.data, slots, bank, misses, wait=True)
-        else:
-            fetch = None
-            rt.wait_copies()  # what look-ahead fetched for this call
-        return hits | dict(zip(misses, slots, strict=True)), fetch
+        if split.fetched.size:
+            return rt.fetch(pool.data, split.slots, bank, split.fetched, wait=True)
+        rt.wait_copies()
+        return None
 
-    def _prefetch(self, x: torch.Tensor, keep: set[int]) -> None:
+    def _prefetch(self, x: torch.Tensor, routed: Routed, split: Split) -> None:
         """Look-ahead (:mod:`.lookahead`): the experts the next layer's router picks for ``x``
         fetched into the cache now, on the copy stream behind this call's copies, into slots
-        other than ``keep`` (this call's, which its compute still reads). Calls of more tokens
-        than look-ahead predicts for, or when no layer follows, do nothing."""
+        other than this call's (``routed``'s hits and ``split``'s fetches, which its compute
+        still reads). Calls of more tokens than look-ahead predicts for, or when no layer
+        follows, do nothing."""
         la, rt = self.lookahead, self.runtime
         if la is None or rt is None or not (budget := la.budget(x.shape[0])) \
                 or not la.active():
@@ -249,15 +263,18 @@ class OffloadExperts(Experts):
         if x.is_cuda:  # an eager call: the host has synced on the routed ids already
             x = x.float().cpu()
         experts = la.predict(x)
-        la.target.predicted = set(experts)
+        came = la.target.incoming
+        came.predicted = set(experts)
         pool = rt.cache.pool(la.layer)
         hits, misses = pool.lookup(la.layer, experts)
-        busy = set(hits.values()) | (keep if pool is rt.cache.pool(self.shape.layer) else set())
+        keep = set(slot_of(routed, split).values()) if pool is rt.cache.pool(
+            self.shape.layer) else set()
+        busy = set(hits.values()) | keep
         n = la.target.prefetch_share(len(misses))
         misses = misses[: max(0, min(n, budget, pool.num_slots - len(busy)))]
         if not misses:
             return
-        la.target.prefetched = set(misses)
+        came.prefetched = set(misses)
         bank = la.target.bank
         slots = pool.admit(la.layer, misses, busy)
         span = rt.fetch(pool.data, slots, bank, misses, wait=False)
@@ -314,6 +331,11 @@ class OffloadExperts(Experts):
                         len(misses) * bank.expert_bytes, streamed=len(misses),
                         fetch=stream.finish(), compute=compute.stop())
         return out
+
+
+def slot_of(routed: Routed, split: Split) -> dict[int, int]:
+    """Expert -> slot of a call's hits and of the misses ``split`` fetched."""
+    return routed.hits() | dict(zip(split.fetched.tolist(), split.slots.tolist(), strict=True))
 
 
 def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:

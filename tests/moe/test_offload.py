@@ -51,11 +51,20 @@ class ModelLRU:
         return evicted
 
 
+def _pool_kinds() -> list[type[SlotPool]]:
+    """The Python pool, and the library's where it loads."""
+    from freetoken.cpu.library import available
+    from freetoken.moe.expert_cache import NativeSlotPool
+
+    return [SlotPool] + ([NativeSlotPool] if available() is None else [])
+
+
+@pytest.mark.parametrize("kind", _pool_kinds(), ids=lambda k: k.__name__)
 @pytest.mark.parametrize("seed", range(5))
-def test_lru_matches_plain_model_over_random_traces(seed):
+def test_lru_matches_plain_model_over_random_traces(seed, kind):
     rng = random.Random(seed)
     layers, experts, slots = 4, 16, rng.choice([4, 7, 12, 30])
-    pool = SlotPool(8, slots, torch.device("cpu"))
+    pool = kind(8, slots, torch.device("cpu"))
     for layer in range(layers):
         pool.add_layer(layer, experts)
     model = ModelLRU(slots)
@@ -66,24 +75,27 @@ def test_lru_matches_plain_model_over_random_traces(seed):
         pick = {rng.choice(hot[layer]) if rng.random() < 0.6 else rng.randrange(experts)
                 for _ in range(k)}
         wanted = sorted(pick)
-        before = {pool.owner[s] for s in range(slots)}
+        before = set(pool.state()[1])
         hits, misses = pool.lookup(layer, wanted)
         got = pool.admit(layer, misses, set(hits.values()))
-        after = {pool.owner[s] for s in range(slots)}
+        order, owner = pool.state()
+        after = set(owner)
         evicted = model.step(layer, wanted)
         assert sorted(before - after - {None}) == sorted(evicted)
         assert after - {None} == set(model.order)
-        assert {pool.owner[s] for s in list(hits.values()) + got} == {(layer, e) for e in wanted}
-        assert [pool.owner[s] for s in pool.lru if pool.owner[s]] == model.order
+        assert {owner[s] for s in list(hits.values()) + got} == {(layer, e) for e in wanted}
+        assert [owner[s] for s in order if owner[s]] == model.order
 
 
-def test_admit_never_evicts_what_the_step_needs():
-    pool = SlotPool(8, 3, torch.device("cpu"))
+@pytest.mark.parametrize("kind", _pool_kinds(), ids=lambda k: k.__name__)
+def test_admit_never_evicts_what_the_step_needs(kind):
+    pool = kind(8, 3, torch.device("cpu"))
     pool.add_layer(0, 8)
     pool.admit(0, [0, 1, 2], set())
     hits, misses = pool.lookup(0, [0, 5])
     slots = pool.admit(0, misses, set(hits.values()))
-    assert pool.owner[hits[0]] == (0, 0) and pool.owner[slots[0]] == (0, 5)
+    owner = pool.state()[1]
+    assert owner[hits[0]] == (0, 0) and owner[slots[0]] == (0, 5)
     with pytest.raises(RuntimeError, match="none left to evict"):
         pool.admit(0, [6], {0, 1, 2})
 

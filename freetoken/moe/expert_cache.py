@@ -188,7 +188,9 @@ class SlotPool:
 
 class NativeSlotPool(SlotPool):
     """:class:`SlotPool` whose decisions the library makes (``csrc/expert_slots.cpp``): the
-    LRU and the owners live there, the tables are int64 arrays both sides read and write."""
+    LRU and the owners live there, the tables are int64 arrays both sides read and write.
+    :meth:`route` answers in buffers the pool reuses, so :meth:`split` takes the pool's last
+    route (a plan routes and splits one layer call before the next)."""
 
     def __init__(self, slot_bytes: int, num_slots: int, device: torch.device) -> None:
         super().__init__(slot_bytes, num_slots, device)

@@ -152,14 +152,14 @@ class OffloadExperts(Experts):
         flat = flat.contiguous()
         routed = pool.route(self.shape.layer, flat)
         came = self.incoming
+        came.arrived = 0
         if came.predicted is not None or came.prefetched:
             needed = set(routed.needed.tolist())
             if came.predicted is not None:  # the layer before's look-ahead, scored
                 self.runtime.stats.record_lookahead(self.shape.layer, len(came.predicted),
                                                     len(came.predicted & needed), len(needed))
-            self.incoming = Incoming(arrived=len(came.prefetched & needed))
-        elif came.arrived:
-            came.arrived = 0
+            came.arrived = len(came.prefetched & needed)
+            came.predicted, came.prefetched = None, set()
         return flat, pool, routed
 
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:

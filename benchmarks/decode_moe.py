@@ -142,13 +142,17 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
     by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
     ``+lookahead`` / ``+nolookahead`` set --moe-lookahead on / off (else auto), ``+torchcopy``
-    copies misses with torch (FREETOKEN_ROW_COPY=torch, the library's copies' twin)."""
+    copies misses with torch (FREETOKEN_ROW_COPY=torch, the library's copies' twin),
+    ``+pyslots`` makes the expert cache's decisions in Python (FREETOKEN_EXPERT_SLOTS=python),
+    ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them."""
     base, *options = name.split("+")
-    unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy"}
+    unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
+                              "nojoin"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
+    os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     capture = capture and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
@@ -163,6 +167,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load_s = time.perf_counter() - t0
+    if "nojoin" in options and engine.runner.pool is not None:
+        engine.runner.pool.set_join(False)
     ids = engine.encode(args.prompt)
     sampling = dict(temperature=args.temperature, seed=args.seed, ignore_eos=True)
     engine.generate(ids, SamplingParams(max_tokens=16, **sampling))  # warm-up

@@ -341,7 +341,7 @@ FT_API int ft_slots_lookup(void* h, int layer, const int64_t* experts, int n, in
 
 FT_API int ft_slots_admit(void* h, int layer, const int64_t* experts, int n,
                           const int64_t* keep, int n_keep, int64_t* slots) {
-  return ((ft::SlotLru*)h)->admit(layer, experts, n, keep, n_keep, slots) ? 0 : -1;
+  return ((ft::SlotLru*)h)->admit(layer, experts, n, keep, n_keep, slots);
 }
 
 FT_API int ft_slots_route(void* h, int layer, const int64_t* flat, int n_flat, int64_t* needed,

@@ -51,10 +51,12 @@ bool SlotLru::lookup(int32_t layer, const int64_t* experts, int32_t n, int64_t* 
   return true;
 }
 
-bool SlotLru::admit(int32_t layer, const int64_t* experts, int32_t n, const int64_t* keep,
-                    int32_t n_keep, int64_t* slots_out) {
+int SlotLru::admit(int32_t layer, const int64_t* experts, int32_t n, const int64_t* keep,
+                   int32_t n_keep, int64_t* slots_out) {
   const Layer* l = layer_of(layer);
-  if (l == nullptr) return false;
+  if (l == nullptr) return -2;
+  for (int32_t i = 0; i < n; ++i)
+    if (experts[i] < 0 || experts[i] >= l->experts) return -2;
   if (++stamp_ == 0) {  // the stamp wrapped: no slot may look kept by an old call
     std::fill(mark_.begin(), mark_.end(), 0);
     stamp_ = 1;
@@ -65,7 +67,7 @@ bool SlotLru::admit(int32_t layer, const int64_t* experts, int32_t n, const int6
   for (int32_t i = 0; i < n; ++i) {
     int32_t v = from;
     while (v >= 0 && mark_[v] == stamp_) v = next_[v];
-    if (v < 0) return false;
+    if (v < 0) return -1;
     from = next_[v];  // v moves to the tail: the scan goes on after it
     if (owner_layer_[v] >= 0) layers_[owner_layer_[v]].table[owner_expert_[v]] = -1;
     owner_layer_[v] = layer;
@@ -75,7 +77,7 @@ bool SlotLru::admit(int32_t layer, const int64_t* experts, int32_t n, const int6
     mark_[v] = stamp_;
     slots_out[i] = v;
   }
-  return true;
+  return 0;
 }
 
 int32_t SlotLru::route(int32_t layer, const int64_t* flat, int32_t n_flat, int64_t* needed,
@@ -104,7 +106,9 @@ int32_t SlotLru::split(int32_t layer, const int64_t* flat, int32_t n_flat,
                        int32_t n_needed, int32_t n_fetch, int64_t* fetched,
                        int64_t* fetched_slots, int64_t* cpu_ids) {
   const Layer* l = layer_of(layer);
-  if (l == nullptr) return -1;
+  if (l == nullptr) return -2;
+  for (int32_t i = 0; i < n_flat; ++i)
+    if (flat[i] < 0 || flat[i] >= l->experts) return -2;
   // misses by use, descending (ties: lower id first), as indices into needed
   std::vector<int32_t> misses;
   misses.reserve(n_needed);
@@ -118,7 +122,8 @@ int32_t SlotLru::split(int32_t layer, const int64_t* flat, int32_t n_flat,
   int32_t n = std::max(0, std::min(n_fetch, (int32_t)misses.size()));
   for (int32_t i = 0; i < n; ++i) fetched[i] = needed[misses[i]];
   std::sort(fetched, fetched + n);
-  if (!admit(layer, fetched, n, keep.data(), (int32_t)keep.size(), fetched_slots)) return -1;
+  int given = admit(layer, fetched, n, keep.data(), (int32_t)keep.size(), fetched_slots);
+  if (given < 0) return given;
   int32_t n_cpu = (int32_t)misses.size() - n;
   if (cpu_ids != nullptr) {
     scratch_.assign(l->experts, 0);  // 1: the CPU's

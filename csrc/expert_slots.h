@@ -21,10 +21,11 @@ class SlotLru {
   bool lookup(int32_t layer, const int64_t* experts, int32_t n, int64_t* slot_out);
 
   // Each of `experts` (not cached) gets the least recently used slot not in `keep` (and not
-  // given earlier in this call), evicting its expert; it becomes most recently used. False
-  // when no slot is left (the experts before it keep theirs, as the twin does).
-  bool admit(int32_t layer, const int64_t* experts, int32_t n, const int64_t* keep,
-             int32_t n_keep, int64_t* slots_out);
+  // given earlier in this call), evicting its expert; it becomes most recently used. Returns
+  // 0; -1 when no slot is left (the experts before it keep theirs, as the twin does); -2 for
+  // an unknown layer or an id out of range (nothing changed).
+  int admit(int32_t layer, const int64_t* experts, int32_t n, const int64_t* keep,
+            int32_t n_keep, int64_t* slots_out);
 
   // A call's routed ids `flat` -> its experts, ascending (needed), how often each is routed
   // (uses) and its slot or -1 (slot), hits marked most recently used in that order. Returns
@@ -35,7 +36,7 @@ class SlotLru {
   // Of route's misses, the n_fetch most used (ties: lower id) are fetched: given slots in
   // ascending expert order (the hits' slots kept), written to fetched / fetched_slots; the
   // rest go to the CPU: cpu_ids (if not null) gets each routed id that does, -1 elsewhere.
-  // Returns how many went to the CPU, or -1 when no slot is left.
+  // Returns how many went to the CPU, -1 when no slot is left, -2 for an id out of range.
   int32_t split(int32_t layer, const int64_t* flat, int32_t n_flat, const int64_t* needed,
                 const int64_t* uses, const int64_t* slot, int32_t n_needed, int32_t n_fetch,
                 int64_t* fetched, int64_t* fetched_slots, int64_t* cpu_ids);

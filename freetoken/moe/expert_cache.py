@@ -232,8 +232,11 @@ class NativeSlotPool(SlotPool):
         want = np.array(experts, dtype=np.int64)
         kept = np.array(sorted(keep), dtype=np.int64)
         slots = np.empty(len(experts), dtype=np.int64)
-        if self._lib.ft_slots_admit(self._handle, layer, want.ctypes.data, len(experts),
-                                    kept.ctypes.data, len(kept), slots.ctypes.data):
+        err = self._lib.ft_slots_admit(self._handle, layer, want.ctypes.data, len(experts),
+                                       kept.ctypes.data, len(kept), slots.ctypes.data)
+        if err == -2:
+            raise ValueError(f"expert cache: layer {layer} has no experts {experts}")
+        if err:
             raise RuntimeError(f"expert cache: {len(keep)} slots in use, none left to evict")
         keep.update(slots.tolist())
         return slots.tolist()
@@ -257,6 +260,9 @@ class NativeSlotPool(SlotPool):
         n_cpu = self._lib.ft_slots_split(
             self._handle, layer, flat.data_ptr(), flat.numel(), needed, uses, slot, k, n_fetch,
             fetched, slots, None if cpu_ids is None else cpu_ids.data_ptr())
+        if n_cpu == -2:
+            raise ValueError(f"expert cache: layer {layer} was routed to an expert it lacks "
+                             f"({flat.tolist()})")
         if n_cpu < 0:
             raise RuntimeError(f"expert cache: {self.num_slots} slots, none left to evict")
         n = routed.misses - n_cpu

@@ -88,7 +88,16 @@ def test_no_slot_left_is_refused_as_the_twin_refuses() -> None:
             p.split(0, flat, p.route(0, flat), 4)
 
 
-def test_an_expert_the_layer_lacks_is_named() -> None:
-    _, pool = _pools(4, 1, 8)
+def test_an_expert_the_layer_lacks_is_named_and_changes_nothing() -> None:
+    twin, pool = _pools(4, 1, 8)
     with pytest.raises(ValueError, match="expert it lacks"):
         pool.route(0, torch.tensor([1, 8]))
+    with pytest.raises(ValueError, match="no experts"):
+        pool.admit(0, [2, 8], set())
+    with pytest.raises(ValueError, match="no experts"):
+        pool.lookup(0, [-1])
+    flat = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="expert it lacks"):
+        pool.split(0, torch.tensor([1, 9]), pool.route(0, flat), 2)
+    twin.route(0, flat)  # the same route on the twin: the states agree again
+    _same_state(twin, pool, 1)

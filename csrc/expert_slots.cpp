@@ -110,10 +110,10 @@ int32_t SlotLru::split(int32_t layer, const int64_t* flat, int32_t n_flat,
   for (int32_t i = 0; i < n_flat; ++i)
     if (flat[i] < 0 || flat[i] >= l->experts) return -2;
   // misses by use, descending (ties: lower id first), as indices into needed
-  std::vector<int32_t> misses;
-  misses.reserve(n_needed);
-  std::vector<int64_t> keep;
-  keep.reserve(n_needed);
+  std::vector<int32_t>& misses = misses_;
+  std::vector<int64_t>& keep = keep_;
+  misses.clear();
+  keep.clear();
   for (int32_t k = 0; k < n_needed; ++k) {
     if (slot[k] < 0) misses.push_back(k); else keep.push_back(slot[k]);
   }

@@ -60,7 +60,9 @@ class SlotLru {
   std::vector<uint32_t> mark_;  // keep sets: slot s is kept while mark_[s] == stamp_
   uint32_t stamp_ = 0;
   std::vector<Layer> layers_;
-  std::vector<int64_t> scratch_;  // per-expert counts in route, misses in split
+  std::vector<int64_t> scratch_;  // route's sorted ids, split's CPU flags per expert
+  std::vector<int32_t> misses_;   // split's misses (indices into needed)
+  std::vector<int64_t> keep_;     // split's hit slots
 };
 
 }  // namespace ft

@@ -44,6 +44,10 @@ class Routed:
     slot: np.ndarray
     misses: int
 
+    @property
+    def n_hits(self) -> int:
+        return self.needed.size - self.misses
+
     def hits(self) -> dict[int, int]:
         """Expert -> slot of the hits."""
         hit = self.slot >= 0

@@ -145,10 +145,8 @@ class HybridExperts(OffloadExperts):
         fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
         self._prefetch(x if host is None else host.x, routed, split)
-        n_fetch = split.fetched.size
-        self.calls.pending = _Pending(x, routed.needed.size - n_fetch - split.cpu, n_fetch,
-                                      split.cpu, fetch, future, overhead, host,
-                                      time.perf_counter() - t0)
+        self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
+                                      future, overhead, host, time.perf_counter() - t0)
         return None
 
     def _finish(self) -> torch.Tensor | None:
@@ -179,9 +177,8 @@ class HybridExperts(OffloadExperts):
                else torch.zeros_like(x))
         compute.stop()
         cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
-        n_fetch = split.fetched.size
-        self._record(x, routed.needed.size - n_fetch - split.cpu, n_fetch, split.cpu, fetch,
-                     compute, t_cpu, overhead)
+        self._record(x, routed.n_hits, split.fetched.size, split.cpu, fetch, compute, t_cpu,
+                     overhead)
         return out if cpu_out is None else out + cpu_out
 
     def _split(self, pool: SlotPool, flat: torch.Tensor, routed: Routed,

@@ -189,7 +189,7 @@ class OffloadExperts(Experts):
         pool.publish(self.shape.layer)
         self._prefetch(x if host is None else host.x, routed, split)
         n = split.fetched.size
-        rt.stats.record(self.shape.layer, x.shape[0], routed.needed.size - n, n,
+        rt.stats.record(self.shape.layer, x.shape[0], routed.n_hits, n,
                         n * bank.expert_bytes, fetch=fetch, plan_s=time.perf_counter() - t0)
         return None
 
@@ -236,7 +236,7 @@ class OffloadExperts(Experts):
         compute = rt.stats.span()
         out = self._compute(x, ids, w, pool, slot_of(routed, split))
         n = split.fetched.size
-        rt.stats.record(self.shape.layer, x.shape[0], routed.needed.size - n, n,
+        rt.stats.record(self.shape.layer, x.shape[0], routed.n_hits, n,
                         n * bank.expert_bytes, fetch=fetch, compute=compute.stop())
         return out
 

@@ -126,15 +126,18 @@ def hybrid_roofline_gbps(engine: Engine) -> float | None:
 
 
 def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
-    """Per hybrid layer, the costs its online split learned (microseconds)."""
+    """Per hybrid layer, the costs its online split uses (microseconds; layers of one kind
+    share them) and its fetched share."""
     from freetoken.moe.hybrid import HybridExperts
 
     def us(v: float | None) -> float | None:
         return None if v is None else round(v * 1e6, 1)
 
-    return {str(m.shape.layer): {"cpu_per_expert": us(m.policy.c_cpu),
-                                 "cpu_per_job": us(m.policy.l_cpu),
-                                 "pcie_per_expert": us(m.policy.c_pcie), "overhead": us(m.policy.o)}
+    return {str(m.shape.layer): {"cpu_per_expert": us(m.policy.costs.c_cpu),
+                                 "cpu_per_job": us(m.policy.costs.l_cpu),
+                                 "pcie_per_expert": us(m.policy.costs.c_pcie),
+                                 "overhead": us(m.policy.costs.o),
+                                 "fraction": m.policy.fraction}
             for m in engine.model.modules() if isinstance(m, HybridExperts)}
 
 

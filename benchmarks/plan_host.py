@@ -60,21 +60,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     os.sched_setaffinity(0, {0})  # the engine thread's core (the pool's worker has core 1)
 
     def rounds(n: int) -> float:
-        plan = 0.0
+        plan = late = 0.0
         for i in range(n):
             for m in layers:
                 host_copies.ids.copy_(routes[(7 * i + m.shape.layer) % len(routes)])
                 t0 = time.perf_counter()
                 m._plan(x, ids, w, host_copies)
-                plan += time.perf_counter() - t0
+                t1 = time.perf_counter()
                 m._finish()
-        return plan
+                plan += t1 - t0
+                late += time.perf_counter() - t1
+        return plan, late
 
     rounds(50)  # warm-up: the first calls fill the cache and make the CPU jobs
-    best = min(rounds(args.calls) for _ in range(5))
+    best, late = min(rounds(args.calls) for _ in range(5))
     return {"strategy": args.strategy, "slots": os.environ.get("FREETOKEN_EXPERT_SLOTS"),
             "pool": type(layers[0].runtime.cache.pool(shape.layer)).__name__,
-            "us_per_layer_call": 1e6 * best / (args.calls * len(layers))}
+            "us_per_layer_call": 1e6 * best / (args.calls * len(layers)),
+            "late_us_per_layer_call": 1e6 * late / (args.calls * len(layers))}
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from freetoken.moe.layer_kind import LayerKind, cpu_format
 from freetoken.moe.offload import OffloadExperts, slot_of
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
-from freetoken.moe.split import SplitPolicy
+from freetoken.moe.split import SplitCosts, SplitPolicy
 from freetoken.moe.stats import Span
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
@@ -116,8 +116,11 @@ class HybridExperts(OffloadExperts):
         self.executor = shared.pool
         self.executor.add_layer(self.shape.layer, gate, up, down, **self.native_glu())
         f = plan.fetch_fraction
+        costs = shared.splits.setdefault(("hybrid", self.kind()), SplitCosts(layers=0))
+        costs.layers += 1
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
-                                  probe_fraction=f if f is not None and f < 1 else 0.5)
+                                  probe_fraction=f if f is not None and f < 1 else 0.5,
+                                  costs=costs)
         # reported from the start: a layer whose calls all stream (more experts than its
         # cache holds) still shows its split
         self._runtime().stats.set_fraction(self.shape.layer, self.policy.fraction)

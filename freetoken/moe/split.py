@@ -1,118 +1,109 @@
 """The hybrid split: of a layer's cache misses, how many to fetch over the link; the CPU
 computes the rest. :class:`SplitPolicy` starts from the bandwidth profile's fraction and, when
-online, corrects it from the times each call measures.
+online, corrects it from the times each call measures. The times are a property of the box
+and of the layer's kind, not of the layer: hybrid layers of one kind share one
+:class:`SplitCosts`, so each call's times refine the costs every such layer splits by, and an
+idle side is probed once for all of them.
 
-Threads: the engine's main thread only (one policy per hybrid layer).
+Threads: the engine's main thread only (one policy per hybrid layer, one cost model per kind).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-PROBE_FIRST = 8  # calls after which a side left idle first gets one expert, to time it again
+PROBE_FIRST = 8  # one layer's calls after which a side left idle first gets work again
 REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps losing)
 
 
 @dataclass
-class SplitPolicy:
-    """How many of a layer's misses to fetch; the rest run on the CPU.
+class SplitCosts:
+    """The fitted costs of a call's two halves, shared by the ``layers`` hybrid layers of one
+    kind, and when to probe a side left idle.
 
-    ``fraction``: share of misses fetched (None until a profile row or measurements give one);
-    ``max_fetch``: cap on fetched experts per call (None: no cap). With ``online``, each
-    observation updates smoothed costs: the CPU's time for a job of n experts as
+    Each observation updates smoothed costs: the CPU's time for a job of n experts as
     ``l_cpu + n * c_cpu`` (a fixed part: waking the pool and splitting the job, which a job of
     one expert pays as much as one of eight; fitted by least squares with forgetting over the
     job sizes seen), seconds per fetched expert (``c_pcie``), and the host time the CPU half
-    adds to a call (``o``: handing over the hidden states and adding the result back). For
-    the call's m misses the best n minimises
-    ``max(n * c_pcie, l_cpu + (m - n) * c_cpu if n < m else 0) + (o if n < m else 0)``;
-    ``fraction`` moves toward n / m by at most ``step`` per observation, so a wrong profile
-    row, or a CPU half that costs more than it saves, is corrected toward the better split
-    (all fetched, as offload, when the CPU does not pay). A side's first observation is a
-    warm-up (first-use allocations, cold caches) and is not kept. A side without an estimate
-    is given work so that it is measured; so is a side left idle, after PROBE_FIRST calls,
-    then after twice as many each time the probe confirms it loses, up to REMEASURE_EVERY.
-    The link is probed with one expert; the CPU with the share ``probe_fraction`` gives it
-    (the profile row's), since a job of one expert measures mostly the fixed part.
+    adds to a call (``o``: handing over the hidden states and adding the result back). Their
+    memory is ``smoothing`` per layer's call (each observation counts ``1 / layers`` of that),
+    so the costs follow the box as fast as one layer's own would, from ``layers`` times the
+    samples. A side idle for ``PROBE_FIRST`` calls of each layer is given work once (by the
+    next call of any layer), then after twice as long each time the probe confirms it loses,
+    up to ``REMEASURE_EVERY`` calls of each layer.
     """
 
-    fraction: float | None = None
-    max_fetch: int | None = 1
-    online: bool = True
+    layers: int = 1
     smoothing: float = 0.3
-    step: float = 0.1
-    probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
     c_cpu: float | None = None  # seconds per expert on the CPU
     l_cpu: float = 0.0  # seconds per CPU job, whatever its size
     c_pcie: float | None = None  # seconds per fetched expert
     o: float = 0.0  # host seconds the CPU half adds to a call
-    _idle_cpu: int = 0  # observations since the CPU last had an expert
+    _idle_cpu: int = 0  # observations since the CPU last had an expert (any layer's)
     _idle_pcie: int = 0
-    _probe_cpu: int = PROBE_FIRST  # idle observations before the CPU is probed again
-    _probe_pcie: int = PROBE_FIRST
-    _seen_cpu: int = 0  # observations with CPU work (the first is the warm-up)
-    _seen_pcie: int = 0
-    probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it
-    _fit: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # CPU sums
+    _wait_cpu: int = PROBE_FIRST  # idle calls of each layer before the CPU is probed again
+    _wait_pcie: int = PROBE_FIRST
+    _fit: tuple[float, float, float, float, float] = field(
+        default=(0.0, 0.0, 0.0, 0.0, 0.0), repr=False)  # the CPU fit's decayed sums
 
-    def planned(self, misses: int) -> int:
-        """The split's fetch count for ``misses`` before any probe."""
-        n = misses if self.fraction is None else round(self.fraction * misses)
-        return n if self.max_fetch is None else min(n, self.max_fetch)
+    @property
+    def known(self) -> bool:
+        return self.c_cpu is not None and self.c_pcie is not None
 
-    def n_fetch(self, misses: int) -> int:
-        n = self.planned(misses)
-        self.probing = ""
-        if self.online and misses >= 2:  # keep both sides measured, so f can move back
-            if n == 0 and (self.c_pcie is None or self._idle_pcie >= self._probe_pcie):
-                n, self.probing = 1, "pcie"
-            if n == misses and (self.c_cpu is None or self._idle_cpu >= self._probe_cpu):
-                k = min(misses, max(1, round((1 - self.probe_fraction) * misses)))
-                n, self.probing = misses - k, "cpu"
-        return n
+    def best(self, m: int) -> int:
+        """The fetch count of ``m`` misses with the shortest call, by the fitted costs (known):
+        ``max(n * c_pcie, l_cpu + (m - n) * c_cpu) + o`` while the CPU has a share, else
+        ``m * c_pcie``."""
+        assert self.c_cpu is not None and self.c_pcie is not None
+        c_cpu, c_pcie, o, l_cpu = self.c_cpu, self.c_pcie, self.o, self.l_cpu
+        return min(range(m + 1), key=lambda n: max(n * c_pcie, l_cpu + (m - n) * c_cpu)
+                   + o if n < m else n * c_pcie)
+
+    def probe_due(self, side: str) -> bool:
+        """Whether ``side`` ("cpu" or "pcie"), idle, is due a probe (or was never timed)."""
+        if side == "cpu":
+            return self.c_cpu is None or self._idle_cpu >= self._wait_cpu * self.layers
+        return self.c_pcie is None or self._idle_pcie >= self._wait_pcie * self.layers
+
+    def probed(self, side: str) -> None:
+        """A call probes ``side``: the idle count starts again, so the calls of other layers
+        before its observation do not probe it too."""
+        if side == "cpu":
+            self._idle_cpu = 0
+        else:
+            self._idle_pcie = 0
 
     def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
-                overhead: float = 0.0) -> None:
-        if not self.online:
-            return
+                overhead: float, warm: tuple[bool, bool], probing: str) -> None:
+        """One call's halves: ``n_cpu`` experts in ``t_cpu`` on the CPU, ``n_fetch`` fetched in
+        ``t_pcie``, the host's ``overhead``. ``warm``: whether each half's time is kept (a
+        layer's first use of a side is a warm-up); ``probing``: the side the call probed."""
         self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
         self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
-        if n_cpu > 0 and t_cpu > 0:
-            self._seen_cpu += 1
-            if self._seen_cpu > 1:
-                self._fit_cpu(n_cpu, t_cpu)
-                self.o = self._smooth(self.o, overhead)
-        if n_fetch > 0 and t_pcie > 0:
-            self._seen_pcie += 1
-            if self._seen_pcie > 1:
-                self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
+        if n_cpu > 0 and t_cpu > 0 and warm[0]:
+            self._fit_cpu(n_cpu, t_cpu)
+            self.o = self._smooth(self.o, overhead)
+        if n_fetch > 0 and t_pcie > 0 and warm[1]:
+            self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
         m = n_cpu + n_fetch
-        if self.c_cpu is None or self.c_pcie is None or m == 0:
+        if not self.known or m == 0:
             return
-        c_cpu, c_pcie, o, l_cpu = self.c_cpu, self.c_pcie, self.o, self.l_cpu
-        best = min(range(m + 1), key=lambda n: max(n * c_pcie, l_cpu + (m - n) * c_cpu)
-                   + o if n < m else n * c_pcie)
+        best = self.best(m)
         # a probed side that still loses waits twice as long for its next probe; a side
-        # the split itself uses is probed soon once it goes idle
+        # a split itself uses is probed soon once it goes idle
         if n_cpu:
-            lost = self.probing == "cpu" and best == m
-            self._probe_cpu = min(2 * self._probe_cpu, REMEASURE_EVERY) if lost else PROBE_FIRST
+            lost = probing == "cpu" and best == m
+            self._wait_cpu = min(2 * self._wait_cpu, REMEASURE_EVERY) if lost else PROBE_FIRST
         if n_fetch:
-            lost = self.probing == "pcie" and best == 0
-            self._probe_pcie = (min(2 * self._probe_pcie, REMEASURE_EVERY) if lost
-                                else PROBE_FIRST)
-        target = best / m
-        if self.fraction is None:
-            self.fraction, self.max_fetch = target, None
-            return
-        delta = max(-self.step, min(self.step, target - self.fraction))
-        self.fraction = min(1.0, max(0.0, self.fraction + delta))
+            lost = probing == "pcie" and best == 0
+            self._wait_pcie = (min(2 * self._wait_pcie, REMEASURE_EVERY) if lost
+                               else PROBE_FIRST)
 
     def _fit_cpu(self, n: int, t: float) -> None:
         """One CPU job of ``n`` experts that took ``t``: ``l_cpu`` and ``c_cpu`` refitted. The
-        sums decay by ``1 - smoothing`` per job; while the jobs seen are all of one size the
-        fixed part keeps its last estimate and the per-expert cost takes the rest."""
-        keep = 1 - self.smoothing
+        sums decay by ``1 - smoothing / layers`` per job; while the jobs seen are all of one
+        size the fixed part keeps its last estimate and the per-expert cost takes the rest."""
+        keep = 1 - self.smoothing / self.layers
         s0, s1, s2, t0, t1 = (keep * v for v in self._fit)
         self._fit = s0, s1, s2, t0, t1 = s0 + 1, s1 + n, s2 + n * n, t0 + t, t1 + n * t
         det = s0 * s2 - s1 * s1
@@ -126,4 +117,73 @@ class SplitPolicy:
         self.c_cpu = max((t0 - self.l_cpu * s0) / s1, 1e-9)
 
     def _smooth(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+        a = self.smoothing / self.layers
+        return new if old is None else (1 - a) * old + a * new
+
+
+@dataclass
+class SplitPolicy:
+    """How many of a layer's misses to fetch; the rest run on the CPU.
+
+    ``fraction``: share of misses fetched (None until a profile row or measurements give one);
+    ``max_fetch``: cap on fetched experts per call (None: no cap). With ``online``, each call's
+    times go to ``costs`` (the kind's, shared with the other hybrid layers of that kind; a
+    policy made alone has its own) and ``fraction`` moves toward the best split of the call's
+    m misses (:meth:`SplitCosts.best`) by at most ``step`` per observation, so a wrong profile
+    row, or a CPU half that costs more than it saves, is corrected toward the better split
+    (all fetched, as offload, when the CPU does not pay). A side's first observation in each
+    layer is a warm-up (first-use allocations, cold caches) and is not kept. A side without
+    an estimate, or idle long enough (:meth:`SplitCosts.probe_due`), is given work so that it
+    is measured: the link one expert, the CPU the share ``probe_fraction`` gives it (the
+    profile row's), since a job of one expert measures mostly the fixed part.
+    """
+
+    fraction: float | None = None
+    max_fetch: int | None = 1
+    online: bool = True
+    step: float = 0.1
+    probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
+    costs: SplitCosts = field(default_factory=SplitCosts)
+    probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it
+    _seen_cpu: int = 0  # this layer's observations with CPU work (the first is the warm-up)
+    _seen_pcie: int = 0
+
+    def planned(self, misses: int) -> int:
+        """The split's fetch count for ``misses`` before any probe."""
+        n = misses if self.fraction is None else round(self.fraction * misses)
+        return n if self.max_fetch is None else min(n, self.max_fetch)
+
+    def n_fetch(self, misses: int) -> int:
+        n = self.planned(misses)
+        self.probing = ""
+        if self.online and misses >= 2:  # keep both sides measured, so f can move back
+            costs = self.costs
+            if n == 0 and costs.probe_due("pcie"):
+                n, self.probing = 1, "pcie"
+            if n == misses and costs.probe_due("cpu"):
+                k = min(misses, max(1, round((1 - self.probe_fraction) * misses)))
+                n, self.probing = misses - k, "cpu"
+            if self.probing:
+                costs.probed(self.probing)
+        return n
+
+    def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
+                overhead: float = 0.0) -> None:
+        if not self.online:
+            return
+        if n_cpu > 0 and t_cpu > 0:
+            self._seen_cpu += 1
+        if n_fetch > 0 and t_pcie > 0:
+            self._seen_pcie += 1
+        costs = self.costs
+        costs.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead,
+                      (self._seen_cpu > 1, self._seen_pcie > 1), self.probing)
+        m = n_cpu + n_fetch
+        if not costs.known or m == 0:
+            return
+        target = costs.best(m) / m
+        if self.fraction is None:
+            self.fraction, self.max_fetch = target, None
+            return
+        delta = max(-self.step, min(self.step, target - self.fraction))
+        self.fraction = min(1.0, max(0.0, self.fraction + delta))

@@ -12,8 +12,8 @@ weights are loaded (``moe/attach.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from freetoken.cpu.executor import CpuMoeExecutor
     from freetoken.moe.pieces import Recorder
     from freetoken.moe.runtime import OffloadRuntime
+    from freetoken.moe.split import SplitCosts
 
 @dataclass(frozen=True)
 class ExpertShape:
@@ -87,11 +88,14 @@ class Shared:
     """What the runner made for the model's layers, by the union of their needs: the CPU pool
     (``pool``), the device expert cache with its copy stream and stats (``runtime``), and what
     host-planned layers share with the decode graph runner (``recorder``: the runtime where
-    there is one; on a GPU without a cache, a bare :class:`~freetoken.moe.pieces.Recorder`)."""
+    there is one; on a GPU without a cache, a bare :class:`~freetoken.moe.pieces.Recorder`);
+    ``splits``: what layers that split their calls share per key (hybrid: the split's fitted
+    costs, :class:`~freetoken.moe.split.SplitCosts`, per layer kind)."""
 
     pool: CpuMoeExecutor | None = None
     runtime: OffloadRuntime | None = None
     recorder: Recorder | None = None
+    splits: dict[tuple[str, Any], SplitCosts] = field(default_factory=dict)
 
 
 class Experts(nn.Module):

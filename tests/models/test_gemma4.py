@@ -180,6 +180,10 @@ def test_mixed_format_experts_serve_with_residents_tokens(tiny_gemma4, tmp_path,
                                rtol=0)
     assert our_greedy(exact, IDS[:6], 32) == want
     served = load_ours(out, strategy=strategy, cache=cache, max_fetch=1, online=False)
+    if strategy == "hybrid":  # the online split's costs: one set per expert format
+        costs = [layer.experts.policy.costs for layer in served.model.layers]
+        assert [c.layers for c in costs] == [2] * 6
+        assert len({id(c) for c in costs}) == 3 and costs[0] is costs[1]
     calls: dict[int, list] = {}
     for i, layer in enumerate(served.model.layers):
         layer.experts.register_forward_hook(

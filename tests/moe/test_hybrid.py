@@ -15,7 +15,7 @@ from freetoken.config import CacheSizing
 from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.profile import VERSION, Row, save_rows
-from freetoken.moe.split import REMEASURE_EVERY, SplitPolicy
+from freetoken.moe.split import PROBE_FIRST, REMEASURE_EVERY, SplitCosts, SplitPolicy
 from tests.models.helpers import load_ours, our_logits
 
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8]
@@ -115,7 +115,8 @@ def test_a_cpu_with_a_fixed_cost_per_job_is_not_judged_by_one_expert(start):
     assert sum(times[-50:]) / 50 <= best * 1.1
     on_cpu = 8 - policy.n_fetch(8)
     assert on_cpu >= 3
-    assert policy.l_cpu > 0.5 and policy.l_cpu + on_cpu * policy.c_cpu == pytest.approx(
+    costs = policy.costs
+    assert costs.l_cpu > 0.5 and costs.l_cpu + on_cpu * costs.c_cpu == pytest.approx(
         3.0 + 0.4 * on_cpu, rel=0.15)
 
 
@@ -124,6 +125,101 @@ def test_split_without_online_correction_stays_put():
     simulate(policy, cpu_per_expert=1.0, pcie_per_expert=1.0, steps=20)
     assert policy.fraction == 0.9 and policy.n_fetch(10) == 9
     assert SplitPolicy(fraction=0.5, max_fetch=2).n_fetch(10) == 2
+
+
+def simulate_layers(policies: list[SplitPolicy], cpu_per_expert, pcie_per_expert: float,
+                    steps: int, overhead: float = 0.0, cpu_job: float = 0.0, noise: float = 0.1,
+                    seed: int = 0) -> list[list[float]]:
+    """Decode steps of ``len(policies)`` layers with 8 misses each, in the engine's order: a
+    layer's call plans its split, and its times reach the policy at its next call.
+    ``cpu_per_expert(layer, job)``: the CPU's time per expert of the layer's ``job``-th CPU
+    job. Returns each step's per-layer call times."""
+    rng = random.Random(seed)
+    jobs = [0] * len(policies)
+    last: list[tuple[int, float, int, float, float] | None] = [None] * len(policies)
+    out = []
+    for _ in range(steps):
+        times = []
+        for i, policy in enumerate(policies):
+            if last[i] is not None:
+                policy.observe(*last[i])
+            n = policy.n_fetch(8)
+            t_pcie = n * pcie_per_expert * (1 + noise * rng.uniform(-1, 1))
+            t_cpu = 0.0
+            if n < 8:
+                t_cpu = ((8 - n) * cpu_per_expert(i, jobs[i]) + cpu_job) \
+                    * (1 + noise * rng.uniform(-1, 1))
+                jobs[i] += 1
+            o = overhead if n < 8 else 0.0
+            last[i] = (8 - n, t_cpu, n, t_pcie, o)
+            times.append(max(t_cpu, t_pcie) + o)
+        out.append(times)
+    return out
+
+
+def shared_policies(layers: int, fraction: float | None, **kw) -> list[SplitPolicy]:
+    costs = SplitCosts(layers=layers)
+    return [SplitPolicy(fraction, None if fraction is not None else 1, costs=costs, **kw)
+            for _ in range(layers)]
+
+
+def test_noisy_cpu_times_are_split_by_the_kinds_costs():
+    """Twelve layers on a small box: the CPU costs 2.6 a job plus 2.6 an expert against the
+    link's 1.0, times vary by +-50 %, and one CPU job in ten takes four times as long (a
+    wake-up, another process). Each layer fitting its own costs from its few recent jobs
+    (as on an H200 run, where two layers' fits gave 244 and 0 us per expert against 40-60
+    for the others) decodes slower than offload; the costs shared by the kind's layers do
+    not."""
+    def late_steps(make) -> float:
+        total = 0.0
+        for seed in range(4):
+            def cpu(layer: int, job: int, seed: int = seed) -> float:
+                return 2.6 * (4 if random.Random(f"{seed}:{layer}:{job}").random() < 0.1
+                              else 1)
+            steps = simulate_layers(make(), cpu, 1.0, steps=150, noise=0.5, cpu_job=2.0,
+                                    overhead=0.2, seed=seed)
+            total += sum(sum(t) for t in steps[20:]) / 130
+        return total / 4
+
+    offload = 12 * 8 * 1.0
+    alone = late_steps(lambda: [SplitPolicy(0.5, None) for _ in range(12)])
+    shared = late_steps(lambda: shared_policies(12, 0.5))
+    assert alone > offload  # what the layers' own fits did
+    assert shared < offload and shared < alone * 0.97
+
+
+def test_a_kinds_idle_cpu_is_probed_once_for_all_its_layers():
+    """A CPU 5x slower per expert, with overhead: every layer goes all-fetch, and the CPU is
+    probed by one layer at a time, then after twice as many steps each time, up to
+    REMEASURE_EVERY steps: about as often per step as one layer alone probed it, not twelve
+    times as often."""
+    def probes(policies: list[SplitPolicy]) -> list[tuple[int, int]]:
+        seen = []
+        for step in range(1500):
+            for i, p in enumerate(policies):
+                n = p.n_fetch(8)
+                if p.probing == "cpu":
+                    seen.append((step, i))
+                p.observe(8 - n, 5.0 * (8 - n), n, 1.0 * n, 3.0 if n < 8 else 0.0)
+        assert all(p.fraction == 1.0 for p in policies)
+        return seen
+
+    shared = probes(shared_policies(12, 0.3))
+    steps = [s for s, _ in shared]
+    assert len(set(steps)) == len(steps)  # one layer per probe
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert gaps[0] == 2 * PROBE_FIRST and max(gaps) == REMEASURE_EVERY
+    assert all(b in (a, 2 * a) for a, b in zip(gaps, gaps[1:], strict=False))
+    alone = probes([SplitPolicy(0.3, None) for _ in range(12)])
+    assert len(alone) > 8 * len(shared)
+
+
+def test_hybrid_layers_of_one_kind_share_their_split_costs(q8_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    _, layers = _hybrid(q8_gguf)
+    costs = layers[0].policy.costs
+    assert len(layers) == 2 and all(m.policy.costs is costs for m in layers)
+    assert costs.layers == 2
 
 
 @pytest.fixture(scope="module")

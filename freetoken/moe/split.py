@@ -141,7 +141,7 @@ class SplitPolicy:
     fraction: float | None = None
     max_fetch: int | None = 1
     online: bool = True
-    step: float = 0.1
+    step: float = 0.5
     probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
     costs: SplitCosts = field(default_factory=SplitCosts)
     probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it

@@ -208,8 +208,10 @@ def test_a_kinds_idle_cpu_is_probed_once_for_all_its_layers():
     steps = [s for s, _ in shared]
     assert len(set(steps)) == len(steps)  # one layer per probe
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
-    assert gaps[0] == 2 * PROBE_FIRST and max(gaps) == REMEASURE_EVERY
-    assert all(b in (a, 2 * a) for a, b in zip(gaps, gaps[1:], strict=False))
+    # (a gap may be a step longer: the probe falls to the next layer's call that is due)
+    assert 2 * PROBE_FIRST <= gaps[0] <= 2 * PROBE_FIRST + 1
+    assert all(a <= b <= 2 * a + 1 for a, b in zip(gaps, gaps[1:], strict=False))
+    assert REMEASURE_EVERY <= max(gaps) <= REMEASURE_EVERY + 1
     alone = probes([SplitPolicy(0.3, None) for _ in range(12)])
     assert len(alone) > 8 * len(shared)
 

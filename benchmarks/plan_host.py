@@ -4,7 +4,10 @@ pieces, apart from the copies and the sync. The row copies are left out (on the 
 memcpys; on a GPU they are queued, not waited for), the hybrid split is held at
 ``--fetch-fraction`` so the CPU's share is planned every call, look-ahead is off. Each
 ``--slots`` implementation (the library's decisions, ``native``, or their Python twin) runs in
-its own process; the figure is the best of five rounds of ``--calls`` calls per layer.
+its own process; the figure is the best of five rounds of ``--calls`` calls per layer, for the
+plan and for the late step after the device's share (hybrid: the CPU share collected). With
+``--lookahead on`` each layer also prefetches for the next one, from router picks given with
+its copies (a decode graph's piece makes them on the device).
 
     python benchmarks/plan_host.py --model q3-4layers.gguf --strategies hybrid,offload
 """
@@ -12,6 +15,7 @@ its own process; the figure is the best of five rounds of ``--calls`` calls per 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -40,7 +44,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = EngineConfig(model=args.model, device="cpu", dtype="bfloat16",
                        moe_strategy=args.strategy, max_seq_len=256, cuda_graph_max_bs=0,
-                       moe_cpu_threads=1, moe_lookahead="off",
+                       moe_cpu_threads=1, moe_lookahead=args.lookahead,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)))
     engine = Engine(cfg)
     RowCopier.copy = lambda self, *a, **k: None  # type: ignore[method-assign]
@@ -57,15 +61,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     x, ids, w = (t.clone() for t in (host_copies.x, host_copies.ids, host_copies.w))
     routes = [torch.randperm(shape.num_experts, generator=g)[:shape.top_k].view(1, -1)
               for _ in range(64)]
+    # with look-ahead, each layer's copies bring the next router's picks for one of 64 hidden
+    # states (the graph piece before the plan makes them on the device: not the plan's time)
+    xs = [torch.randn(1, shape.hidden, generator=g).bfloat16() for _ in range(len(routes))]
+    copies = {(m.shape.layer, i): host_copies if m.lookahead is None else dataclasses.replace(
+        host_copies, x=xs[i], predicted=m.lookahead.route(xs[i])) for m in layers
+        for i in range(len(routes))}
     os.sched_setaffinity(0, {0})  # the engine thread's core (the pool's worker has core 1)
 
     def rounds(n: int) -> float:
         plan = late = 0.0
         for i in range(n):
             for m in layers:
-                host_copies.ids.copy_(routes[(7 * i + m.shape.layer) % len(routes)])
+                at = (7 * i + m.shape.layer) % len(routes)
+                host_copies.ids.copy_(routes[at])
                 t0 = time.perf_counter()
-                m._plan(x, ids, w, host_copies)
+                m._plan(x, ids, w, copies[m.shape.layer, at])
                 t1 = time.perf_counter()
                 m._finish()
                 plan += t1 - t0
@@ -89,6 +100,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200, help="calls per layer in each round")
     p.add_argument("--moe-cache-mem", default="500MB")
     p.add_argument("--fetch-fraction", type=float, default=0.5)
+    p.add_argument("--lookahead", default="off", choices=["off", "on"],
+                   help="--moe-lookahead (on: each layer also predicts and fetches the next "
+                   "layer's experts)")
     p.add_argument("--label", default="")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process
     p.add_argument("--strategy", default="hybrid", help=argparse.SUPPRESS)
@@ -102,7 +116,7 @@ def main() -> None:
         for slots in args.slots.split(","):
             cmd = [sys.executable, __file__, "--one", "--model", args.model, "--strategy",
                    strategy, "--calls", str(args.calls), "--moe-cache-mem", args.moe_cache_mem,
-                   "--fetch-fraction", str(args.fetch_fraction)]
+                   "--fetch-fraction", str(args.fetch_fraction), "--lookahead", args.lookahead]
             env = os.environ | {"FREETOKEN_EXPERT_SLOTS": slots, "FREETOKEN_LOG_LEVEL": "error"}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))

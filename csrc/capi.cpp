@@ -357,6 +357,16 @@ FT_API int ft_slots_split(void* h, int layer, const int64_t* flat, int n_flat,
                                   fetched, fetched_slots, cpu_ids);
 }
 
+FT_API int ft_slots_rank(void* h, int layer, const int64_t* picks, int n, int64_t* predicted,
+                         int64_t* slots) {
+  return ((ft::SlotLru*)h)->rank(layer, picks, n, predicted, slots);
+}
+
+FT_API int ft_slots_admit_ranked(void* h, int n_take, const int64_t* keep, int n_keep,
+                                 int64_t* fetched, int64_t* slots) {
+  return ((ft::SlotLru*)h)->admit_ranked(n_take, keep, n_keep, fetched, slots);
+}
+
 FT_API void ft_slots_state(void* h, int64_t* order, int64_t* owner_layer,
                            int64_t* owner_expert) {
   ((ft::SlotLru*)h)->order(order);

@@ -133,6 +133,59 @@ int32_t SlotLru::split(int32_t layer, const int64_t* flat, int32_t n_flat,
   return n_cpu;
 }
 
+int32_t SlotLru::rank(int32_t layer, const int64_t* picks, int32_t n, int64_t* predicted,
+                      int64_t* slot) {
+  const Layer* l = layer_of(layer);
+  if (l == nullptr) return -1;
+  for (int32_t i = 0; i < n; ++i)
+    if (picks[i] < 0 || picks[i] >= l->experts) return -1;
+  // distinct ids ascending, then a stable sort by count keeps ties in ascending order
+  scratch_.assign(picks, picks + n);
+  std::sort(scratch_.begin(), scratch_.end());
+  counts_.clear();
+  int32_t k = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    if (k > 0 && predicted[k - 1] == scratch_[i]) {
+      ++counts_[k - 1];
+    } else {
+      predicted[k++] = scratch_[i];
+      counts_.push_back(1);
+    }
+  }
+  misses_.resize(k);
+  for (int32_t i = 0; i < k; ++i) misses_[i] = i;  // order of the distinct ids
+  std::stable_sort(misses_.begin(), misses_.end(),
+                   [&](int32_t a, int32_t b) { return counts_[a] > counts_[b]; });
+  scratch_.assign(predicted, predicted + k);
+  for (int32_t i = 0; i < k; ++i) predicted[i] = scratch_[misses_[i]];
+  lookup(layer, predicted, k, slot);
+  ranked_.clear();
+  for (int32_t i = 0; i < k; ++i)
+    if (slot[i] < 0) ranked_.push_back(predicted[i]);
+  ranked_misses_ = (int32_t)ranked_.size();
+  for (int32_t i = 0; i < k; ++i)
+    if (slot[i] >= 0) ranked_.push_back(slot[i]);
+  ranked_layer_ = layer;
+  return k;
+}
+
+int32_t SlotLru::admit_ranked(int32_t n_take, const int64_t* keep, int32_t n_keep,
+                              int64_t* fetched, int64_t* slots_out) {
+  if (ranked_layer_ < 0) return 0;
+  // the busy slots, each counted once: keep's and the ranked hits'
+  keep_.clear();
+  for (int32_t i = 0; i < n_keep; ++i)
+    if (keep[i] >= 0 && keep[i] < n_) keep_.push_back(keep[i]);
+  keep_.insert(keep_.end(), ranked_.begin() + ranked_misses_, ranked_.end());
+  std::sort(keep_.begin(), keep_.end());
+  int32_t busy = (int32_t)(std::unique(keep_.begin(), keep_.end()) - keep_.begin());
+  int32_t n = std::max(0, std::min({n_take, ranked_misses_, n_ - busy}));
+  std::copy(ranked_.begin(), ranked_.begin() + n, fetched);
+  int given = admit(ranked_layer_, fetched, n, keep_.data(), busy, slots_out);
+  ranked_layer_ = -1;
+  return given < 0 ? -1 : n;
+}
+
 void SlotLru::order(int64_t* out) const {
   int32_t i = 0;
   for (int32_t s = head_; s >= 0; s = next_[s]) out[i++] = s;

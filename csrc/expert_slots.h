@@ -41,6 +41,20 @@ class SlotLru {
                 const int64_t* uses, const int64_t* slot, int32_t n_needed, int32_t n_fetch,
                 int64_t* fetched, int64_t* fetched_slots, int64_t* cpu_ids);
 
+  // Look-ahead's ranking: the ids `picks` (the next router's picks of every token) as
+  // distinct experts, most picked first (ties: lower id), in `predicted`; each one's slot or
+  // -1 in `slot`, hits marked most recently used in that order. Returns how many experts, or
+  // -1 for an id out of range or an unknown layer (nothing changed). The misses, in that
+  // order, wait for admit_ranked.
+  int32_t rank(int32_t layer, const int64_t* picks, int32_t n, int64_t* predicted,
+               int64_t* slot);
+
+  // The first of the last rank's misses (at most n_take, and at most the slots that are
+  // neither in `keep` (negative entries ignored) nor that rank's hits) admitted as admit
+  // does, into fetched / slots_out. Returns how many, or -1 when no slot was left.
+  int32_t admit_ranked(int32_t n_take, const int64_t* keep, int32_t n_keep, int64_t* fetched,
+                       int64_t* slots_out);
+
   // Slots from least to most recently used; each slot's owner (layer, expert; -1 if none).
   void order(int64_t* out) const;
   void owners(int64_t* layer_out, int64_t* expert_out) const;
@@ -63,6 +77,10 @@ class SlotLru {
   std::vector<int64_t> scratch_;  // route's sorted ids, split's CPU flags per expert
   std::vector<int32_t> misses_;   // split's misses (indices into needed)
   std::vector<int64_t> keep_;     // split's hit slots
+  std::vector<int32_t> counts_;   // rank's picks per expert
+  std::vector<int64_t> ranked_;   // rank's misses (in rank order), then its hits' slots
+  int32_t ranked_misses_ = 0;
+  int32_t ranked_layer_ = -1;
 };
 
 }  // namespace ft

@@ -177,6 +177,12 @@ def native() -> ctypes.CDLL:
             c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
                       c.c_void_p, c.c_int, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p],
         ),
+        "ft_slots_rank": (
+            c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p],
+        ),
+        "ft_slots_admit_ranked": (
+            c.c_int, [c.c_void_p, c.c_int, c.c_void_p, c.c_int, c.c_void_p, c.c_void_p],
+        ),
         "ft_slots_state": (None, [c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p]),
         "ft_set_prefetch": (None, [c.c_int, c.c_int]),
         "ft_quantize_q8": (

@@ -9,7 +9,8 @@ kernels that read the slots, so they need no host-made index and can run inside 
 
 A decode call's plan asks the pool twice: :meth:`SlotPool.route` (the call's experts, how
 often each is routed, hits and misses) and :meth:`SlotPool.split` (which misses are fetched into
-which victim slots, which go to the CPU). :class:`NativeSlotPool` makes every decision in the
+which victim slots, which go to the CPU); look-ahead asks once more for the next layer
+(:meth:`SlotPool.prefetch`). :class:`NativeSlotPool` makes every decision in the
 library (``csrc/expert_slots.cpp``); :class:`SlotPool` is its slow twin, with the same decisions
 (``FREETOKEN_EXPERT_SLOTS=python``).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +61,16 @@ class Routed:
 
 
 @dataclass(frozen=True)
+class Prefetch:
+    """What :meth:`SlotPool.prefetch` decided: the predicted experts, most picked first, and
+    the misses among them fetched early (in that order) with the slots they now hold."""
+
+    predicted: np.ndarray
+    fetched: np.ndarray
+    slots: np.ndarray
+
+
+@dataclass(frozen=True)
 class Split:
     """What :meth:`SlotPool.split` decided: the fetched experts (ascending) and the slots they
     now hold, and how many experts go to the CPU."""
@@ -66,6 +78,13 @@ class Split:
     fetched: np.ndarray
     slots: np.ndarray
     cpu: int
+
+
+def rank(picks: np.ndarray) -> list[int]:
+    """The experts of ``picks`` (ids, each a token's pick), most picked first (ties: lower
+    id)."""
+    counts = Counter(picks.tolist())
+    return sorted(counts, key=lambda e: (-counts[e], e))
 
 
 class SlotPool:
@@ -150,6 +169,24 @@ class SlotPool:
             out.append(victim)
         return out
 
+    def prefetch(self, layer: int, picks: torch.Tensor, keep: np.ndarray,
+                 share: Callable[[int], int]) -> Prefetch:
+        """Look-ahead for ``layer``: the experts of ``picks`` (the next router's top-k of
+        every token; int64 on the host), most picked first (ties: lower id); hits marked most
+        recently used in that order; of the misses, the first ``share(misses)`` (at most the
+        slots neither in ``keep`` (negative entries ignored) nor hits) given victim slots
+        outside those."""
+        predicted = rank(picks.numpy().ravel())
+        table = self.tables[layer]
+        if any(e < 0 or e >= len(table) for e in predicted):
+            raise ValueError(f"expert cache: layer {layer} has no experts {predicted}")
+        hits, misses = self.lookup(layer, predicted)
+        busy = {s for s in keep.tolist() if s >= 0} | set(hits.values())
+        n = max(0, min(share(len(misses)), self.num_slots - len(busy)))
+        slots = self.admit(layer, misses[:n], busy) if n else []
+        return Prefetch(np.array(predicted, dtype=np.int64),
+                        np.array(misses[:n], dtype=np.int64), np.array(slots, dtype=np.int64))
+
     def cached(self, layer: int) -> list[int]:
         """Experts of ``layer`` in the cache now."""
         return [e for e, s in enumerate(self.tables[layer]) if s >= 0]
@@ -203,6 +240,8 @@ class NativeSlotPool(SlotPool):
         self.lru, self.owner = OrderedDict(), []  # kept by the library: see :meth:`state`
         self._out = np.empty((5, 0), dtype=np.int64)  # route's and split's outputs, reused
         self._at: tuple[int, ...] = ()  # their rows' addresses
+        self._pre = np.empty((4, 0), dtype=np.int64)  # prefetch's outputs, reused
+        self._pre_at: tuple[int, ...] = ()  # their rows' addresses
 
     def _outputs(self, n: int) -> tuple[int, ...]:
         """Room for ``n`` experts in the output rows; their addresses."""
@@ -271,6 +310,27 @@ class NativeSlotPool(SlotPool):
             raise RuntimeError(f"expert cache: {self.num_slots} slots, none left to evict")
         n = routed.misses - n_cpu
         return Split(self._out[3, :n].copy(), self._out[4, :n].copy(), n_cpu)
+
+    def prefetch(self, layer: int, picks: torch.Tensor, keep: np.ndarray,
+                 share: Callable[[int], int]) -> Prefetch:
+        picks = picks.contiguous()
+        n = picks.numel()
+        if self._pre.shape[1] < n:
+            self._pre = np.empty((4, max(n, 128)), dtype=np.int64)
+            self._pre_at = tuple(int(self._pre[r].ctypes.data) for r in range(4))
+        pre, (predicted, slot, fetched, slots) = self._pre, self._pre_at
+        k = self._lib.ft_slots_rank(self._handle, layer, picks.data_ptr(), n, predicted, slot)
+        if k < 0:
+            raise ValueError(f"expert cache: layer {layer} has no experts {picks.tolist()}")
+        m = share(int(np.count_nonzero(pre[1, :k] < 0)))
+        got = 0
+        if m > 0:
+            keep = np.ascontiguousarray(keep, dtype=np.int64)
+            got = self._lib.ft_slots_admit_ranked(self._handle, m, keep.ctypes.data, keep.size,
+                                                  fetched, slots)
+            if got < 0:
+                raise RuntimeError(f"expert cache: {self.num_slots} slots, none left to evict")
+        return Prefetch(pre[0, :k].copy(), pre[2, :got].copy(), pre[3, :got].copy())
 
     def state(self) -> tuple[list[int], list[tuple[int, int] | None]]:
         n = self.num_slots

@@ -147,7 +147,7 @@ class HybridExperts(OffloadExperts):
         future, overhead = self._submit(x, ids, w, split, cpu_ids, job)
         fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
-        self._prefetch(x if host is None else host.x, routed, split)
+        self._prefetch(x, routed, split, host)
         self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
                                       future, overhead, host, time.perf_counter() - t0)
         return None

@@ -25,18 +25,24 @@ from typing import Any
 
 import torch
 
+from freetoken.moe.expert_cache import rank
+
 PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
 PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
 
 
 @dataclass
 class Lookahead:
-    """Layer ``layer``'s router (weight (E, H) and bias, float32 on the host) for the layer
-    before it to predict with, and ``target``: that layer's experts (their bank and cache).
-    With ``while_all_fetched``, the layer before predicts only while ``target`` fetches every
-    miss (a hybrid layer whose split has gone all-fetch: then it is offload, and gets
-    offload's look-ahead; while its CPU takes a share, the prediction's host time would delay
-    the plan the CPU waits on)."""
+    """Layer ``layer``'s router (weight (E, H) and bias, float32 on the model's device) for
+    the layer before it to predict with, and ``target``: that layer's experts (their bank and
+    cache). With ``while_all_fetched``, the layer before predicts only while ``target``
+    fetches every miss (a hybrid layer whose split has gone all-fetch: then it is offload,
+    and gets offload's look-ahead; while its CPU takes a share, the host time of the fetches
+    would delay the plan the CPU waits on).
+
+    The router runs where the model does (:meth:`route`: device ops, inside a decode graph's
+    piece), so the host gets only its picks, with the routed ids, and the expert cache ranks
+    them (:meth:`~freetoken.moe.expert_cache.SlotPool.prefetch`)."""
 
     layer: int
     weight: torch.Tensor
@@ -49,14 +55,17 @@ class Lookahead:
         """Whether to predict for the target's next call."""
         return not self.while_all_fetched or self.target.fetches_all()
 
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """Experts the next layer will likely need for the tokens ``x`` (T, H) on the host,
-        most often predicted first (ties: lower id)."""
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """The next layer's router on the tokens ``x`` (T, H): its top-k experts per token,
+        (T, k) int64 on x's device."""
         logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
-        ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
-        counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[-1])
-        order = torch.argsort(-counts, stable=True)
-        return order[: int((counts > 0).sum())].tolist()
+        return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+
+    def predict(self, x: torch.Tensor) -> list[int]:
+        """Experts the next layer will likely need for the tokens ``x`` (T, H), most often
+        predicted first (ties: lower id): what :meth:`SlotPool.prefetch` ranks
+        :meth:`route`'s picks into."""
+        return rank(self.route(x).cpu().numpy().ravel())
 
     def budget(self, tokens: int) -> int:
         """Predicted misses fetched for a call of ``tokens`` at most (0: too many tokens to
@@ -93,9 +102,9 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
     for (this, _), (nxt, router) in pairwise(blocks):
         if not (eligible(this) and eligible(nxt)):
             continue
-        w = router.weight.detach().float().cpu().contiguous()
+        w = router.weight.detach().float().contiguous()  # routers are float32: no copy
         b = router.bias
-        b = None if b is None else b.detach().float().cpu()
+        b = None if b is None else b.detach().float()
         this.lookahead = Lookahead(nxt.shape.layer, w, b, nxt.shape.top_k, nxt,
                                    while_all_fetched=not always(nxt))
         n += 1

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -122,8 +123,9 @@ class OffloadExperts(Experts):
         host (:meth:`_finish`). While decode graphs are captured, the plan and the finish run
         between pieces and their results come from static buffers."""
         if rt.capture is not None:
-            reads = self.PLAN_READS_INPUTS or self.lookahead is not None
-            static = rt.capture.host(self._plan, x, ids, w, reads)
+            la = self.lookahead  # the next layer's picks made in the piece, for look-ahead
+            picks = la.route(x) if la is not None and la.budget(x.shape[0]) else None
+            static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS, picks)
             out = self._from_table(x, ids, w) + static
             if self.FINISHES_LATE:
                 out = out + rt.capture.after(self._finish, x)
@@ -187,7 +189,7 @@ class OffloadExperts(Experts):
         split = pool.split(self.shape.layer, flat, routed, routed.misses)
         fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
-        self._prefetch(x if host is None else host.x, routed, split)
+        self._prefetch(x, routed, split, host)
         n = split.fetched.size
         rt.stats.record(self.shape.layer, x.shape[0], routed.n_hits, n,
                         n * bank.expert_bytes, fetch=fetch, plan_s=time.perf_counter() - t0)
@@ -250,35 +252,41 @@ class OffloadExperts(Experts):
         rt.wait_copies()
         return None
 
-    def _prefetch(self, x: torch.Tensor, routed: Routed, split: Split) -> None:
+    def _prefetch(self, x: torch.Tensor, routed: Routed, split: Split,
+                  host: HostCopies | None = None) -> None:
         """Look-ahead (:mod:`.lookahead`): the experts the next layer's router picks for ``x``
         fetched into the cache now, on the copy stream behind this call's copies, into slots
         other than this call's (``routed``'s hits and ``split``'s fetches, which its compute
         still reads). Calls of more tokens than look-ahead predicts for, or when no layer
-        follows, do nothing."""
+        follows, do nothing. Between graph pieces the picks come with ``host`` (the piece
+        before ran the next router); an eager call runs it here (on a GPU: the host has synced
+        on the routed ids already)."""
         la, rt = self.lookahead, self.runtime
         if la is None or rt is None or not (budget := la.budget(x.shape[0])) \
                 or not la.active():
             return
-        if x.is_cuda:  # an eager call: the host has synced on the routed ids already
-            x = x.float().cpu()
-        experts = la.predict(x)
-        came = la.target.incoming
-        came.predicted = set(experts)
+        if host is not None:
+            if host.predicted is None:
+                return
+            picks = host.predicted
+        else:
+            picks = la.route(x).cpu()
         pool = rt.cache.pool(la.layer)
-        hits, misses = pool.lookup(la.layer, experts)
-        keep = set(slot_of(routed, split).values()) if pool is rt.cache.pool(
-            self.shape.layer) else set()
-        busy = set(hits.values()) | keep
-        n = la.target.prefetch_share(len(misses))
-        misses = misses[: max(0, min(n, budget, pool.num_slots - len(busy)))]
-        if not misses:
+        # this call's slots (its hits and fetches; a miss's -1 is ignored) stay
+        keep = (np.concatenate((routed.slot, split.slots))
+                if pool is rt.cache.pool(self.shape.layer) else split.slots[:0])
+        target = la.target
+        got = pool.prefetch(la.layer, picks, keep,
+                            lambda misses: min(target.prefetch_share(misses), budget))
+        came = target.incoming
+        came.predicted = set(got.predicted.tolist())
+        if not got.fetched.size:
             return
-        came.prefetched = set(misses)
-        bank = la.target.bank
-        slots = pool.admit(la.layer, misses, busy)
-        span = rt.fetch(pool.data, slots, bank, misses, wait=False)
-        rt.stats.record_prefetch(la.layer, len(misses), len(misses) * bank.expert_bytes, span)
+        came.prefetched = set(got.fetched.tolist())
+        bank = target.bank
+        span = rt.fetch(pool.data, got.slots, bank, got.fetched, wait=False)
+        rt.stats.record_prefetch(la.layer, got.fetched.size, got.fetched.size * bank.expert_bytes,
+                                 span)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
                  slot_of: dict[int, int]) -> torch.Tensor:

@@ -49,12 +49,14 @@ class Break:
 @dataclass(frozen=True)
 class HostCopies:
     """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
-    one sync) and ``cpu_out``, a pinned float32 buffer for the CPU's share."""
+    one sync), ``cpu_out``, a pinned float32 buffer for the CPU's share, and ``predicted``:
+    the next layer's router picks for look-ahead (made in the piece before; None if none)."""
 
     x: torch.Tensor
     ids: torch.Tensor
     w: torch.Tensor
     cpu_out: torch.Tensor
+    predicted: torch.Tensor | None = None
 
 
 class _Landing:
@@ -77,7 +79,8 @@ class _Landing:
 
 class HostStep(_Landing):
     """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
-    and their :class:`HostCopies`; it returns None or a device tensor, which lands in ``out``.
+    and their :class:`HostCopies` (with ``predicted``'s, a tensor the piece before made, when
+    given); it returns None or a device tensor, which lands in ``out``.
     Work it leaves running (hybrid's CPU share, written into ``host.cpu_out``) is collected by
     a :class:`LateStep` after the next piece.
 
@@ -87,9 +90,11 @@ class HostStep(_Landing):
 
     def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
                  ids: torch.Tensor, w: torch.Tensor, inputs: bool,
-                 copier: RowCopier | None = None) -> None:
+                 copier: RowCopier | None = None,
+                 predicted: torch.Tensor | None = None) -> None:
         super().__init__(x)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
+        self.predicted = predicted
         self.copier = copier  # the inputs' copies and the sync in one library call
         self.device = x.device.index or 0
         self.inputs = inputs  # the plan reads x and w on the host, not only the ids
@@ -104,7 +109,8 @@ class HostStep(_Landing):
             return torch.zeros(shape, dtype=dtype or t.dtype, pin_memory=True)
 
         self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
-                               pinned(x, torch.float32, needed=inputs))
+                               pinned(x, torch.float32, needed=inputs),
+                               None if predicted is None else pinned(predicted))
 
     def run(self, n: int) -> None:
         views = self._views.get(n)
@@ -122,10 +128,15 @@ class HostStep(_Landing):
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                            Spans | None, tuple[torch.Tensor, ...], HostCopies]:
         h = self.host
-        pairs = ((self.ids, h.ids), (self.w, h.w), (self.x, h.x))
-        copies = [(dst[:n], src[:n]) for src, dst in (pairs if self.inputs else pairs[:1])]
+        pairs = [(self.ids, h.ids)]
+        if self.predicted is not None and h.predicted is not None:
+            pairs.append((self.predicted, h.predicted))
+        if self.inputs:
+            pairs += [(self.w, h.w), (self.x, h.x)]
+        copies = [(dst[:n], src[:n]) for src, dst in pairs]
         spans = None if self.copier is None else Spans(copies)
-        host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n])
+        host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n],
+                          None if h.predicted is None else h.predicted[:n])
         return copies, spans, (self.x[:n], self.ids[:n], self.w[:n]), host
 
 
@@ -165,11 +176,13 @@ class PiecewiseCapture:
         return self._between(lambda: Break(experts, x, ids, w)).out
 
     def host(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor, ids: torch.Tensor,
-             w: torch.Tensor, inputs: bool = True) -> torch.Tensor:
+             w: torch.Tensor, inputs: bool = True,
+             predicted: torch.Tensor | None = None) -> torch.Tensor:
         """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
-        ids); returns the static buffer of its extra output, for the captured compute that
-        follows to add."""
-        return self._between(lambda: HostStep(plan, x, ids, w, inputs, self.copier)).out
+        ids; ``predicted``: a tensor the piece made, copied with the ids); returns the static
+        buffer of its extra output, for the captured compute that follows to add."""
+        return self._between(lambda: HostStep(plan, x, ids, w, inputs, self.copier,
+                                              predicted)).out
 
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:

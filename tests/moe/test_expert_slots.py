@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,16 +63,22 @@ def test_route_and_split_decide_as_the_twin(seed: int) -> None:
             sorted(missed, key=lambda e: (-uses[e], e))[:n])
         assert sum(1 for e in cpu_a.tolist() if e >= 0) == sum(
             uses[e] for e in set(missed) - set(sa.fetched.tolist()))
-        if rng.random() < 0.3:  # look-ahead: another layer's predicted experts admitted
+        if rng.random() < 0.3:  # look-ahead: the picks of another layer's router
             other = rng.randrange(layers)
-            want = sorted(rng.sample(range(experts), top_k))
-            (ha, ma), (hb, mb) = twin.lookup(other, want), pool.lookup(other, want)
-            assert (hb, mb) == (ha, ma)
-            keep = set(a.hits().values()) | set(sa.slots.tolist())
-            room = slots - len(keep | set(ha.values()))
-            take = ma[:max(0, min(len(ma), room))]
-            assert pool.admit(other, take, keep | set(hb.values())) == twin.admit(
-                other, take, keep | set(ha.values()))
+            picks = torch.tensor([rng.choice(hot[other]) if rng.random() < 0.5
+                                  else rng.randrange(experts) for _ in range(tokens * top_k)])
+            keep = np.concatenate((a.slot, sa.slots))  # a miss's -1 is ignored
+            cap = rng.randint(0, top_k)
+            pa = twin.prefetch(other, picks, keep, lambda m, cap=cap: min(m, cap))
+            pb = pool.prefetch(other, picks, keep, lambda m, cap=cap: min(m, cap))
+            for f in ("predicted", "fetched", "slots"):
+                assert getattr(pb, f).tolist() == getattr(pa, f).tolist(), (call, f)
+            # the rule, restated: most picked first (ties: lower id); the first misses fetched
+            counts = np.bincount(picks.numpy(), minlength=experts)
+            assert pa.predicted.tolist() == [int(e) for e in np.argsort(-counts, kind="stable")
+                                             if counts[e]]
+            assert not set(pa.slots.tolist()) & set(keep.tolist()) - {-1}
+            assert pa.fetched.size <= cap
         _same_state(twin, pool, layers)
 
 
@@ -96,6 +103,8 @@ def test_an_expert_the_layer_lacks_is_named_and_changes_nothing() -> None:
         pool.admit(0, [2, 8], set())
     with pytest.raises(ValueError, match="no experts"):
         pool.lookup(0, [-1])
+    with pytest.raises(ValueError, match="no experts"):
+        pool.prefetch(0, torch.tensor([3, 8]), np.array([], dtype=np.int64), lambda m: m)
     flat = torch.tensor([1, 2])
     with pytest.raises(ValueError, match="expert it lacks"):
         pool.split(0, torch.tensor([1, 9]), pool.route(0, flat), 2)

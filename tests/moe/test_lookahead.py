@@ -127,3 +127,43 @@ def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):
     assert len(rates) == 5 and min(rates) > 0.5, rates
     assert layers["0"]["lookahead_hit_rate"] is None  # no layer before it
     assert stats[True]["misses"] < stats[False]["misses"]
+
+
+def test_picks_made_in_the_graph_piece_fetch_what_the_eager_plan_fetches(tiny_qwen3_moe,
+                                                                          tmp_path,
+                                                                          gather_on_cpu):
+    """Between decode graph pieces the next layer's router runs in the piece before and its
+    picks reach the plan with the routed ids (``HostCopies.predicted``; the plan reads no
+    hidden state): the same experts are prefetched into the same slots as when the eager
+    plan runs the router itself, call after call."""
+    from freetoken.moe.pieces import HostCopies
+
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    eager, piece = (load_ours(path, strategy="offload", cache=CacheSizing("size", 6))
+                    for _ in range(2))
+    first = [next(m for m in model.modules() if isinstance(m, OffloadExperts))
+             for model in (eager, piece)]
+    la = first[1].lookahead
+    assert la is not None and la.target.shape.layer == 2
+    shape = first[0].shape
+    g = torch.Generator().manual_seed(3)
+    prefetched = 0
+    for _ in range(12):
+        x = torch.randn(1, shape.hidden, generator=g)
+        ids = torch.randperm(shape.num_experts, generator=g)[:shape.top_k].view(1, -1)
+        w = torch.rand(1, shape.top_k, generator=g)
+        first[0]._plan(x, ids, w)
+        nan = torch.full_like(x, float("nan"))
+        host = HostCopies(x[:0], ids.clone(), w[:0], x[:0].float(), la.route(x))
+        first[1]._plan(nan, ids, torch.full_like(w, float("nan")), host)
+        pools = [m.runtime.cache.pool(2) for m in first]
+        assert pools[0].state() == pools[1].state()
+        came = [m.lookahead.target.incoming for m in first]
+        assert came[0].predicted == came[1].predicted
+        assert came[0].prefetched == came[1].prefetched
+        prefetched += len(came[1].prefetched)
+        for m in first:  # the next layer's call takes what arrived
+            m.lookahead.target.incoming.predicted = None
+            m.lookahead.target.incoming.prefetched = set()
+    assert prefetched > 0

@@ -54,16 +54,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             m.policy = SplitPolicy(args.fetch_fraction, None, online=False)
     shape = layers[0].shape
     g = torch.Generator().manual_seed(0)
-    host_copies = HostCopies(torch.randn(1, shape.hidden, generator=g).bfloat16(),
+    dtype = getattr(torch, args.host_dtype)  # what the graph piece hands the plan
+    host_copies = HostCopies(torch.randn(1, shape.hidden, generator=g).to(dtype),
                              torch.zeros(1, shape.top_k, dtype=torch.long),
-                             torch.rand(1, shape.top_k, generator=g).bfloat16(),
+                             torch.rand(1, shape.top_k, generator=g).to(dtype),
                              torch.zeros(1, shape.hidden))
     x, ids, w = (t.clone() for t in (host_copies.x, host_copies.ids, host_copies.w))
     routes = [torch.randperm(shape.num_experts, generator=g)[:shape.top_k].view(1, -1)
               for _ in range(64)]
     # with look-ahead, each layer's copies bring the next router's picks for one of 64 hidden
     # states (the graph piece before the plan makes them on the device: not the plan's time)
-    xs = [torch.randn(1, shape.hidden, generator=g).bfloat16() for _ in range(len(routes))]
+    xs = [torch.randn(1, shape.hidden, generator=g).to(dtype) for _ in range(len(routes))]
     copies = {(m.shape.layer, i): host_copies if m.lookahead is None else dataclasses.replace(
         host_copies, x=xs[i], predicted=m.lookahead.route(xs[i])) for m in layers
         for i in range(len(routes))}
@@ -103,6 +104,9 @@ def main() -> None:
     p.add_argument("--lookahead", default="off", choices=["off", "on"],
                    help="--moe-lookahead (on: each layer also predicts and fetches the next "
                    "layer's experts)")
+    p.add_argument("--host-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the dtype of the host copies of x and w (a graph step casts them to "
+                   "float32 in the piece; before 2026-12-05 they were the model's bfloat16)")
     p.add_argument("--label", default="")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process
     p.add_argument("--strategy", default="hybrid", help=argparse.SUPPRESS)
@@ -116,7 +120,8 @@ def main() -> None:
         for slots in args.slots.split(","):
             cmd = [sys.executable, __file__, "--one", "--model", args.model, "--strategy",
                    strategy, "--calls", str(args.calls), "--moe-cache-mem", args.moe_cache_mem,
-                   "--fetch-fraction", str(args.fetch_fraction), "--lookahead", args.lookahead]
+                   "--fetch-fraction", str(args.fetch_fraction), "--lookahead", args.lookahead,
+                   "--host-dtype", args.host_dtype]
             env = os.environ | {"FREETOKEN_EXPERT_SLOTS": slots, "FREETOKEN_LOG_LEVEL": "error"}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -49,7 +49,8 @@ class Break:
 @dataclass(frozen=True)
 class HostCopies:
     """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
-    one sync), ``cpu_out``, a pinned float32 buffer for the CPU's share, and ``predicted``:
+    one sync; x and w float32 when a graph step makes them), ``cpu_out``, a pinned float32
+    buffer for the CPU's share, and ``predicted``:
     the next layer's router picks for look-ahead (made in the piece before; None if none)."""
 
     x: torch.Tensor
@@ -91,8 +92,9 @@ class HostStep(_Landing):
     def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
                  ids: torch.Tensor, w: torch.Tensor, inputs: bool,
                  copier: RowCopier | None = None,
-                 predicted: torch.Tensor | None = None) -> None:
-        super().__init__(x)
+                 predicted: torch.Tensor | None = None,
+                 like: torch.Tensor | None = None) -> None:
+        super().__init__(x if like is None else like)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
         self.predicted = predicted
         self.copier = copier  # the inputs' copies and the sync in one library call
@@ -179,10 +181,13 @@ class PiecewiseCapture:
              w: torch.Tensor, inputs: bool = True,
              predicted: torch.Tensor | None = None) -> torch.Tensor:
         """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
-        ids; ``predicted``: a tensor the piece made, copied with the ids); returns the static
-        buffer of its extra output, for the captured compute that follows to add."""
-        return self._between(lambda: HostStep(plan, x, ids, w, inputs, self.copier,
-                                              predicted)).out
+        ids: the piece casts them to float32, what the CPU pool reads, so the host converts
+        nothing; ``predicted``: a tensor the piece made, copied with the ids); returns the
+        static buffer (shaped and typed like ``x``) of its extra output, for the captured
+        compute that follows to add."""
+        xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
+        return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
+                                              predicted, like=x)).out
 
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from freetoken.config import ModelConfig
+from freetoken.cpu.abi import EXPERT_FORMATS
 from freetoken.errors import CheckpointError
 from freetoken.quant import format_for_gguf_type, get_format
 
@@ -181,22 +182,30 @@ def layer_span(layers: Iterable[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def kind_words(kind: LayerKind) -> str:
-    """The expert formats of a kind in words, as a bank names them (``q8_0``, ``gate/up q4_k,
-    down q6_k``)."""
+def kind_formats(kind: LayerKind) -> tuple[str, str, str]:
+    """The weight formats of a kind's gate, up and down projections."""
     opts = dict(kind.options)
     if kind.fmt == "gguf":
         def name(t: str) -> str:
             return format_for_gguf_type(int(t)).name
 
-        gate = name(opts.get("gate_up_type", opts.get("gate_type", "0")))
-        up = name(opts.get("gate_up_type", opts.get("up_type", "0")))
-        down = name(opts["down_type"])
-    elif kind.fmt == "mixed":
-        gate, up, down = opts["gate"], opts["up"], opts["down"]
-    else:
-        return kind.fmt
-    return formats_in_words(gate, up, down)
+        return (name(opts.get("gate_up_type", opts.get("gate_type", "0"))),
+                name(opts.get("gate_up_type", opts.get("up_type", "0"))),
+                name(opts["down_type"]))
+    if kind.fmt == "mixed":
+        return opts["gate"], opts["up"], opts["down"]
+    return kind.fmt, kind.fmt, kind.fmt
+
+
+def kind_words(kind: LayerKind) -> str:
+    """The expert formats of a kind in words, as a bank names them (``q8_0``, ``gate/up q4_k,
+    down q6_k``)."""
+    return formats_in_words(*kind_formats(kind))
+
+
+def without_cpu_kernel(kind: LayerKind) -> list[str]:
+    """The expert formats of a kind that the CPU kernels do not read (none: [])."""
+    return sorted({f for f in kind_formats(kind) if f not in EXPERT_FORMATS})
 
 
 def formats_in_words(gate: str, up: str, down: str) -> str:

@@ -21,11 +21,17 @@ from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig, human_b
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import CorePlan, core_plan, cpu_model, usable_cores
 from freetoken.cpu.library import run_isa
-from freetoken.errors import ConfigError
+from freetoken.errors import CheckpointError, ConfigError
 from freetoken.kernels.gather_gemv import fused
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
-from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span
+from freetoken.moe.layer_kind import (
+    LayerKind,
+    kind_words,
+    layer_kinds,
+    layer_span,
+    without_cpu_kernel,
+)
 from freetoken.moe.profile import Match, Profile, load_profile_or_empty, lookup, plan_fractions
 from freetoken.moe.registry import AUTO, needs_of
 from freetoken.moe.resident import keeps_blocks
@@ -109,24 +115,48 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
 
 def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
                     strategies: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's layers off the CPU kernels where they cannot run the model's experts (a
-    clamped SwiGLU without a positive alpha and limit): an explicit cpu or hybrid is refused,
-    auto's choice falls back (cpu -> resident, hybrid -> offload) with a log line."""
+    """The plan's layers off the CPU kernels where they cannot run the layer's experts (a
+    clamped SwiGLU without a positive alpha and limit, or an expert format the kernels do not
+    read yet): an explicit cpu or hybrid is refused, auto's choice falls back (cpu ->
+    resident, hybrid -> offload) with a log line."""
     mc = ckpt.config
     why = ExpertShape(0, mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.top_k,
                       mc.hidden_act, mc.expert_bias, mc.swiglu_alpha,
                       mc.swiglu_limit).native_missing()
     native = [s for s in strategies if s in ("cpu", "hybrid")]
-    if why is None or not native:
-        return strategies
-    if cfg.moe_strategy != AUTO:
-        raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {mc.family}'s "
-                          f"experts: {why}")
     instead = {"cpu": "resident", "hybrid": "offload"}
-    log.info("MoE plan: %s's experts cannot run on the CPU kernels (%s); auto runs %d layers "
-             "on %s instead", mc.family, why, len(native),
-             " / ".join(sorted({instead[s] for s in native})))
-    return tuple(instead.get(s, s) for s in strategies)
+    if why is not None and native:
+        if cfg.moe_strategy != AUTO:
+            raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {mc.family}'s "
+                              f"experts: {why}")
+        log.info("MoE plan: %s's experts cannot run on the CPU kernels (%s); auto runs %d "
+                 "layers on %s instead", mc.family, why, len(native),
+                 " / ".join(sorted({instead[s] for s in native})))
+        return tuple(instead.get(s, s) for s in strategies)
+    out = list(strategies)
+    for kind, layers in _kinds_or_none(ckpt).items() if native else ():
+        off = [i for i in layers if strategies[i] in instead]
+        if not off or not (missing := without_cpu_kernel(kind)):
+            continue
+        what = (f"layer{'s' if len(off) > 1 else ''} {layer_span(off)}: the CPU kernels do not "
+                f"read {' or '.join(missing)} experts yet")
+        if cfg.moe_strategy != AUTO:
+            raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {what}; use "
+                              "--moe-strategy offload or resident (or auto, which does)")
+        log.info("MoE plan: %s; auto runs them on %s instead", what,
+                 " / ".join(sorted({instead[strategies[i]] for i in off})))
+        for i in off:
+            out[i] = instead[strategies[i]]
+    return tuple(out)
+
+
+def _kinds_or_none(ckpt: Checkpoint) -> dict[LayerKind, list[int]]:
+    """The checkpoint's layer kinds, or none where its expert tensors are not named as
+    :func:`layer_kinds` reads them (the pool's own check names the problem at load)."""
+    try:
+        return layer_kinds(ckpt)
+    except CheckpointError:
+        return {}
 
 
 def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,

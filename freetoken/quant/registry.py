@@ -19,6 +19,7 @@ from freetoken.quant.nvfp4 import NVFP4
 from freetoken.quant.q4_0 import Q4_0
 from freetoken.quant.q4_k import Q4_K
 from freetoken.quant.q5_0 import Q5_0
+from freetoken.quant.q5_k import Q5_K
 from freetoken.quant.q6_k import Q6_K
 from freetoken.quant.q8_0 import Q8_0
 
@@ -30,6 +31,7 @@ _ALL: tuple[QuantFormat, ...] = (
     Q4_0(),
     Q5_0(),
     Q4_K(),
+    Q5_K(),
     Q6_K(),
     MXFP4(),
     FP8Block(),

@@ -18,6 +18,7 @@ BLOCK_FORMATS: dict[str, tuple[GGMLQuantizationType, tuple[int, ...]]] = {
     "q4_0": (T.Q4_0, (0,)),
     "q5_0": (T.Q5_0, (0,)),
     "q4_k": (T.Q4_K, (0, 2)),
+    "q5_k": (T.Q5_K, (0, 2)),
     "q6_k": (T.Q6_K, (208,)),
     "mxfp4": (T.MXFP4, ()),
 }
@@ -73,7 +74,7 @@ def test_quantize_matches_gguf(name: str, shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
 def test_k_quant_round_trip(name: str, shape: tuple[int, ...]) -> None:
     # gguf cannot quantise k-quants; ours must still produce blocks gguf reads as we do.
     x = random_weights(shape, seed=3)
@@ -85,11 +86,12 @@ def test_k_quant_round_trip(name: str, shape: tuple[int, ...]) -> None:
     # error within a few quantisation steps of each 256-weight super-block's range
     xb = torch.from_numpy(x).reshape(-1, 256)
     err = (back.reshape(-1, 256) - xb).abs().amax(-1)
-    levels = 15 if name == "q4_k" else 63
+    levels = {"q4_k": 15, "q5_k": 31, "q6_k": 63}[name]
     assert torch.all(err <= 2 * xb.abs().amax(-1) / levels + 1e-30)
 
 
-@pytest.mark.parametrize(("name", "max_rel_rms"), [("q4_k", 0.09), ("q6_k", 0.025)])
+@pytest.mark.parametrize(("name", "max_rel_rms"),
+                         [("q4_k", 0.09), ("q5_k", 0.045), ("q6_k", 0.025)])
 def test_k_quant_accuracy(name: str, max_rel_rms: float) -> None:
     x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(0)) * 0.02
     fmt = get_format(name)
@@ -114,6 +116,8 @@ def test_sizes_match_ggml(name: str) -> None:
         ("q5_0", 32, 22),
         ("q4_k", 256, 144),
         ("q4_k", 2048, 1152),
+        ("q5_k", 256, 176),
+        ("q5_k", 2048, 1408),
         ("q6_k", 256, 210),
         ("mxfp4", 32, 17),
         ("mxfp4", 2880, 1530),

@@ -1,6 +1,8 @@
 """Time one sampled token: ``engine/sample.py:sample`` on logits where the model leaves them
 (the GPU's exponential race, or the CPU's multinomial) against the draw it replaces on a GPU
-(filters on the device, the whole distribution copied to the host, torch.multinomial there).
+(filters on the device, the whole distribution copied to the host, torch.multinomial there);
+and a batch's tokens (``--rows``, a decode step of that many sequences): ``sample_rows`` (one
+draw for the greedy rows, one for the unseeded unfiltered ones) against ``sample`` row by row.
 
     python benchmarks/sample.py --vocab 151936 --device cuda --out benchmarks/results
 """
@@ -17,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import git_state, host, save_result  # noqa: E402
-from freetoken.engine.sample import SamplingParams, generator, sample  # noqa: E402
+from freetoken.engine.sample import SamplingParams, generator, sample, sample_rows  # noqa: E402
 
 
 def per_call_us(fn, device: str, calls: int) -> float:
@@ -38,6 +40,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--device", default="cuda")
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rows", type=int, default=16, help="sequences in the batch rows")
     p.add_argument("--label", default="")
     p.add_argument("--git-sha")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -57,6 +60,17 @@ def main() -> None:
                 probs = torch.softmax(logits / p.temperature, dim=-1)
                 return int(torch.multinomial(probs.cpu(), 1, generator=cpu_gen))
             rows[name]["host_multinomial_us"] = per_call_us(host_draw, args.device, args.calls)
+        print(name, {k: round(v, 1) for k, v in rows[name].items()}, flush=True)
+    batch = torch.randn(args.rows, args.vocab, device=args.device) * 3
+    for name, params in (("batch_greedy", SamplingParams()),
+                         ("batch_temperature_1", SamplingParams(temperature=1.0))):
+        ps, gens = [params] * args.rows, [None] * args.rows
+        rows[name] = {
+            "rows": args.rows,
+            "sample_rows_us": per_call_us(lambda ps=ps, gens=gens: sample_rows(batch, ps, gens),
+                                          args.device, max(1, args.calls // 10)),
+            "row_by_row_us": per_call_us(lambda p=params: [sample(r, p, None) for r in batch],
+                                         args.device, max(1, args.calls // 10))}
         print(name, {k: round(v, 1) for k, v in rows[name].items()}, flush=True)
     result = {"bench": "sample", "label": args.label, **git_state(args.git_sha), **host(),
               "torch": torch.__version__,

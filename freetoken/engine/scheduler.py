@@ -22,7 +22,7 @@ from freetoken.engine.sample import (
     TokenLogprobs,
     apply_penalties,
     generator,
-    sample,
+    sample_rows,
     token_logprobs,
 )
 from freetoken.engine.watchdog import BETWEEN_STEPS, Watchdog
@@ -153,12 +153,21 @@ class Scheduler:
         if watch is not None:
             watch.enter("sample")
         events = []
-        for (seq, segment), row in zip(batch, logits, strict=True):
+        decoding = []
+        for i, (seq, segment) in enumerate(batch):
             seq.computed += segment.count
-            if seq.prefilling:
-                continue
-            raw, row = row, apply_penalties(row, seq.output, seq.params)
-            token = sample(row, seq.params, seq.generator)
+            if not seq.prefilling:
+                decoding.append(i)
+        # each row's penalties, then every row's token with one host copy per kind of draw
+        rows = [apply_penalties(logits[i], batch[i][0].output, batch[i][0].params)
+                for i in decoding]
+        unchanged = len(decoding) == len(batch) and all(
+            r.data_ptr() == logits[i].data_ptr() for i, r in zip(decoding, rows, strict=True))
+        tokens = sample_rows(logits if unchanged else torch.stack(rows) if rows else logits[:0],
+                             [batch[i][0].params for i in decoding],
+                             [batch[i][0].generator for i in decoding])
+        for i, token in zip(decoding, tokens, strict=True):
+            seq, raw = batch[i][0], logits[i]
             seq.output.append(token)
             reason = self._finish_reason(seq, token)
             if reason:

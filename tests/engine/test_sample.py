@@ -122,3 +122,49 @@ def test_sampling_on_the_gpu_follows_the_distribution_and_its_seed():
     torch.testing.assert_close(freq, torch.tensor([0.6 / 0.9, 0.3 / 0.9, 0.0]), atol=0.03, rtol=0)
     again = [sample(probs.log(), p, generator(0, "cuda")) for _ in range(5)]
     assert again == [sample(probs.log(), p, generator(0, "cuda")) for _ in range(5)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_rows_sample_as_each_row_alone(device):
+    """A batch's draw (``sample_rows``): greedy rows are ``sample``'s argmax (ties and NaNs
+    included), a seeded or filtered row draws as it would alone with its own generator, and
+    the unseeded rows without filters (one race on a GPU) follow their temperature's
+    softmax."""
+    from freetoken.engine.sample import generator, sample_rows
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=g) * 2
+    logits[0, [3, 9]] = 10.0  # a tie
+    logits[1, 7] = float("nan")
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=0.8, seed=11),
+              SamplingParams(temperature=1.0, top_k=5, seed=12), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5)]
+    plain = [4, 5]
+    seen = {i: [] for i in plain}
+    logits = logits.to(device)
+    for _ in range(2000):
+        gens = [generator(p.seed, device) for p in params]
+        got = sample_rows(logits, params, gens)
+        alone = [sample(logits[i], p, generator(p.seed, device)) for i, p in enumerate(params)]
+        assert got[:4] == alone[:4]
+        for i in plain:
+            seen[i].append(got[i])
+    assert got[0] == 3 and got[1] == 7
+    for i in plain:
+        freq = torch.bincount(torch.tensor(seen[i]), minlength=50).float() / len(seen[i])
+        want = torch.softmax(logits[i].cpu() / params[i].temperature, 0)
+        torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+
+
+def test_the_race_over_rows_draws_each_rows_distribution():
+    from freetoken.engine.sample import race_rows
+
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(3, 30, generator=g) * 2, -1)
+    probs[1, probs[1] < probs[1].median()] = 0  # a filtered row: those are never drawn
+    n = 6000
+    draws = torch.stack([race_rows(probs, g) for _ in range(n)])  # (n, 3)
+    for r in range(3):
+        freq = torch.bincount(draws[:, r], minlength=30).float() / n
+        torch.testing.assert_close(freq, probs[r] / probs[r].sum(), atol=0.02, rtol=0)
+    assert probs[1][draws[:, 1]].min() > 0

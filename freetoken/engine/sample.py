@@ -95,6 +95,15 @@ def race_rows(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.argmax(probs.float() / e, dim=-1)
 
 
+def greedy(logits: torch.Tensor) -> int | list[int]:
+    """The argmax over the last dimension of ``logits`` (vocab,) or (rows, vocab), on the
+    host (ties and NaNs as torch's argmax takes them)."""
+    # numpy's argmax takes a twentieth of torch's time over a 150k vocabulary
+    if logits.is_cpu and logits.dtype is torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def plain(p: SamplingParams) -> bool:
     """Whether a draw with ``p`` is the temperature's softmax alone (no filter, no seed)."""
     return p.top_k == 0 and p.top_p == 1 and p.min_p == 0 and p.seed is None
@@ -108,14 +117,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     row. The greedy rows give :func:`sample`'s ids; a
     seeded row gives the draws of its own generator, whatever the batch."""
     out: list[int | None] = [None] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    if greedy:
-        rows = logits[greedy] if len(greedy) < len(params) else logits
-        if rows.is_cpu and rows.dtype is torch.float32:
-            picked = rows.numpy().argmax(axis=-1).tolist()
-        else:
-            picked = torch.argmax(rows, dim=-1).tolist()
-        for i, t in zip(greedy, picked, strict=True):
+    argmax = [i for i, p in enumerate(params) if p.temperature == 0]
+    if argmax:
+        picked = greedy(logits[argmax] if len(argmax) < len(params) else logits)
+        assert isinstance(picked, list)
+        for i, t in zip(argmax, picked, strict=True):
             out[i] = t
     # on a GPU one race for the unseeded rows without filters (on the CPU a 2-D multinomial
     # measured no faster than one per row: benchmarks/sample.py)
@@ -125,19 +131,14 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         probs = torch.softmax(logits[drawn].float() / temps.unsqueeze(-1), dim=-1)
         for i, t in zip(drawn, race_rows(probs, None).tolist(), strict=True):
             out[i] = t
-    for i, t in enumerate(out):
-        if t is None:
-            out[i] = sample(logits[i], params[i], gens[i])
-    return [t for t in out if t is not None]
+    return [sample(logits[i], params[i], gens[i]) if t is None else t
+            for i, t in enumerate(out)]
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token id from logits (vocab,) in float32; ``gen`` is on the logits' device."""
     if p.temperature == 0:
-        # numpy's argmax takes a twentieth of torch's time over a 150k vocabulary
-        if logits.is_cpu and logits.dtype is torch.float32:
-            return int(logits.numpy().argmax())
-        return int(torch.argmax(logits))
+        return int(greedy(logits))
     logits = logits / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]

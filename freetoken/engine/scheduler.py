@@ -159,12 +159,14 @@ class Scheduler:
             if not seq.prefilling:
                 decoding.append(i)
         # each row's penalties, then every row's token with one host copy per kind of draw
-        rows = [apply_penalties(logits[i], batch[i][0].output, batch[i][0].params)
-                for i in decoding]
-        unchanged = len(decoding) == len(batch) and all(
-            r.data_ptr() == logits[i].data_ptr() for i, r in zip(decoding, rows, strict=True))
-        tokens = sample_rows(logits if unchanged else torch.stack(rows) if rows else logits[:0],
-                             [batch[i][0].params for i in decoding],
+        views = [logits[i] for i in decoding]
+        rows = [apply_penalties(v, batch[i][0].output, batch[i][0].params)
+                for i, v in zip(decoding, views, strict=True)]
+        if any(r is not v for r, v in zip(rows, views, strict=True)):
+            mat = torch.stack(rows)  # some rows were penalised: a copy of the batch's rows
+        else:
+            mat = logits if len(decoding) == len(batch) else logits[decoding]
+        tokens = sample_rows(mat, [batch[i][0].params for i in decoding],
                              [batch[i][0].generator for i in decoding])
         for i, token in zip(decoding, tokens, strict=True):
             seq, raw = batch[i][0], logits[i]

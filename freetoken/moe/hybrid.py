@@ -116,7 +116,7 @@ class HybridExperts(OffloadExperts):
         self.executor = shared.pool
         self.executor.add_layer(self.shape.layer, gate, up, down, **self.native_glu())
         f = plan.fetch_fraction
-        costs = shared.splits.setdefault(("hybrid", self.kind()), SplitCosts(layers=0))
+        costs = shared.splits.setdefault(self.kind(), SplitCosts(layers=0))
         costs.layers += 1
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5,

@@ -131,7 +131,8 @@ class HostStep(_Landing):
                                            Spans | None, tuple[torch.Tensor, ...], HostCopies]:
         h = self.host
         pairs = [(self.ids, h.ids)]
-        if self.predicted is not None and h.predicted is not None:
+        if self.predicted is not None:
+            assert h.predicted is not None
             pairs.append((self.predicted, h.predicted))
         if self.inputs:
             pairs += [(self.w, h.w), (self.x, h.x)]

@@ -21,7 +21,7 @@ from freetoken.config import MOE_CPU_SPIN_US, CacheSizing, EngineConfig, human_b
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import CorePlan, core_plan, cpu_model, usable_cores
 from freetoken.cpu.library import run_isa
-from freetoken.errors import CheckpointError, ConfigError
+from freetoken.errors import ConfigError
 from freetoken.kernels.gather_gemv import fused
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
@@ -134,7 +134,7 @@ def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
                  " / ".join(sorted({instead[s] for s in native})))
         return tuple(instead.get(s, s) for s in strategies)
     out = list(strategies)
-    for kind, layers in _kinds_or_none(ckpt).items() if native else ():
+    for kind, layers in layer_kinds(ckpt).items() if native else ():
         off = [i for i in layers if strategies[i] in instead]
         if not off or not (missing := without_cpu_kernel(kind)):
             continue
@@ -148,15 +148,6 @@ def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
         for i in off:
             out[i] = instead[strategies[i]]
     return tuple(out)
-
-
-def _kinds_or_none(ckpt: Checkpoint) -> dict[LayerKind, list[int]]:
-    """The checkpoint's layer kinds, or none where its expert tensors are not named as
-    :func:`layer_kinds` reads them (the pool's own check names the problem at load)."""
-    try:
-        return layer_kinds(ckpt)
-    except CheckpointError:
-        return {}
 
 
 def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,

@@ -89,13 +89,13 @@ class Shared:
     (``pool``), the device expert cache with its copy stream and stats (``runtime``), and what
     host-planned layers share with the decode graph runner (``recorder``: the runtime where
     there is one; on a GPU without a cache, a bare :class:`~freetoken.moe.pieces.Recorder`);
-    ``splits``: what layers that split their calls share per key (hybrid: the split's fitted
-    costs, :class:`~freetoken.moe.split.SplitCosts`, per layer kind)."""
+    ``splits``: hybrid's fitted split costs (:class:`~freetoken.moe.split.SplitCosts`), one
+    per layer kind."""
 
     pool: CpuMoeExecutor | None = None
     runtime: OffloadRuntime | None = None
     recorder: Recorder | None = None
-    splits: dict[tuple[str, Any], SplitCosts] = field(default_factory=dict)
+    splits: dict[Any, SplitCosts] = field(default_factory=dict)  # LayerKind -> costs
 
 
 class Experts(nn.Module):

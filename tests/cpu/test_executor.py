@@ -81,12 +81,12 @@ def test_torch_threads_leave_the_pool_alone() -> None:
 
 
 def _slow_job():
-    """A one-worker pool and a slow job for it: the scalar kernels, every token on every
-    expert."""
+    """A one-worker pool and a slow job for it (about 0.1 s on a fast core): the scalar
+    kernels, every token on every expert."""
     bank = make_bank("bf16", 512, 512)
     ex = cx.CpuMoeExecutor(threads=1, isa="scalar")
     ex.add_layer(0, *stacks(bank))
-    return bank, ex, torch.randn(16, 512), torch.arange(E).repeat(16, 1), torch.rand(16, E)
+    return bank, ex, torch.randn(32, 512), torch.arange(E).repeat(32, 1), torch.rand(32, E)
 
 
 def test_submit_returns_before_the_work_is_done_and_wait_releases_the_gil() -> None:

@@ -23,6 +23,8 @@ A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantis
 instead of the fused gather-GEMV kernels; ``+lookahead`` / ``+nolookahead``
 (``hybrid-online+lookahead``) set ``--moe-lookahead on`` / ``off`` (default: auto);
 ``+torchcopy`` copies misses with torch instead of the library (FREETOKEN_ROW_COPY=torch).
+--prefill-tokens 512,4096 also times one prompt of each length per strategy (random ids, best of
+--repeats, after the decode runs): prefill tokens/s, as time to the first token.
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -141,6 +143,19 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
             for m in engine.model.modules() if isinstance(m, HybridExperts)}
 
 
+def prefill_tokens_per_s(engine: Engine, n: int, repeats: int) -> float:
+    """Best of ``repeats`` prompts of ``n`` random ids (one seed per length), as time to the
+    first token."""
+    vocab = engine.model_config.vocab_size
+    ids = random.Random(n).choices(range(vocab), k=n)
+    best = 0.0
+    for _ in range(repeats):
+        stats = GenerationStats()
+        engine.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True), stats=stats)
+        best = max(best, n / stats.prefill_s)
+    return best
+
+
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
     by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
@@ -157,10 +172,12 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
+    prefill = [int(n) for n in args.prefill_tokens.split(",") if n]
     capture = capture and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                       moe_strategy=strategy, max_seq_len=args.tokens + 256,
+                       moe_strategy=strategy,
+                       max_seq_len=max([args.tokens + 256] + [n + 16 for n in prefill]),
                        cuda_graph_max_bs=graphs, moe_cpu_threads=args.moe_cpu_threads,
                        moe_cpu_spin_us=args.moe_cpu_spin_us,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
@@ -188,9 +205,11 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                      "prefill_s": stats.prefill_s, "wall_s": wall,
                      "moe": moe_delta(before, after)})
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
+    prefill_tps = {str(n): prefill_tokens_per_s(engine, n, args.repeats) for n in prefill}
     kernels = [m.gpu_kernel for m in engine.model.modules() if isinstance(m, OffloadExperts)]
     out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
                            "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"],
+                           "prefill_tokens_per_s": prefill_tps,
                            "gpu_expert_kernels": {k: kernels.count(k) for k in set(kernels)}}
     if rt is not None:
         moe = best["moe"]
@@ -263,6 +282,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 decodes greedily; chat clients send 1 (each run seeded by --seed)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-tokens", default="",
+                   help="comma-separated prompt lengths to time prefill at (e.g. 512,4096)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--gather-experts", type=int, default=8, help="experts per copy batch")
     p.add_argument("--cuda-graph-max-bs", type=int, default=16)

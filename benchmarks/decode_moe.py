@@ -24,7 +24,8 @@ instead of the fused gather-GEMV kernels; ``+lookahead`` / ``+nolookahead``
 (``hybrid-online+lookahead``) set ``--moe-lookahead on`` / ``off`` (default: auto);
 ``+torchcopy`` copies misses with torch instead of the library (FREETOKEN_ROW_COPY=torch).
 --prefill-tokens 512,4096 also times one prompt of each length per strategy (random ids, best of
---repeats, after the decode runs): prefill tokens/s, as time to the first token.
+--repeats, after the decode runs): prefill tokens/s, as time to the first token
+(--prefill-strategies picks which).
 
     python benchmarks/decode_moe.py --model M.gguf --strategies resident,offload \
         --moe-cache-mem 4GB --tokens 64
@@ -172,7 +173,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
-    prefill = [int(n) for n in args.prefill_tokens.split(",") if n]
+    timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")
+    prefill = [int(n) for n in args.prefill_tokens.split(",") if n and timed]
     capture = capture and args.device == "cuda"
     graphs = args.cuda_graph_max_bs if capture else 0
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -284,6 +286,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-tokens", default="",
                    help="comma-separated prompt lengths to time prefill at (e.g. 512,4096)")
+    p.add_argument("--prefill-strategies",
+                   help="the strategies whose prefill is timed (default: all of --strategies)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--gather-experts", type=int, default=8, help="experts per copy batch")
     p.add_argument("--cuda-graph-max-bs", type=int, default=16)

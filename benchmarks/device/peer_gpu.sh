@@ -6,7 +6,7 @@
 # chat clients send) for STRATEGIES with a CACHE expert cache, and merges both into
 # peer_gpu-*.json (benchmarks/peer_gpu.py). PRESET, LAYERS (default 48: the whole model) and
 # FORMAT pick the file; the default router is token-specific with no skew (ROUTER adds flags).
-# PREFILL=512,4096 also times our prefill at those prompt lengths.
+# PREFILL=512,4096 also times our prefill at those prompt lengths (PREFILL_STRATEGIES: whose).
 # WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
 # the build is done, so the compiler does not share the cores with a measurement.
 # PARTS=peer or PARTS=ours runs one half (default both): a run too long for one call runs the
@@ -34,7 +34,8 @@ LABEL=$PRESET-${LAYERS}l-${LABEL:-h200}
 [[ $PARTS == *ours* ]] && python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
   --moe-cpu-threads ${THREADS:-15} --tokens 64 --repeats 2 --label $LABEL --out "$OUT" \
-  --prefill-tokens "${PREFILL:-}" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
+  --prefill-tokens "${PREFILL:-}" ${PREFILL_STRATEGIES:+--prefill-strategies $PREFILL_STRATEGIES} \
+  --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
   | grep -E '"(strategy|decode_tokens_per_s|hit_rate|lookahead_hit_rate|[0-9]+)"|rror|MoE plan'
 LB=${LCB:-/tmp/lcb}/bin/llama-bench
 T=${THREADS:-15}

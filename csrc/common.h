@@ -20,7 +20,7 @@ namespace ft {
 
 // The C ABI's version: bump it with any change to a signature, struct or enum the Python side
 // mirrors (freetoken/cpu/abi.py checks it, and the tables below, when it loads the library).
-constexpr int ABI_VERSION = 9;
+constexpr int ABI_VERSION = 10;
 
 // Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/cpu/abi.py).
 enum Fmt : int {
@@ -29,12 +29,13 @@ enum Fmt : int {
   F_Q4_0 = 2,
   F_Q5_0 = 3,
   F_Q4_K = 4,
-  F_Q6_K = 5,
-  F_MXFP4 = 6,
-  F_NVFP4 = 7,
-  F_FP8_BLOCK = 8,
-  F_F32 = 9,
-  F_COUNT = 10,
+  F_Q5_K = 5,
+  F_Q6_K = 6,
+  F_MXFP4 = 7,
+  F_NVFP4 = 8,
+  F_FP8_BLOCK = 9,
+  F_F32 = 10,
+  F_COUNT = 11,
 };
 
 // Each format's name and block: weights per block along a row, and the block's bytes (the
@@ -45,9 +46,9 @@ struct FmtInfo {
   int block_bytes;
 };
 constexpr FmtInfo FMT_INFO[F_COUNT] = {
-    {"bf16", 1, 2},   {"q8_0", 32, 34},  {"q4_0", 32, 18},  {"q5_0", 32, 22},
-    {"q4_k", 256, 144}, {"q6_k", 256, 210}, {"mxfp4", 32, 17}, {"nvfp4", 16, 8},
-    {"fp8_block", 1, 1}, {"f32", 1, 4},
+    {"bf16", 1, 2},     {"q8_0", 32, 34},   {"q4_0", 32, 18},   {"q5_0", 32, 22},
+    {"q4_k", 256, 144}, {"q5_k", 256, 176}, {"q6_k", 256, 210}, {"mxfp4", 32, 17},
+    {"nvfp4", 16, 8},   {"fp8_block", 1, 1}, {"f32", 1, 4},
 };
 
 // ISA tiers, lowest first; a tier may use every instruction of the tiers below it.
@@ -238,7 +239,7 @@ static inline uint32_t load_u32(const uint8_t* p) {
 // Twice the e2m1 value of each 4-bit code (exact small integers).
 static const int8_t kE2M1Doubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// Q4_K six-bit sub-block scale and min j (0..7) from the 12 packed bytes.
+// Q4_K (and Q5_K) six-bit sub-block scale and min j (0..7) from the 12 packed bytes.
 static inline void q4k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* mn) {
   if (j < 4) {
     *sc = s[j] & 63;

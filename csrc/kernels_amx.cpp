@@ -123,7 +123,7 @@ bool amx_usable() {
 
 void register_amx(KernelTable& t) {
   if (!amx_usable()) return;
-  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4})
+  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q5_K, F_Q6_K, F_MXFP4})
     t.batch[f][ISA_AVX512_BF16] = batch_amx;
 }
 

@@ -89,11 +89,11 @@ static inline void block_dots(const __m256i* w, const __m256* ws, const __m256* 
   }
 }
 
-// Block j's scales (8 lanes) from a super-block's: q4_k one per 32-weight sub-block (sc, mn),
-// q6_k one per 16 weights (lo: groups 0-7, hi: 8-15).
+// Block j's scales (8 lanes) from a super-block's: q4_k and q5_k (the formats with mins) one
+// per 32-weight sub-block (sc, mn), q6_k one per 16 weights (lo: groups 0-7, hi: 8-15).
 template <class D, int J>
 static inline void block_scales(__m256 a, __m256 c, __m256& ws, __m256& wm) {
-  if constexpr (std::is_same_v<D, q8::Q4_K>) {
+  if constexpr (D::kMins) {
     ws = _mm256_permutevar8x32_ps(a, _mm256_set1_epi32(J));
     wm = _mm256_permutevar8x32_ps(c, _mm256_set1_epi32(J));
   } else {
@@ -396,11 +396,12 @@ void panel_blocks(int fmt, const Mat& m, int64_t r0, int rows, int64_t cols, Pan
   }
 }
 
-template <int K>
-static inline void q4_k_pair(const uint8_t* sb, int64_t b, int n, float* sc, float* mn,
-                             PanelBuf& buf, int32_t* q) {
+// q4_k and q5_k: 32-weight sub-blocks with a scale and a min each.
+template <class D, int K>
+static inline void k_pair(const uint8_t* sb, int64_t b, int n, float* sc, float* mn,
+                          PanelBuf& buf, int32_t* q) {
   __m256i w0, w1;
-  q8::Q4_K::pair_quants<K>(sb, w0, w1);
+  D::template pair_quants<K>(sb, w0, w1);
   put_block(w0, b + 2 * K, n, q, &buf.qsum[(b + 2 * K) * kPanelRows + n]);
   put_block(w1, b + 2 * K + 1, n, q, &buf.qsum[(b + 2 * K + 1) * kPanelRows + n]);
   for (int j = 2 * K; j < 2 * K + 2; ++j) {
@@ -409,23 +410,24 @@ static inline void q4_k_pair(const uint8_t* sb, int64_t b, int n, float* sc, flo
   }
 }
 
-void panel_q4_k(int fmt, const Mat& m, int64_t r0, int rows, int64_t cols, PanelBuf& buf,
-                Panel* p) {
+template <class D>
+void panel_k(int fmt, const Mat& m, int64_t r0, int rows, int64_t cols, PanelBuf& buf,
+             Panel* p) {
   panel_view(fmt, rows, cols, buf, p);
   int32_t* q = (int32_t*)buf.q.data();
   for (int n = 0; n < rows; ++n) {
     const uint8_t* row = m.data + (r0 + n) * m.row_bytes;
     for (int64_t u = 0; u < cols / 256; ++u) {
-      const uint8_t* sb = row + u * q8::Q4_K::kSuperBytes;
+      const uint8_t* sb = row + u * D::kSuperBytes;
       alignas(32) float sc[8], mn[8];
       __m256 vs, vm;
-      q8::Q4_K::super_scales(sb, vs, vm);
+      D::super_scales(sb, vs, vm);
       _mm256_store_ps(sc, vs);
       _mm256_store_ps(mn, vm);
-      q4_k_pair<0>(sb, 8 * u, n, sc, mn, buf, q);
-      q4_k_pair<1>(sb, 8 * u, n, sc, mn, buf, q);
-      q4_k_pair<2>(sb, 8 * u, n, sc, mn, buf, q);
-      q4_k_pair<3>(sb, 8 * u, n, sc, mn, buf, q);
+      k_pair<D, 0>(sb, 8 * u, n, sc, mn, buf, q);
+      k_pair<D, 1>(sb, 8 * u, n, sc, mn, buf, q);
+      k_pair<D, 2>(sb, 8 * u, n, sc, mn, buf, q);
+      k_pair<D, 3>(sb, 8 * u, n, sc, mn, buf, q);
     }
   }
 }
@@ -477,7 +479,8 @@ void register_panels_avx2(PanelFn* fns) {
   fns[F_Q4_0] = panel_blocks<q8::Q4_0>;
   fns[F_Q5_0] = panel_blocks<q8::Q5_0>;
   fns[F_MXFP4] = panel_blocks<q8::MXFP4>;
-  fns[F_Q4_K] = panel_q4_k;
+  fns[F_Q4_K] = panel_k<q8::Q4_K>;
+  fns[F_Q5_K] = panel_k<q8::Q5_K>;
   fns[F_Q6_K] = panel_q6_k;
 }
 
@@ -487,6 +490,7 @@ void register_avx2(KernelTable& t) {
   t.batch[F_Q4_0][ISA_AVX2] = batch_q8<false, 8>;   // |q| <= 8
   t.batch[F_Q5_0][ISA_AVX2] = batch_q8<false, 4>;   // 16
   t.batch[F_Q4_K][ISA_AVX2] = batch_q8<false, 4>;   // 15
+  t.batch[F_Q5_K][ISA_AVX2] = batch_q8<false, 2>;   // 31
   t.batch[F_MXFP4][ISA_AVX2] = batch_q8<false, 4>;  // 12
   t.batch[F_Q6_K][ISA_AVX2] = batch_q8<false, 2>;   // 32
   t.fn[F_BF16][ACT_F32][ISA_AVX2] = gemv_f32<BF16>;
@@ -496,6 +500,7 @@ void register_avx2(KernelTable& t) {
   t.fn[F_Q5_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q5_0>;
   t.fn[F_MXFP4][ACT_Q8][ISA_AVX2] = gemv_q8<q8::MXFP4>;
   t.fn[F_Q4_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q4_K>;
+  t.fn[F_Q5_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q5_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q6_K>;
   t.read[ISA_AVX2] = read_avx2;
 }

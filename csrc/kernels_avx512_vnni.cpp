@@ -76,18 +76,21 @@ static inline __m512i pair_bias(__m512i gb) {
 // super-block's scales s.
 template <class D, int K>
 static inline void super_pair(const uint8_t* p, __m512 s, __m512i& w, __m512& ws, __m512& wm) {
-  if constexpr (std::is_same_v<D, q8::Q4_K>) {
+  if constexpr (std::is_same_v<D, q8::Q4_K>)
     w = q8::q4_k_pair<K>(p);
-    q8::q4_k_pair_scales<K>(s, ws, wm);
-  } else {
+  else if constexpr (std::is_same_v<D, q8::Q5_K>)
+    w = q8::q5_k_pair<K>(p);
+  else
     w = q8::q6_k_pair<K>(p);
+  if constexpr (D::kMins)  // q4_k, q5_k
+    q8::q4_k_pair_scales<K>(s, ws, wm);
+  else
     ws = q8::q6_k_pair_scales<K>(s);
-  }
 }
 
 template <class D>
 static inline __m512 super_scales(const uint8_t* p) {
-  if constexpr (std::is_same_v<D, q8::Q4_K>)
+  if constexpr (D::kMins)  // q4_k, q5_k
     return q8::q4_k_scales(p);
   else
     return q8::q6_k_scales(p);
@@ -282,13 +285,14 @@ void batch_q8(const Panel& p, const Act& a, int M, float* out, int64_t ldo) {
 }  // namespace
 
 void register_avx512_vnni(KernelTable& t) {
-  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4})
+  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q5_K, F_Q6_K, F_MXFP4})
     t.batch[f][ISA_AVX512_VNNI] = batch_q8;
   t.fn[F_Q8_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q8_0>;
   t.fn[F_Q4_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q4_0>;
   t.fn[F_Q5_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q5_0>;
   t.fn[F_MXFP4][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::MXFP4>;
   t.fn[F_Q4_K][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q4_K>;
+  t.fn[F_Q5_K][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q5_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q6_K>;
 }
 

@@ -16,6 +16,18 @@ constexpr int kMaxUnit = 256;
 // unit of a bf16/f32/fp8 row may be partial).
 constexpr int unit_of(int fmt) { return FMT_INFO[fmt].block > 1 ? FMT_INFO[fmt].block : 32; }
 
+// The head of a q4_k or q5_k super-block b: d * scale and dmin * min of each 32-weight
+// sub-block, once per 16 weights.
+void k_scales(const uint8_t* b, float* s, float* mn) {
+  float d = fp16_to_f32(load_u16(b)), dmin = fp16_to_f32(load_u16(b + 2));
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, mv;
+    q4k_scale_min(b + 4, j, &sc, &mv);
+    s[2 * j] = s[2 * j + 1] = d * sc;
+    mn[2 * j] = mn[2 * j + 1] = dmin * mv;
+  }
+}
+
 }  // namespace
 
 void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* s, float* mn) {
@@ -65,14 +77,21 @@ void decode_int(int fmt, const Mat& m, int64_t r, int64_t u, int16_t* q, float* 
     }
     case F_Q4_K: {
       const uint8_t* b = row + u * FMT_INFO[F_Q4_K].block_bytes;
-      float d = fp16_to_f32(load_u16(b)), dmin = fp16_to_f32(load_u16(b + 2));
+      k_scales(b, s, mn);
       for (int j = 0; j < 8; ++j) {
-        uint8_t sc, mv;
-        q4k_scale_min(b + 4, j, &sc, &mv);
-        s[2 * j] = s[2 * j + 1] = d * sc;
-        mn[2 * j] = mn[2 * j + 1] = dmin * mv;
         const uint8_t* qs = b + 16 + 32 * (j / 2);
         for (int l = 0; l < 32; ++l) q[32 * j + l] = (int16_t)((qs[l] >> (4 * (j & 1))) & 15);
+      }
+      return;
+    }
+    case F_Q5_K: {  // q4_k's quants plus 16 where bit j of qh[l] is set (weight l, sub-block j)
+      const uint8_t* b = row + u * FMT_INFO[F_Q5_K].block_bytes;
+      const uint8_t *qh = b + 16, *ql = b + 48;
+      k_scales(b, s, mn);
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t* qs = ql + 32 * (j / 2);
+        for (int l = 0; l < 32; ++l)
+          q[32 * j + l] = (int16_t)(((qs[l] >> (4 * (j & 1))) & 15) | ((qh[l] >> j) & 1) << 4);
       }
       return;
     }
@@ -262,6 +281,7 @@ void register_scalar(KernelTable& t) {
   t.fn[F_Q4_0][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q4_0>;
   t.fn[F_Q5_0][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q5_0>;
   t.fn[F_Q4_K][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q4_K>;
+  t.fn[F_Q5_K][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q5_K>;
   t.fn[F_Q6_K][ACT_F32][ISA_SCALAR] = gemv_f32<F_Q6_K>;
   t.fn[F_MXFP4][ACT_F32][ISA_SCALAR] = gemv_f32<F_MXFP4>;
   t.fn[F_NVFP4][ACT_F32][ISA_SCALAR] = gemv_f32<F_NVFP4>;
@@ -272,9 +292,11 @@ void register_scalar(KernelTable& t) {
   t.fn[F_Q4_0][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q4_0>;
   t.fn[F_Q5_0][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q5_0>;
   t.fn[F_Q4_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q4_K>;
+  t.fn[F_Q5_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q5_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q6_K>;
   t.fn[F_MXFP4][ACT_Q8][ISA_SCALAR] = gemv_q8<F_MXFP4>;
-  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q6_K, F_MXFP4}) t.batch[f][ISA_SCALAR] = batch_ref;
+  for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q5_K, F_Q6_K, F_MXFP4})
+    t.batch[f][ISA_SCALAR] = batch_ref;
 }
 
 }  // namespace ft

@@ -6,7 +6,7 @@ namespace ft {
 
 int panel_sub(int fmt) {
   switch (fmt) {
-    case F_Q8_0: case F_Q4_0: case F_Q5_0: case F_MXFP4: case F_Q4_K: return 32;
+    case F_Q8_0: case F_Q4_0: case F_Q5_0: case F_MXFP4: case F_Q4_K: case F_Q5_K: return 32;
     case F_Q6_K: return 16;
     default: return 0;
   }
@@ -15,7 +15,7 @@ int panel_sub(int fmt) {
 void panel_view(int fmt, int rows, int64_t cols, PanelBuf& buf, Panel* p) {
   const int sub = panel_sub(fmt);
   const int64_t nsub = cols / sub;
-  const bool mins = fmt == F_Q4_K;
+  const bool mins = fmt == F_Q4_K || fmt == F_Q5_K;
   buf.q.assign((size_t)(cols * kPanelRows), 0);
   buf.scale.assign((size_t)(nsub * kPanelRows), 0.0f);
   buf.min.assign(mins ? (size_t)(nsub * kPanelRows) : 0, 0.0f);

@@ -2,8 +2,8 @@
 // Each format turns block b of a row into 32 small integers w (one per byte), a scale per
 // element group in `ws` (8 lanes, one per 4 elements) and, for formats with mins, `wm`, so that
 //   weight[i] = ws[i / 4] * (w[i] - kOff) - wm[i / 4].
-// The super-block formats (kSuper: q4_k, q6_k) give a super-block's scales at once and the
-// quants of its pairs of blocks instead.
+// The super-block formats (kSuper: q4_k, q5_k, q6_k) give a super-block's scales at once and
+// the quants of its pairs of blocks instead.
 // kSigned: w holds signed int8 (q8_0); otherwise unsigned bytes below 64.
 // Included by ISA translation units only; everything is static inline (one copy per tier).
 #pragma once
@@ -116,6 +116,31 @@ struct Q4_K {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     w0 = _mm256_and_si256(q, mask);
     w1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+  }
+};
+
+// Q4_K's super-block with a fifth bit per weight: the same head (d, dmin, scales), then 32 bytes
+// qh (bit j of qh[l]: weight l of sub-block j) before the 128 bytes of low nibbles.
+struct Q5_K : Q4_K {
+  static constexpr int kSuperBytes = 176;
+  // Bit B of each byte of qh as 16 (0 elsewhere). The 16-bit shifts move it by at most 4
+  // places, so bit 4 of a byte comes from that byte.
+  template <int B>
+  static inline __m256i fifth_bit(__m256i qh) {
+    __m256i h;
+    if constexpr (B <= 4)
+      h = _mm256_slli_epi16(qh, 4 - B);
+    else
+      h = _mm256_srli_epi16(qh, B - 4);
+    return _mm256_and_si256(h, _mm256_set1_epi8(0x10));
+  }
+  // Pair K: q4_k's low nibbles (32 bytes further on) with bits 2K and 2K + 1 of qh.
+  template <int K>
+  static inline void pair_quants(const uint8_t* p, __m256i& w0, __m256i& w1) {
+    Q4_K::pair_quants<K>(p + 32, w0, w1);
+    __m256i qh = _mm256_loadu_si256((const __m256i*)(p + 16));
+    w0 = _mm256_or_si256(w0, fifth_bit<2 * K>(qh));
+    w1 = _mm256_or_si256(w1, fifth_bit<2 * K + 1>(qh));
   }
 };
 

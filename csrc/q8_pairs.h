@@ -57,6 +57,17 @@ static inline __m512i q4_k_pair(const uint8_t* p) {
   return _mm512_and_si512(q, _mm512_set1_epi8(0x0F));
 }
 
+// q5_k pair K: q4_k's (its nibbles 32 bytes further on), plus 16 where bit 2K (first half) or
+// 2K + 1 (second half) of the weight's qh byte is set.
+template <int K>
+static inline __m512i q5_k_pair(const uint8_t* p) {
+  __m512i q = q4_k_pair<K>(p + 32);
+  __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 16)));
+  const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(1 << (2 * K)),
+                                         _mm256_set1_epi8(1 << (2 * K + 1)), 1);
+  return _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(0x10));
+}
+
 // q6_k pair K: 64 bytes of ql (low nibbles for even K, high for odd) and the 32 bytes of qh of
 // half K / 2, two bits per weight moved to bits 4-5 (by 4 and 2 for even K, 0 and -2 for odd).
 template <int K>
@@ -74,8 +85,8 @@ static inline __m512i q6_k_pair(const uint8_t* p) {
   return _mm512_ternarylogic_epi32(lo, _mm512_set1_epi8(0x0F), qh, 0xEA);
 }
 
-// Per-super-block scales in one vector: q4_k: d * scale of sub-blocks 0-7, then dmin * min / 128
-// (the mins meet gb = -128 * sum(x)); q6_k: d * scale of its 16 groups.
+// Per-super-block scales in one vector: q4_k (and q5_k): d * scale of sub-blocks 0-7, then
+// dmin * min / 128 (the mins meet gb = -128 * sum(x)); q6_k: d * scale of its 16 groups.
 static inline __m512 q4_k_scales(const uint8_t* p) {
   __m512 i = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(Q4_K::super_scale_bytes(p)));
   __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
@@ -88,7 +99,7 @@ static inline __m512 q6_k_scales(const uint8_t* p) {
   return _mm512_mul_ps(i, _mm512_set1_ps(_cvtsh_ss(load_u16(p + 208))));
 }
 
-// Lane l of pair K belongs to sub-block 2K + l / 8 (q4_k) or group 4K + l / 4 (q6_k).
+// Lane l of pair K belongs to sub-block 2K + l / 8 (q4_k, q5_k) or group 4K + l / 4 (q6_k).
 template <int K>
 static inline void q4_k_pair_scales(__m512 s, __m512& ws, __m512& wm) {
   const __m512i idx = _mm512_setr_epi32(2 * K, 2 * K, 2 * K, 2 * K, 2 * K, 2 * K, 2 * K, 2 * K,

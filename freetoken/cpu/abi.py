@@ -17,9 +17,10 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 9  # csrc/common.h ABI_VERSION
+ABI_VERSION = 10  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
-FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "mxfp4", "nvfp4", "fp8_block", "f32")
+FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
+           "f32")
 # What experts are kept in: f32 and f16 experts are kept as bf16; f32 is for dense routers.
 EXPERT_FORMATS = FORMATS[:-1]
 ACT_KINDS = ("f32", "q8", "bf16")  # how a kernel reads activations

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.availa
 
 # (rows, cols) per format: a partial last panel of rows, sub-block counts odd and even.
 SHAPES = {"q8_0": (40, 96), "q4_0": (37, 160), "q5_0": (50, 640), "mxfp4": (17, 64),
-          "q4_k": (33, 512), "q6_k": (21, 768)}
+          "q4_k": (33, 512), "q5_k": (29, 768), "q6_k": (21, 768)}
 TIERS = ("avx2", "avx512_vnni", "avx512_bf16")  # the last is AMX's where the CPU has it
 # Largest error against float64 on the dequantised weights, relative to the largest output:
 # the int8 activations' rounding.
@@ -74,8 +74,8 @@ def test_tier_gives_the_scalar_twins_bits(fmt: str, tier: str) -> None:
 
 
 @pytest.mark.parametrize("tier", TIERS)
-def test_a_vector_gets_the_same_bits_in_any_batch(tier: str) -> None:
-    fmt = "q4_k"
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_a_vector_gets_the_same_bits_in_any_batch(fmt: str, tier: str) -> None:
     tier_or_skip(fmt, tier)
     data, _ = weights(fmt)
     x = vectors(fmt, 40)
@@ -85,7 +85,7 @@ def test_a_vector_gets_the_same_bits_in_any_batch(tier: str) -> None:
         assert torch.equal(part, whole[lo:hi])
 
 
-@pytest.mark.parametrize("fmt", ["q5_0", "q6_k", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q5_0", "q5_k", "q6_k", "q8_0"])
 def test_pool_linear_jobs_run_the_batched_kernel(fmt: str) -> None:
     """A job of batch_vectors() or more vectors gives the batched kernel's bits on the pool
     (every worker decoding its own panels); fewer run the row kernels."""
@@ -108,7 +108,7 @@ def test_pool_linear_jobs_run_the_batched_kernel(fmt: str) -> None:
 # Where each format's block scale sits (byte offset in the block, bytes), to make random
 # blocks finite: the quants of random bytes reach every value, the extremes included.
 SCALE_BYTES = {"q8_0": (0, 2), "q4_0": (0, 2), "q5_0": (0, 2), "mxfp4": (0, 1), "q4_k": (0, 4),
-               "q6_k": (208, 2)}
+               "q5_k": (0, 4), "q6_k": (208, 2)}
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -23,6 +23,7 @@ SHAPES = {
     "q5_0": (96, 160),
     "mxfp4": (96, 160),
     "q4_k": (256, 512),
+    "q5_k": (256, 512),
     "q6_k": (256, 512),
     "nvfp4": (80, 48),
     "fp8_block": (200, 136),
@@ -171,7 +172,7 @@ def test_f32_weights_read_f32_activations_in_every_mode(tier: str) -> None:
         assert executor(tier, act).layers[layer].kernels == ((want, "f32"),) * 3, act
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "q5_k"])
 def test_int8_activation_error_bound(fmt: str) -> None:
     """Int8 blocks for x and for h cost under 2 % RMS against float activations.
 
@@ -289,7 +290,7 @@ def test_int8_activations_round_like_torch(tier: str) -> None:
 
 
 @pytest.mark.parametrize("T", [1, 5, 17])
-@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0", "q4_k", "q5_k"])
 def test_down_splits_give_the_same_bits(fmt: str, T: int) -> None:
     """Down split per expert (decode) and per chunk of H rows (prefill) sum the same pairs in
     the same order: equal bits, at any thread count and gate/up item size; auto picks by the

@@ -10,6 +10,7 @@
 #include "dispatch.h"
 #include "expert_op.h"
 #include "expert_slots.h"
+#include "host_node.h"
 #include "panels.h"
 #include "row_copy.h"
 
@@ -107,6 +108,8 @@ FT_API int64_t ft_struct_size(const char* name) {
   if (n == "DecodeStep") return sizeof(ft::DecodeStep);
   if (n == "RowCopyApi") return sizeof(ft::RowCopyApi);
   if (n == "RowCopy") return sizeof(ft::RowCopy);
+  if (n == "HostNodeStep") return sizeof(ft::HostNodeStep);
+  if (n == "HostNodeJob") return sizeof(ft::HostNodeJob);
   return -1;
 }
 
@@ -271,6 +274,10 @@ FT_API int64_t ft_run(void* ex, int layer, const float* x, const int64_t* ids, c
   int64_t h = ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A);
   return h < 0 ? h : ((ft::Executor*)ex)->wait(h, ns, nullptr);
 }
+
+// ft_run as a CUDA host function (cuLaunchHostFunc's CUhostFn): `job` is an ft::HostNodeJob
+// the caller keeps alive while any graph holds it; refusals are counted in its step.
+FT_API void ft_host_node_run(void* job) { ft::run_host_node(*(ft::HostNodeJob*)job); }
 
 // submit_linear + wait in one call (see ft_run).
 FT_API int64_t ft_run_linear(void* ex, int id, const float* x, float* out, int T, int64_t* ns) {

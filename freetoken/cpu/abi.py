@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 10  # csrc/common.h ABI_VERSION
+ABI_VERSION = 11  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")
@@ -100,8 +100,24 @@ class RowCopy(c.Structure):
     ]
 
 
+class HostNodeStep(c.Structure):
+    """csrc/host_node.h HostNodeStep: what one decode graph's host nodes share."""
+
+    _fields_ = [("rows", c.c_int64), ("failures", c.c_int64), ("last_error", c.c_int64)]
+
+
+class HostNodeJob(c.Structure):
+    """csrc/host_node.h HostNodeJob: one layer's pool job as a graph's host node."""
+
+    _fields_ = [
+        ("ex", c.c_void_p), ("x", c.c_void_p), ("ids", c.c_void_p), ("w", c.c_void_p),
+        ("out", c.c_void_p), ("layer", c.c_int32), ("T", c.c_int32), ("A", c.c_int32),
+        ("pad", c.c_int32), ("step", c.POINTER(HostNodeStep)),
+    ]
+
+
 STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, GluDesc, DecodeLayer, DecodeStep,
-                                          RowCopyApi, RowCopy)
+                                          RowCopyApi, RowCopy, HostNodeStep, HostNodeJob)
 # The functions that describe the ABI, declared before anything else is looked up.
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_abi_version": (c.c_int, []),

@@ -371,6 +371,12 @@ class CpuMoeExecutor:
         return out
 
     @property
+    def handle(self) -> int:
+        """The library's executor, for jobs the library runs without this object (a CUDA
+        graph's host nodes: ``cpu/host_node.py``)."""
+        return self._handle
+
+    @property
     def timing(self) -> bool:
         """Whether later jobs are timed item by item (:meth:`set_timing`)."""
         return self._timing

@@ -19,7 +19,8 @@ runs its part between replays:
   buffer the piece after it adds;
 - or, for calls with too many pairs to gather, the whole experts call
   (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
-The dense part of every layer stays captured.
+The dense part of every layer stays captured, and so do experts the CPU pool computes without
+a plan (cpu): their job is a host node of the piece (:meth:`PiecewiseCapture.node`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 
 import torch
 
+from freetoken.cpu.host_node import HostNodes
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.context import ForwardContext, Segment
 from freetoken.moe.pieces import Break, HostStep, LateStep, PiecewiseCapture
@@ -64,6 +66,8 @@ class _Graph:
         self.out: torch.Tensor | None = None
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
+        self.nodes: HostNodes | None = None  # the CPU pool's jobs inside the pieces
+        self.done = torch.cuda.Event(blocking=True) if device.type == "cuda" else None
 
 
 class DecodeGraphs:
@@ -115,7 +119,7 @@ class DecodeGraphs:
             for rt in self.recorders:
                 rt.capture = None
         torch.cuda.current_stream().wait_stream(stream)
-        g.pieces, g.breaks = cap.pieces, cap.breaks
+        g.pieces, g.breaks, g.nodes = cap.pieces, cap.breaks, cap.nodes
 
     def fits(self, segments: list[Segment]) -> bool:
         return len(segments) <= self.sizes[-1] and all(s.count == 1 for s in segments)
@@ -145,6 +149,9 @@ class DecodeGraphs:
             m[:n, ..., :S].copy_(cpu.masks[w], non_blocking=True)
         self._pad(g, n)
         assert g.out is not None
+        if g.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
+            g.nodes.check()
+            g.nodes.set_rows(n)
         if g.pieces:
             for i, piece in enumerate(g.pieces):
                 piece.replay()
@@ -153,4 +160,9 @@ class DecodeGraphs:
         else:
             assert g.graph is not None
             g.graph.replay()
+        if g.nodes is not None and g.done is not None:
+            # the CPU pool computes during the replay: this thread sleeps (a blocking event)
+            # rather than spin on its core in the caller's first sync
+            g.done.record()
+            g.done.synchronize()
         return g.out[:n]

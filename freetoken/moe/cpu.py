@@ -5,12 +5,14 @@ The loader hands expert tensors over undequantised through :meth:`CpuExperts.loa
 (stacked ``E x out x in``, fused ``gate_up_proj``, or one expert at a time). All layers share the
 one pool of pinned workers the runner made and :meth:`CpuExperts.attach` hands over.
 
-On a GPU, decode CUDA graphs break at each layer's experts (``moe/pieces.py``): a host step
-copies the routed ids, weights and hidden states to pinned memory (one sync), runs the pool's
-job on them, which writes into pinned memory, and queues the copy of that result into the
-buffer the next piece adds. The dense part of every layer stays captured (nothing is left for
-the device to do while the pool works, so the job is waited for in the same step). Prefill runs
-eagerly: ``x`` to the host, the pool's job, the result back.
+On a GPU the decode CUDA graphs hold each layer's job (``moe/pieces.py``
+:meth:`~freetoken.moe.pieces.PiecewiseCapture.node`): the routed ids, weights and hidden states
+are copied to pinned memory, the CUDA driver's host thread runs the pool's job on them as a
+host node (``cpu/host_node.py``) and the result is copied back, all in the graph, so a decode
+step is one replay with no Python between layers. Its twin (``FREETOKEN_CPU_HOST_NODE=off``,
+or a driver without host functions) breaks the graph at each layer's experts: a host step
+copies the inputs (one sync), runs the job and queues the copy of its result into the buffer
+the next piece adds. Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.cpu import executor as cx
+from freetoken.cpu.host_node import host_nodes
 from freetoken.errors import ConfigError
 from freetoken.moe.host_banks import BankBuilder
 from freetoken.moe.host_job import HostJobs
@@ -78,7 +81,9 @@ class CpuExperts(Experts):
         ex = self._pool if self.registered else self.register()
         assert ex is not None
         capture = self._recorder.capture if self._recorder is not None else None
-        if capture is not None:  # decode graphs: the pool's job between two pieces
+        if capture is not None:  # decode graphs: the pool's job in the piece, or between two
+            if capture.copier is not None and host_nodes() is None:
+                return capture.node(ex, self.shape.layer, x, topk_ids, topk_weights)
             return capture.host(self._host_step, x, topk_ids, topk_weights)
         out = ex.run(x, topk_ids, topk_weights, self.shape.layer)
         return out.to(device=x.device, dtype=x.dtype)

@@ -17,6 +17,8 @@ from typing import TypeVar
 
 import torch
 
+from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.cpu.host_node import HostNodes
 from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 
 T = TypeVar("T", "Break", "HostStep", "LateStep")
@@ -161,13 +163,18 @@ class PiecewiseCapture:
 
     Host-planned experts call :meth:`host` (or :meth:`split`) instead of running: it ends the
     current piece, records a :class:`HostStep` (or :class:`Break`) and begins the next piece,
-    all in one memory pool. :meth:`after` does the same for a :class:`LateStep`.
+    all in one memory pool. :meth:`after` does the same for a :class:`LateStep`. Experts the
+    CPU pool computes without a plan call :meth:`node`, which stays in the piece.
     """
 
     def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None) -> None:
         self.pool, self.copier = pool, copier
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
+        self.nodes: HostNodes | None = None  # made by the first node()
+        # pinned buffers of the nodes, by (rows, hidden, top-k): the layers take turns on them
+        # in stream order
+        self._node_buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         self.current = torch.cuda.CUDAGraph()
 
     def begin(self) -> None:
@@ -189,6 +196,30 @@ class PiecewiseCapture:
         xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
         return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
                                               predicted, like=x)).out
+
+    def node(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
+             w: torch.Tensor) -> torch.Tensor:
+        """The pool's job on layer ``layer``'s experts inside the current piece: x, ids and w
+        copied to pinned memory, the job as a host node (``cpu/host_node.py``), its result
+        copied back; returns it on the device, typed like ``x``. Needs the library's copier."""
+        assert self.copier is not None
+        if self.nodes is None:
+            self.nodes = HostNodes()
+        (T, H), A = x.shape, ids.shape[1]
+        key = (T, H, A)
+        if key not in self._node_buffers:
+            self._node_buffers[key] = tuple(
+                torch.zeros(shape, dtype=dtype, pin_memory=True)
+                for shape, dtype in (((T, H), torch.float32), ((T, A), torch.int64),
+                                     ((T, A), torch.float32), ((T, H), torch.float32)))
+        hx, hids, hw, hout = self._node_buffers[key]
+        out = torch.empty((T, H), dtype=torch.float32, device=x.device)
+        stream = current_stream(x.device.index or 0)
+        inputs = [(hx, x.float()), (hids, ids.long()), (hw, w.float())]
+        self.copier.run(Spans([(h, d.contiguous()) for h, d in inputs]), stream)
+        self.nodes.enqueue(self.nodes.job(executor, layer, hx, hids, hw, hout), stream)
+        self.copier.run(Spans([(out, hout)]), stream)
+        return out.to(x.dtype)
 
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 PROBE_FIRST = 8  # one layer's calls after which a side left idle first gets work again
 REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps losing)
+# consecutive calls a CPU probe gives work: the first job after the CPU sat idle runs cold
+# (the pool's workers asleep, their caches cold; on the H200 such jobs measured 200-450 us an
+# expert against 45-57 warm), so it is not kept, and the next one is timed
+PROBE_CALLS = 2
 
 
 @dataclass
@@ -29,8 +33,10 @@ class SplitCosts:
     memory is ``smoothing`` per layer's call (each observation counts ``1 / layers`` of that),
     so the costs follow the box as fast as one layer's own would, from ``layers`` times the
     samples. A side idle for ``PROBE_FIRST`` calls of each layer is given work once (by the
-    next call of any layer), then after twice as long each time the probe confirms it loses,
-    up to ``REMEASURE_EVERY`` calls of each layer.
+    next call of any layer; the CPU by the next ``PROBE_CALLS``), then after twice as long
+    each time the probe confirms it loses, up to ``REMEASURE_EVERY`` calls of each layer. A
+    CPU job observed right after one without CPU work ran cold: its times are not kept; a
+    probe's warm job rescales the CPU's costs to its own time.
     """
 
     layers: int = 1
@@ -43,6 +49,8 @@ class SplitCosts:
     _idle_pcie: int = 0
     _wait_cpu: int = PROBE_FIRST  # idle calls of each layer before the CPU is probed again
     _wait_pcie: int = PROBE_FIRST
+    _probe_left: int = 0  # further calls the CPU probe under way gives work
+    _cpu_was_idle: bool = True  # the last observation had no CPU work: the next job is cold
     _fit: tuple[float, float, float, float, float] = field(
         default=(0.0, 0.0, 0.0, 0.0, 0.0), repr=False)  # the CPU fit's decayed sums
 
@@ -62,7 +70,8 @@ class SplitCosts:
     def probe_due(self, side: str) -> bool:
         """Whether ``side`` ("cpu" or "pcie"), idle, is due a probe (or was never timed)."""
         if side == "cpu":
-            return self.c_cpu is None or self._idle_cpu >= self._wait_cpu * self.layers
+            return (self.c_cpu is None or self._probe_left > 0
+                    or self._idle_cpu >= self._wait_cpu * self.layers)
         return self.c_pcie is None or self._idle_pcie >= self._wait_pcie * self.layers
 
     def probed(self, side: str) -> None:
@@ -70,6 +79,7 @@ class SplitCosts:
         before its observation do not probe it too."""
         if side == "cpu":
             self._idle_cpu = 0
+            self._probe_left = PROBE_CALLS - 1 if self._probe_left == 0 else self._probe_left - 1
         else:
             self._idle_pcie = 0
 
@@ -80,7 +90,10 @@ class SplitCosts:
         layer's first use of a side is a warm-up); ``probing``: the side the call probed."""
         self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
         self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
-        if n_cpu > 0 and t_cpu > 0 and warm[0]:
+        cold, self._cpu_was_idle = self._cpu_was_idle, n_cpu == 0
+        if n_cpu > 0 and t_cpu > 0 and warm[0] and not cold:
+            if probing == "cpu" and self.c_cpu is not None:
+                self._rescale_cpu(n_cpu, t_cpu, overhead)
             self._fit_cpu(n_cpu, t_cpu)
             self.o = self._smooth(self.o, overhead)
         if n_fetch > 0 and t_pcie > 0 and warm[1]:
@@ -91,13 +104,25 @@ class SplitCosts:
         best = self.best(m)
         # a probed side that still loses waits twice as long for its next probe; a side
         # a split itself uses is probed soon once it goes idle
-        if n_cpu:
+        if n_cpu and not cold:  # a cold job judges nothing
             lost = probing == "cpu" and best == m
             self._wait_cpu = min(2 * self._wait_cpu, REMEASURE_EVERY) if lost else PROBE_FIRST
         if n_fetch:
             lost = probing == "pcie" and best == 0
             self._wait_pcie = (min(2 * self._wait_pcie, REMEASURE_EVERY) if lost
                                else PROBE_FIRST)
+
+    def _rescale_cpu(self, n: int, t: float, overhead: float) -> None:
+        """A probe's warm job of ``n`` experts took ``t``: the CPU's past times are scaled to
+        its level (both fitted costs by ``t`` over their prediction) and its host overhead
+        taken as it is. Probes are rare, so a smoothed update would leave costs measured
+        in another state of the box (a busy CPU, cold jobs) deciding for hundreds of steps;
+        if the probe flattered the CPU, the calls that then use it correct the costs."""
+        assert self.c_cpu is not None
+        k = t / (self.l_cpu + n * self.c_cpu)
+        s0, s1, s2, t0, t1 = self._fit
+        self._fit = s0, s1, s2, k * t0, k * t1
+        self.c_cpu, self.l_cpu, self.o = k * self.c_cpu, k * self.l_cpu, overhead
 
     def _fit_cpu(self, n: int, t: float) -> None:
         """One CPU job of ``n`` experts that took ``t``: ``l_cpu`` and ``c_cpu`` refitted. The
@@ -131,8 +156,9 @@ class SplitPolicy:
     policy made alone has its own) and ``fraction`` moves toward the best split of the call's
     m misses (:meth:`SplitCosts.best`) by at most ``step`` per observation, so a wrong profile
     row, or a CPU half that costs more than it saves, is corrected toward the better split
-    (all fetched, as offload, when the CPU does not pay). A side's first observation in each
-    layer is a warm-up (first-use allocations, cold caches) and is not kept. A side without
+    (all fetched, as offload, when the CPU does not pay). The link's first observation in
+    each layer is a warm-up (first-use allocations) and is not kept; the CPU's cold jobs are
+    the kind's to skip (:class:`SplitCosts`). A side without
     an estimate, or idle long enough (:meth:`SplitCosts.probe_due`), is given work so that it
     is measured: the link one expert, the CPU the share ``probe_fraction`` gives it (the
     profile row's), since a job of one expert measures mostly the fixed part.
@@ -145,7 +171,6 @@ class SplitPolicy:
     probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
     costs: SplitCosts = field(default_factory=SplitCosts)
     probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it
-    _seen_cpu: int = 0  # this layer's observations with CPU work (the first is the warm-up)
     _seen_pcie: int = 0
 
     def planned(self, misses: int) -> int:
@@ -171,13 +196,11 @@ class SplitPolicy:
                 overhead: float = 0.0) -> None:
         if not self.online:
             return
-        if n_cpu > 0 and t_cpu > 0:
-            self._seen_cpu += 1
         if n_fetch > 0 and t_pcie > 0:
             self._seen_pcie += 1
         costs = self.costs
         costs.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead,
-                      (self._seen_cpu > 1, self._seen_pcie > 1), self.probing)
+                      (True, self._seen_pcie > 1), self.probing)
         m = n_cpu + n_fetch
         if not costs.known or m == 0:
             return

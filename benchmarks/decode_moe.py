@@ -164,17 +164,17 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     copies misses with torch (FREETOKEN_ROW_COPY=torch, the library's copies' twin),
     ``+pyslots`` makes the expert cache's decisions in Python (FREETOKEN_EXPERT_SLOTS=python),
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
-    ``+nohostnode`` breaks cpu's decode graphs at each layer instead of holding its jobs as
-    host nodes (FREETOKEN_CPU_HOST_NODE=off)."""
+    ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
+    them at each layer (FREETOKEN_CPU_HOST_NODE=on)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "nojoin", "nohostnode"}
+                              "nojoin", "hostnode"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
-    os.environ["FREETOKEN_CPU_HOST_NODE"] = "off" if "nohostnode" in options else "on"
+    os.environ["FREETOKEN_CPU_HOST_NODE"] = "on" if "hostnode" in options else "off"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")
     prefill = [int(n) for n in args.prefill_tokens.split(",") if n and timed]

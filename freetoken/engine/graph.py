@@ -19,8 +19,9 @@ runs its part between replays:
   buffer the piece after it adds;
 - or, for calls with too many pairs to gather, the whole experts call
   (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
-The dense part of every layer stays captured, and so do experts the CPU pool computes without
-a plan (cpu): their job is a host node of the piece (:meth:`PiecewiseCapture.node`).
+The dense part of every layer stays captured. With ``FREETOKEN_CPU_HOST_NODE=on`` experts the
+CPU pool computes without a plan (cpu) stay in the piece too, their job a host node
+(:meth:`PiecewiseCapture.node`).
 """
 
 from __future__ import annotations

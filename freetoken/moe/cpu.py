@@ -5,14 +5,14 @@ The loader hands expert tensors over undequantised through :meth:`CpuExperts.loa
 (stacked ``E x out x in``, fused ``gate_up_proj``, or one expert at a time). All layers share the
 one pool of pinned workers the runner made and :meth:`CpuExperts.attach` hands over.
 
-On a GPU the decode CUDA graphs hold each layer's job (``moe/pieces.py``
-:meth:`~freetoken.moe.pieces.PiecewiseCapture.node`): the routed ids, weights and hidden states
-are copied to pinned memory, the CUDA driver's host thread runs the pool's job on them as a
-host node (``cpu/host_node.py``) and the result is copied back, all in the graph, so a decode
-step is one replay with no Python between layers. Its twin (``FREETOKEN_CPU_HOST_NODE=off``,
-or a driver without host functions) breaks the graph at each layer's experts: a host step
-copies the inputs (one sync), runs the job and queues the copy of its result into the buffer
-the next piece adds. Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
+On a GPU, decode CUDA graphs break at each layer's experts (``moe/pieces.py``): a host step
+copies the routed ids, weights and hidden states to pinned memory (one sync), runs the pool's
+job on them, which writes into pinned memory, and queues the copy of that result into the
+buffer the next piece adds. With ``FREETOKEN_CPU_HOST_NODE=on`` the graph holds each layer's
+job instead (:meth:`~freetoken.moe.pieces.PiecewiseCapture.node`: the copies, the job as a
+host node run by the CUDA driver's thread, ``cpu/host_node.py``), a step being one replay with
+no Python between layers; it measured half as fast on the H200, so it is not the default.
+Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
 """
 
 from __future__ import annotations

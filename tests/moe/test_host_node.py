@@ -1,7 +1,7 @@
 """The cpu strategy's jobs as host nodes of the decode graph (``cpu/host_node.py``): the
 library's host function gives the pool's own job bits for the live rows only and counts a
 refused job; on a GPU, decode graphs that hold the jobs give the tokens of eager decode and of
-the twin that breaks the graph at each layer (FREETOKEN_CPU_HOST_NODE=off)."""
+the default that breaks the graph at each layer (host nodes are FREETOKEN_CPU_HOST_NODE=on)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,9 @@ def test_a_refused_job_is_raised_after_the_replay(pool) -> None:
     nodes.check()  # counted once
 
 
-def test_the_twin_is_asked_for_by_name(monkeypatch) -> None:
-    monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "off")
-    assert host_nodes() == "FREETOKEN_CPU_HOST_NODE=off"
+def test_host_nodes_are_asked_for_by_name(monkeypatch) -> None:
+    monkeypatch.delenv("FREETOKEN_CPU_HOST_NODE", raising=False)
+    assert "FREETOKEN_CPU_HOST_NODE=on" in host_nodes()
 
 
 @pytest.mark.cuda
@@ -93,6 +93,7 @@ def test_graphs_with_host_nodes_decode_the_eager_tokens(tiny_qwen3_moe, monkeypa
         return {rid: [e.token for e in ev] for rid, ev in _drain(s).items()}
 
     eager = tokens(0)
+    monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "on")
     assert host_nodes() is None
     assert tokens(8) == eager
     monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "off")

@@ -82,7 +82,8 @@ def lookahead_plot() -> None:
 def peer_48l_plot() -> None:
     """Hybrid and offload decode on the 48-layer qwen3 q8_0 file, each run in order, beside
     llama.cpp's placements (docs/benchmarks.md, "The link's copies in one library call")."""
-    found = sorted((ROOT / "benchmarks/results").glob("peer_gpu-qwen3-30b-a3b-48l-*.json"))
+    found = sorted((ROOT / "benchmarks/results").glob(
+        "peer_gpu-qwen3-30b-a3b-48l-h200-two-calls-*.json"))
     if not found:
         return
     peer = json.loads(found[-1].read_text())
@@ -100,6 +101,39 @@ def peer_48l_plot() -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(ROOT / "docs/img/peer_48l.png", dpi=120)
+    plt.close(fig)
+
+
+def peer_sitting_plot(sha: str = "fca7a5f") -> None:
+    """Every strategy and variant of one sitting's 48-layer peer runs (several calls on one
+    warm machine, one file), beside llama.cpp's offloaded placements; resident is left out
+    (its scale is the all-on-GPU one)."""
+    runs = []
+    llama: dict[str, float] = {}
+    for f in sorted((ROOT / "benchmarks/results").glob("peer_gpu-qwen3-30b-a3b-48l-*.json")):
+        peer = json.loads(f.read_text())
+        if peer.get("sha") != sha:
+            continue
+        llama = llama or {k: v["tokens_per_s"] for k, v in peer["llamacpp"].items()}
+        runs += [(r["strategy"], r["tokens_per_s"]) for r in peer["strategies"]
+                 if r["strategy"] != "resident" and r["tokens_per_s"]]
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    colors = ["#3a6ea5" if name.startswith(("hybrid", "auto")) else "#6a9955"
+              if name.startswith("cpu") else "#888888" for name, _ in runs]
+    ax.bar(range(len(runs)), [t for _, t in runs], color=colors)
+    for key, label, color in (("ncmoe", "llama.cpp -ncmoe 42", "#aa3333"),
+                              ("ot_cpu", "llama.cpp -ot exps=CPU", "#d08770")):
+        ax.axhline(llama[key], color=color, ls="--", label=f"{label} ({llama[key]:.1f})")
+    ax.set_xticks(range(len(runs)), [name for name, _ in runs], rotation=25, fontsize=7,
+                  ha="right")
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title(f"48-layer qwen3-30b-a3b q8_0, 4 GB expert cache, 15 threads, H200 ({sha})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / f"docs/img/peer_{sha}.png", dpi=120)
     plt.close(fig)
 
 
@@ -226,4 +260,5 @@ if __name__ == "__main__":
     resident_gpu_plot()
     lookahead_plot()
     peer_48l_plot()
+    peer_sitting_plot()
     split_runs_plot()

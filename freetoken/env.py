@@ -70,7 +70,7 @@ GPU_EXPERT_KERNELS = ("auto", "fused", "dequant")
 
 def gpu_expert_kernel() -> str:
     """FREETOKEN_GPU_EXPERT_KERNEL: how cached experts are computed on the GPU in decode:
-    ``fused`` (slots read in place by Triton kernels: Q8_0, Q5_0, Q4_K, Q6_K), ``dequant``
+    ``fused`` (slots read in place by Triton kernels: Q8_0, Q5_0, Q4_K, Q5_K, Q6_K), ``dequant``
     (slots copied out, dequantised, batched matmuls: resident's bits) or ``auto`` (default:
     fused where every projection's format has a kernel and triton imports)."""
     value = os.environ.get("FREETOKEN_GPU_EXPERT_KERNEL", "auto").strip().lower() or "auto"

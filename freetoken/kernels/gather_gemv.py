@@ -8,10 +8,10 @@ widened, written and read again. The fused kernels read each weight byte once, s
 slot, and accumulate in float32: one program per pair and block of output rows, looping over the
 row's blocks, the pair's activation row broadcast over them.
 
-One kernel compiled per format, its launch choices in :data:`KERNELS` (Q8_0, Q5_0, Q4_K,
-Q6_K: the formats of Q8_0 and Q4_K_M checkpoints' experts); a layer is fused when all three of
-its projections have one. Block layouts are those of ``freetoken/quant`` (GGUF's); scales are
-read byte by byte, so any slot or row stride works.
+One kernel compiled per format, its launch choices in :data:`KERNELS` (Q8_0, Q5_0, Q4_K, Q5_K,
+Q6_K: the formats of Q8_0, Q4_K_M and Q5_K_M checkpoints' experts); a layer is fused when all
+three of its projections have one. Block layouts are those of ``freetoken/quant`` (GGUF's);
+scales are read byte by byte, so any slot or row stride works.
 
 Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a projection:
 ``data`` uint8 (S, R, K // block * block_bytes), S slots (or experts), R output rows, K inputs.
@@ -63,11 +63,12 @@ def unavailable() -> str | None:
 
 # H200, one qwen3-30b-a3b layer (8 pairs of 2048 x 768 experts) in a CUDA graph, 4006e51:
 # q8_0 77 -> 45 us, q4_k/q4_k/q6_k 59 -> 48 us against the first choice (rows 16, warps 4).
-# q5_0 keeps it (not swept).
+# q5_0 keeps it (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
 KERNELS: dict[str, FusedKernel] = {
     "q8_0": FusedKernel("q8_0", step=8, rows=8, warps=2),
     "q5_0": FusedKernel("q5_0", step=4),
     "q4_k": FusedKernel("q4_k", rows=8, warps=2),
+    "q5_k": FusedKernel("q5_k", rows=8, warps=2),
     "q6_k": FusedKernel("q6_k", rows=8, warps=2),
 }
 

@@ -141,6 +141,35 @@ def _q4_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
     return acc
 
 
+@triton.jit
+def _q5_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    # q4_k's sub-blocks and nibbles; weight l of sub-block j adds 16 where qh[l] has bit j
+    k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
+    k3 = k[None, :, None]
+    lane = tl.arange(0, 32)
+    ok = row_ok[:, None, None]
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b in range(NB):  # d, dmin: f16 | scales: u8[12] | qh: u8[32] | qs: u8[128]
+        at = w_ptr + base + b * 176  # (BLOCK_R,) pointers
+        d = _f16(at, row_ok)
+        dmin = _f16(at + 2, row_ok)
+        sc_lo, mn_lo = _k4_scale_min(at, 2 * k, row_ok)
+        sc_hi, mn_hi = _k4_scale_min(at, 2 * k + 1, row_ok)
+        at3 = at[:, None, None]
+        qh = tl.load(at3 + 16 + lane[None, None, :], mask=ok, other=0).to(tl.int32)
+        qs = tl.load(at3 + 48 + k3 * 32 + lane[None, None, :], mask=ok, other=0).to(tl.int32)
+        q_lo = (qs & 15) | (((qh >> (2 * k3)) & 1) << 4)  # (BLOCK_R, 4, 32)
+        q_hi = (qs >> 4) | (((qh >> (2 * k3 + 1)) & 1) << 4)
+        x_at = x_row + b * 256 + k[:, None] * 64 + lane[None, :]
+        x_lo = tl.load(x_at).to(tl.float32)
+        x_hi = tl.load(x_at + 32).to(tl.float32)
+        dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
+        dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None], axis=2)
+        sum_lo = tl.sum(x_lo, axis=1)[None, :]
+        sum_hi = tl.sum(x_hi, axis=1)[None, :]
+        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
+        acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+    return acc
 
 
 @triton.jit
@@ -181,6 +210,8 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
         acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     elif FMT == "q4_k":
         acc = _q4_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    elif FMT == "q5_k":
+        acc = _q5_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
     else:
         acc = _q6_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
     return acc

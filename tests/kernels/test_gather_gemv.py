@@ -16,7 +16,8 @@ triton = pytest.importorskip("triton")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 GGUF_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q5_0": GGMLQuantizationType.Q5_0,
-             "q4_k": GGMLQuantizationType.Q4_K, "q6_k": GGMLQuantizationType.Q6_K}
+             "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
+             "q6_k": GGMLQuantizationType.Q6_K}
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def _gguf_weights(fmt: str, view: torch.Tensor, slot: int) -> np.ndarray:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,R,K", [("q8_0", 40, 96), ("q8_0", 17, 288), ("q5_0", 19, 160),
-                                     ("q4_k", 21, 512), ("q6_k", 18, 768)])
+                                     ("q4_k", 21, 512), ("q5_k", 23, 512), ("q6_k", 18, 768)])
 @pytest.mark.parametrize("T,A", [(1, 3), (2, 2)])
 def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
     """Row counts off the row block (a partial one), block counts off the loop step, several
@@ -70,11 +71,11 @@ def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("formats", [("q8_0", "q8_0", "q8_0"), ("q4_k", "q4_k", "q6_k"),
-                                     ("q5_0", "q5_0", "q8_0")])
+                                     ("q5_0", "q5_0", "q8_0"), ("q5_k", "q5_k", "q6_k")])
 def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     """gate/up -> silu -> down, weighted and summed per token, as the dequantise + matmul path
-    computes it (mixed formats as in Q4_K_M files); pairs whose weight is 0 (masked by the slot
-    table) add nothing."""
+    computes it (mixed formats as in Q4_K_M and Q5_K_M files); pairs whose weight is 0 (masked
+    by the slot table) add nothing."""
     H, I_ = 512, 256  # two super-blocks per gate/up row
     views = _pool(5, [(formats[0], I_, H), (formats[1], I_, H), (formats[2], H, I_)], seed=3,
                   device=device)
@@ -149,7 +150,8 @@ def test_one_stack_has_the_bits_of_two_launches(kernels, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
-@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q5_0", 96), ("q4_k", 256), ("q6_k", 256)])
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q5_0", 96), ("q4_k", 256), ("q5_k", 256),
+                                   ("q6_k", 256)])
 def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fmt, K):
     """gate, up and act(g) * u in one launch where the activation has a code (gelu without
     the tanh has none: torch applies it), close to the two sums rounded then combined."""

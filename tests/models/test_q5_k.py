@@ -67,8 +67,9 @@ def test_logits_match_transformers_on_the_values_gguf_reads(q5_k_model):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_offload_gives_residents_logits(q5_k_model, device):
-    """Offload's slots hold the q5_k blocks (no fused kernel reads them: dequantise + matmul)
-    and give resident's logits; on the CPU bit for bit."""
+    """Offload's slots hold the q5_k blocks (on a GPU the fused kernel reads them in place, as
+    it reads resident's; on the CPU dequantise + matmul) and give resident's logits; on the CPU
+    bit for bit."""
     gguf, reference = q5_k_model
     resident = our_logits(load_ours(gguf, device=device), IDS, prefill=4, device=device)
     offload = load_ours(gguf, device=device, strategy="offload", cache=CacheSizing("size", 3))

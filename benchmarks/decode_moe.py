@@ -23,6 +23,8 @@ A ``+dequant`` suffix (``offload+dequant``) computes cached experts by dequantis
 instead of the fused gather-GEMV kernels; ``+lookahead`` / ``+nolookahead``
 (``hybrid-online+lookahead``) set ``--moe-lookahead on`` / ``off`` (default: auto);
 ``+torchcopy`` copies misses with torch instead of the library (FREETOKEN_ROW_COPY=torch).
+For cpu through CUDA graphs it records the share of the wall in the host steps between pieces
+and in the pool's jobs within them (the rest: the graph pieces, syncs and sampling).
 --prefill-tokens 512,4096 also times one prompt of each length per strategy (random ids, best of
 --repeats, after the decode runs): prefill tokens/s, as time to the first token
 (--prefill-strategies picks which).
@@ -52,6 +54,7 @@ from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.resolve import parse_bytes  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
+from freetoken.moe.cpu import CpuExperts  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 
 COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
@@ -144,6 +147,12 @@ def split_costs(engine: Engine) -> dict[str, dict[str, float | None]]:
             for m in engine.model.modules() if isinstance(m, HybridExperts)}
 
 
+def host_step_times(layers: list[CpuExperts]) -> dict[str, float]:
+    """The cpu layers' host steps between graph pieces so far, summed (see HostStepTimes)."""
+    return {k: sum(getattr(m.host_times, k) for m in layers)
+            for k in ("calls", "step_s", "job_s")}
+
+
 def prefill_tokens_per_s(engine: Engine, n: int, repeats: int) -> float:
     """Best of ``repeats`` prompts of ``n`` random ids (one seed per length), as time to the
     first token."""
@@ -198,23 +207,34 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     sampling = dict(temperature=args.temperature, seed=args.seed, ignore_eos=True)
     engine.generate(ids, SamplingParams(max_tokens=16, **sampling))  # warm-up
     rt = engine.runner.offload
+    cpu_layers = [m for m in engine.model.modules() if isinstance(m, CpuExperts)]
     runs = []
     for _ in range(args.repeats):
         before = rt.stats.snapshot() if rt else None
+        steps_before = host_step_times(cpu_layers)
         stats = GenerationStats()
         t = time.perf_counter()
         engine.generate(ids, SamplingParams(max_tokens=args.tokens, **sampling), stats=stats)
         wall = time.perf_counter() - t
         after = rt.stats.snapshot() if rt else None
+        steps = {k: v - steps_before[k] for k, v in host_step_times(cpu_layers).items()}
         runs.append({"decode_tokens_per_s": stats.decode_tokens_per_s,
                      "prefill_s": stats.prefill_s, "wall_s": wall,
-                     "moe": moe_delta(before, after)})
+                     "moe": moe_delta(before, after), "cpu_host_steps": steps})
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
     prefill_tps = {str(n): prefill_tokens_per_s(engine, n, args.repeats) for n in prefill}
+    if best["cpu_host_steps"]["calls"]:  # cpu between graph pieces: where its wall went
+        steps = best["cpu_host_steps"]
+        out_steps = {"share_cpu_host_step": steps["step_s"] / best["wall_s"],
+                     "share_cpu_job": steps["job_s"] / best["wall_s"],
+                     "us_per_host_step": 1e6 * steps["step_s"] / steps["calls"],
+                     "us_per_cpu_job": 1e6 * steps["job_s"] / steps["calls"]}
+    else:
+        out_steps = {}
     kernels = [m.gpu_kernel for m in engine.model.modules() if isinstance(m, OffloadExperts)]
     out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
                            "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"],
-                           "prefill_tokens_per_s": prefill_tps,
+                           "prefill_tokens_per_s": prefill_tps, **out_steps,
                            "gpu_expert_kernels": {k: kernels.count(k) for k in set(kernels)}}
     if rt is not None:
         moe = best["moe"]

@@ -66,7 +66,7 @@ def main() -> None:
         if ref in speeds and row["tokens_per_s"]:
             row |= {"compared_with": ref, "ratio_to_llamacpp": row["tokens_per_s"] / speeds[ref]}
         for k in ("share_fetch", "share_plan", "share_cpu_wait", "share_expert_compute",
-                  "prefill_tokens_per_s"):
+                  "share_cpu_host_step", "share_cpu_job", "prefill_tokens_per_s"):
             if k in s:
                 row[k] = s[k]
         rows.append(row)

@@ -17,6 +17,9 @@ Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from freetoken.cpu import executor as cx
@@ -27,6 +30,16 @@ from freetoken.moe.host_job import HostJobs
 from freetoken.moe.pieces import HostCopies, Recorder
 from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
+
+
+@dataclass
+class HostStepTimes:
+    """A layer's host steps between graph pieces so far: how many, their wall seconds on the
+    engine thread, and the pool's seconds on their jobs (submit to last item)."""
+
+    calls: int = 0
+    step_s: float = 0.0
+    job_s: float = 0.0
 
 
 class CpuExperts(Experts):
@@ -50,6 +63,7 @@ class CpuExperts(Experts):
         self._recorder: Recorder | None = None  # given by attach on a GPU
         self.registered = False  # the banks are on the pool (from attach)
         self.host_jobs = HostJobs(shape.layer)  # the pool's jobs between graph pieces
+        self.host_times = HostStepTimes()
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -93,7 +107,14 @@ class CpuExperts(Experts):
         """The step between graph pieces: the pool's job on the inputs' host copies (``x``,
         ``ids`` and ``w`` are the device's, not read); its result is ``host.cpu_out``."""
         assert self._pool is not None
-        return self.host_jobs.get(self._pool, host).submit(all_pairs=True).wait()
+        t0 = time.perf_counter()
+        future = self.host_jobs.get(self._pool, host).submit(all_pairs=True)
+        out = future.wait()
+        times = self.host_times
+        times.calls += 1
+        times.step_s += time.perf_counter() - t0
+        times.job_s += future.seconds
+        return out
 
     def register(self) -> cx.CpuMoeExecutor:
         """Copy the banks to huge-page host memory and hand them to the executor."""

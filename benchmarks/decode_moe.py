@@ -174,10 +174,11 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+pyslots`` makes the expert cache's decisions in Python (FREETOKEN_EXPERT_SLOTS=python),
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
-    them at each layer (FREETOKEN_CPU_HOST_NODE=on)."""
+    them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
+    whatever --temperature says (sampled against greedy in one run)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "nojoin", "hostnode"}
+                              "nojoin", "hostnode", "greedy"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -204,7 +205,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if "nojoin" in options and engine.runner.pool is not None:
         engine.runner.pool.set_join(False)
     ids = engine.encode(args.prompt)
-    sampling = dict(temperature=args.temperature, seed=args.seed, ignore_eos=True)
+    temperature = 0.0 if "greedy" in options else args.temperature
+    sampling = dict(temperature=temperature, seed=args.seed, ignore_eos=True)
     engine.generate(ids, SamplingParams(max_tokens=16, **sampling))  # warm-up
     rt = engine.runner.offload
     cpu_layers = [m for m in engine.model.modules() if isinstance(m, CpuExperts)]

@@ -80,3 +80,19 @@ def gpu_expert_kernel() -> str:
         raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL={value!r} is not one of "
                           f"{', '.join(GPU_EXPERT_KERNELS)}; unset it for auto")
     return value
+
+
+CPU_HOST_NODES = ("off", "on")
+
+
+def cpu_host_node() -> str:
+    """FREETOKEN_CPU_HOST_NODE: how decode CUDA graphs run the cpu strategy's pool jobs:
+    ``off`` (default: a host step between two graph pieces per layer) or ``on`` (each job a
+    host node inside the graph, run by the CUDA driver's thread: one replay a step)."""
+    value = os.environ.get("FREETOKEN_CPU_HOST_NODE", "off").strip().lower() or "off"
+    if value not in CPU_HOST_NODES:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_CPU_HOST_NODE={value!r} is not one of "
+                          f"{', '.join(CPU_HOST_NODES)}; unset it for off")
+    return value

@@ -18,11 +18,11 @@ while a replay executes (nothing else writes them then).
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 
 import torch
 
+from freetoken import env
 from freetoken.cpu import abi
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.cpu.library import native
@@ -96,7 +96,7 @@ def host_nodes() -> str | None:
     only with ``FREETOKEN_CPU_HOST_NODE=on`` and a driver with host functions. Off by default:
     on the H200 (48-layer qwen3-30b-a3b q8_0, 15 threads) cpu decoded 15.6 tok/s with them
     against 31.4 with a host step between pieces (benchmarks/results, fca7a5f)."""
-    if os.environ.get("FREETOKEN_CPU_HOST_NODE", "off") != "on":
+    if env.cpu_host_node() != "on":
         return "host nodes are off (FREETOKEN_CPU_HOST_NODE=on turns them on)"
     launch = launch_host_func()
     return launch if isinstance(launch, str) else None

@@ -10,6 +10,7 @@ import torch
 
 from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import HostNodeError, HostNodes, host_nodes
+from freetoken.errors import ConfigError
 from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Shared
 from freetoken.quant import get_format
@@ -75,6 +76,9 @@ def test_a_refused_job_is_raised_after_the_replay(pool) -> None:
 def test_host_nodes_are_asked_for_by_name(monkeypatch) -> None:
     monkeypatch.delenv("FREETOKEN_CPU_HOST_NODE", raising=False)
     assert "FREETOKEN_CPU_HOST_NODE=on" in host_nodes()
+    monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "yes")
+    with pytest.raises(ConfigError, match="FREETOKEN_CPU_HOST_NODE='yes' is not one of off, on"):
+        host_nodes()
 
 
 @pytest.mark.cuda

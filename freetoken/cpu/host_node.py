@@ -53,6 +53,7 @@ class HostNodes:
         self.step = abi.HostNodeStep()
         self.jobs: list[tuple[abi.HostNodeJob, tuple[torch.Tensor, ...]]] = []
         self._run = ctypes.cast(self.lib.ft_host_node_run, ctypes.c_void_p).value
+        self._done: torch.cuda.Event | None = None  # made by the first wait()
 
     def job(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
             w: torch.Tensor, out: torch.Tensor) -> abi.HostNodeJob:
@@ -82,6 +83,15 @@ class HostNodes:
     def set_rows(self, n: int) -> None:
         """The live rows of the next replay (the jobs compute no others)."""
         self.step.rows = n
+
+    def wait(self) -> None:
+        """Block until the current stream's work so far (a replay holding these jobs) is done,
+        asleep on a blocking event: the pool computes meanwhile, and a spin on this thread's
+        core in the caller's first sync would take a core from it."""
+        if self._done is None:
+            self._done = torch.cuda.Event(blocking=True)
+        self._done.record()
+        self._done.synchronize()
 
     def check(self) -> None:
         """Raise if the pool refused a job since the last check."""

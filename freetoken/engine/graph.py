@@ -68,7 +68,6 @@ class _Graph:
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
         self.nodes: HostNodes | None = None  # the CPU pool's jobs inside the pieces
-        self.done = torch.cuda.Event(blocking=True) if device.type == "cuda" else None
 
 
 class DecodeGraphs:
@@ -161,9 +160,6 @@ class DecodeGraphs:
         else:
             assert g.graph is not None
             g.graph.replay()
-        if g.nodes is not None and g.done is not None:
-            # the CPU pool computes during the replay: this thread sleeps (a blocking event)
-            # rather than spin on its core in the caller's first sync
-            g.done.record()
-            g.done.synchronize()
+        if g.nodes is not None:
+            g.nodes.wait()
         return g.out[:n]

@@ -14,21 +14,15 @@ The slow twin is :class:`~freetoken.layers.linear.Linear` on the same checkpoint
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from freetoken.cpu.abi import EXPERT_FORMATS
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.cpu.expert_stack import ExpertStack
 from freetoken.quant import QuantTensor, get_format
 
-log = logging.getLogger(__name__)
-
-# f32 and f16 weights, and formats the pool's kernels do not read yet, are kept as bf16.
+# Formats the pool's kernels read; f32 and f16 weights are kept as bf16.
 _AS_BF16 = ("f32", "f16")
-_SAID: set[str] = set()  # formats whose conversion was logged
 # Sibling layers that read one input, by attribute name in their parent module.
 INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -112,11 +106,7 @@ class PoolLinear(nn.Module):
                              f"{(self.out_features, self.in_features)}")
         if self.exact and qt.fmt != "f32":
             qt = get_format("f32").quantize(get_format(qt.fmt).dequantize(qt).float())
-        elif not self.exact and (qt.fmt in _AS_BF16 or qt.fmt not in EXPERT_FORMATS):
-            if qt.fmt not in _AS_BF16 and qt.fmt not in _SAID:
-                _SAID.add(qt.fmt)
-                log.info("%s dense weights: the CPU pool's kernels do not read them yet; "
-                         "the pool keeps them as bf16", qt.fmt)
+        elif not self.exact and qt.fmt in _AS_BF16:
             qt = get_format("bf16").quantize(get_format(qt.fmt).dequantize(qt))
         self.weight_q = qt
 

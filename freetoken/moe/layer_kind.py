@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from freetoken.config import ModelConfig
-from freetoken.cpu.abi import EXPERT_FORMATS
 from freetoken.errors import CheckpointError
 from freetoken.quant import format_for_gguf_type, get_format
 
@@ -201,11 +200,6 @@ def kind_words(kind: LayerKind) -> str:
     """The expert formats of a kind in words, as a bank names them (``q8_0``, ``gate/up q4_k,
     down q6_k``)."""
     return formats_in_words(*kind_formats(kind))
-
-
-def without_cpu_kernel(kind: LayerKind) -> list[str]:
-    """The expert formats of a kind that the CPU kernels do not read (none: [])."""
-    return sorted({f for f in kind_formats(kind) if f not in EXPERT_FORMATS})
 
 
 def formats_in_words(gate: str, up: str, down: str) -> str:

@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 
-from freetoken.moe.expert_cache import rank
-
 PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
 PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
 
@@ -60,12 +58,6 @@ class Lookahead:
         (T, k) int64 on x's device."""
         logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """Experts the next layer will likely need for the tokens ``x`` (T, H), most often
-        predicted first (ties: lower id): what :meth:`SlotPool.prefetch` ranks
-        :meth:`route`'s picks into."""
-        return rank(self.route(x).cpu().numpy().ravel())
 
     def budget(self, tokens: int) -> int:
         """Predicted misses fetched for a call of ``tokens`` at most (0: too many tokens to

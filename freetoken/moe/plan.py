@@ -25,13 +25,7 @@ from freetoken.errors import ConfigError
 from freetoken.kernels.gather_gemv import fused
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
-from freetoken.moe.layer_kind import (
-    LayerKind,
-    kind_words,
-    layer_kinds,
-    layer_span,
-    without_cpu_kernel,
-)
+from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span
 from freetoken.moe.profile import Match, Profile, load_profile_or_empty, lookup, plan_fractions
 from freetoken.moe.registry import AUTO, needs_of
 from freetoken.moe.resident import keeps_blocks
@@ -115,39 +109,24 @@ def plan_moe(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device,
 
 def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
                     strategies: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's layers off the CPU kernels where they cannot run the layer's experts (a
-    clamped SwiGLU without a positive alpha and limit, or an expert format the kernels do not
-    read yet): an explicit cpu or hybrid is refused, auto's choice falls back (cpu ->
-    resident, hybrid -> offload) with a log line."""
+    """The plan's layers off the CPU kernels where they cannot run the model's experts (a
+    clamped SwiGLU without a positive alpha and limit): an explicit cpu or hybrid is refused,
+    auto's choice falls back (cpu -> resident, hybrid -> offload) with a log line."""
     mc = ckpt.config
     why = ExpertShape(0, mc.num_experts, mc.hidden_size, mc.moe_intermediate_size, mc.top_k,
                       mc.hidden_act, mc.expert_bias, mc.swiglu_alpha,
                       mc.swiglu_limit).native_missing()
     native = [s for s in strategies if s in ("cpu", "hybrid")]
+    if why is None or not native:
+        return strategies
+    if cfg.moe_strategy != AUTO:
+        raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {mc.family}'s "
+                          f"experts: {why}")
     instead = {"cpu": "resident", "hybrid": "offload"}
-    if why is not None and native:
-        if cfg.moe_strategy != AUTO:
-            raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {mc.family}'s "
-                              f"experts: {why}")
-        log.info("MoE plan: %s's experts cannot run on the CPU kernels (%s); auto runs %d "
-                 "layers on %s instead", mc.family, why, len(native),
-                 " / ".join(sorted({instead[s] for s in native})))
-        return tuple(instead.get(s, s) for s in strategies)
-    out = list(strategies)
-    for kind, layers in layer_kinds(ckpt).items() if native else ():
-        off = [i for i in layers if strategies[i] in instead]
-        if not off or not (missing := without_cpu_kernel(kind)):
-            continue
-        what = (f"layer{'s' if len(off) > 1 else ''} {layer_span(off)}: the CPU kernels do not "
-                f"read {' or '.join(missing)} experts yet")
-        if cfg.moe_strategy != AUTO:
-            raise ConfigError(f"--moe-strategy {cfg.moe_strategy} cannot run {what}; use "
-                              "--moe-strategy offload or resident (or auto, which does)")
-        log.info("MoE plan: %s; auto runs them on %s instead", what,
-                 " / ".join(sorted({instead[strategies[i]] for i in off})))
-        for i in off:
-            out[i] = instead[strategies[i]]
-    return tuple(out)
+    log.info("MoE plan: %s's experts cannot run on the CPU kernels (%s); auto runs %d layers "
+             "on %s instead", mc.family, why, len(native),
+             " / ".join(sorted({instead[s] for s in native})))
+    return tuple(instead.get(s, s) for s in strategies)
 
 
 def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,

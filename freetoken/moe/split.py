@@ -84,19 +84,19 @@ class SplitCosts:
             self._idle_pcie = 0
 
     def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
-                overhead: float, warm: tuple[bool, bool], probing: str) -> None:
+                overhead: float, pcie_warm: bool, probing: str) -> None:
         """One call's halves: ``n_cpu`` experts in ``t_cpu`` on the CPU, ``n_fetch`` fetched in
-        ``t_pcie``, the host's ``overhead``. ``warm``: whether each half's time is kept (a
-        layer's first use of a side is a warm-up); ``probing``: the side the call probed."""
+        ``t_pcie``, the host's ``overhead``. ``pcie_warm``: whether the fetch time is kept (a
+        layer's first fetch is a warm-up); ``probing``: the side the call probed."""
         self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
         self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
         cold, self._cpu_was_idle = self._cpu_was_idle, n_cpu == 0
-        if n_cpu > 0 and t_cpu > 0 and warm[0] and not cold:
+        if n_cpu > 0 and t_cpu > 0 and not cold:
             if probing == "cpu" and self.c_cpu is not None:
                 self._rescale_cpu(n_cpu, t_cpu, overhead)
             self._fit_cpu(n_cpu, t_cpu)
             self.o = self._smooth(self.o, overhead)
-        if n_fetch > 0 and t_pcie > 0 and warm[1]:
+        if n_fetch > 0 and t_pcie > 0 and pcie_warm:
             self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
         m = n_cpu + n_fetch
         if not self.known or m == 0:
@@ -200,7 +200,7 @@ class SplitPolicy:
             self._seen_pcie += 1
         costs = self.costs
         costs.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead,
-                      (True, self._seen_pcie > 1), self.probing)
+                      self._seen_pcie > 1, self.probing)
         m = n_cpu + n_fetch
         if not costs.known or m == 0:
             return

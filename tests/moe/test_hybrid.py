@@ -436,8 +436,8 @@ def test_a_cpu_probed_after_sitting_idle_is_timed_warm():
     policies = shared_policies(layers, 1.0, probe_fraction=0.5)
     costs = policies[0].costs
     for k in [1, 1, 2, 3, 4, 5, 6, 7, 8] * 3:  # what cold jobs of 1..8 experts left in the fit
-        costs.observe(k, 5.0 + 3.0 * k, 0, 0.0, 1.0, (True, True), "")
-    costs.observe(0, 0.0, 8, 8 * link, 0.0, (True, True), "")
+        costs.observe(k, 5.0 + 3.0 * k, 0, 0.0, 1.0, True, "")
+    costs.observe(0, 0.0, 8, 8 * link, 0.0, True, "")
     assert costs.c_cpu == pytest.approx(3.0) and costs.l_cpu == pytest.approx(5.0)
     last: list[tuple[int, float, int, float, float] | None] = [None] * layers
     idle = True  # the previous call in the engine's order gave the CPU nothing

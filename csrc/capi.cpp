@@ -385,9 +385,14 @@ FT_API int ft_copy_rows(const ft::RowCopyApi* api, const ft::RowCopy* c) {
   return ft::copy_rows(*api, *c);
 }
 
-// Spans of bytes copied in order on one stream, the host waiting for it with sync
-// (row_copy.h): 0, or the CUDA driver's error.
+// Spans of bytes copied in order on one stream, the host waiting for them with an event
+// ``done`` (row_copy.h): 0, or the CUDA driver's error.
 FT_API int ft_copy_spans(const ft::RowCopyApi* api, void* stream, int n, const uint64_t* dst,
-                         const uint64_t* src, const int64_t* bytes, int sync) {
-  return ft::copy_spans(*api, stream, n, dst, src, bytes, sync);
+                         const uint64_t* src, const int64_t* bytes, void* done, int spin_us) {
+  return ft::copy_spans(*api, stream, n, dst, src, bytes, done, spin_us);
+}
+
+// The host waits for a stream's work so far: a bounded spin, then asleep (row_copy.h).
+FT_API int ft_wait_event(const ft::RowCopyApi* api, void* event, void* stream, int spin_us) {
+  return ft::wait_event(*api, event, stream, spin_us);
 }

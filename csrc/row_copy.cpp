@@ -2,8 +2,12 @@
 // the host. CUDA is not linked: the caller passes the CUDA driver's entry points (the driver
 // the process already loaded, whose streams and events torch's are), so this library builds
 // and runs without CUDA, where the same call is a plain memcpy per run of rows.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "row_copy.h"
 
@@ -11,12 +15,20 @@ namespace ft {
 
 namespace {
 
-// The CUDA driver's signatures for the three entry points used (addresses are unified, so a
-// copy needs no direction).
+// The CUDA driver's signatures for the entry points used (addresses are unified, so a copy
+// needs no direction).
 using MemcpyAsync = int (*)(uint64_t dst, uint64_t src, size_t bytes, void* stream);
 using EventRecord = int (*)(void* event, void* stream);
 using StreamWaitEvent = int (*)(void* stream, void* event, unsigned flags);
-using StreamSynchronize = int (*)(void* stream);
+using EventQuery = int (*)(void* event);
+using EventSynchronize = int (*)(void* event);
+constexpr int NOT_READY = 600;  // CUDA_ERROR_NOT_READY: cuEventQuery's "not yet"
+
+inline void relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#endif
+}
 
 }  // namespace
 
@@ -57,7 +69,7 @@ int copy_rows(const RowCopyApi& api, const RowCopy& c) {
 }
 
 int copy_spans(const RowCopyApi& api, void* stream, int n, const uint64_t* dst,
-               const uint64_t* src, const int64_t* bytes, int sync) {
+               const uint64_t* src, const int64_t* bytes, void* done, int spin_us) {
   auto copy = (MemcpyAsync)api.memcpy_async;
   int err = 0;
   for (int i = 0; i < n; ++i) {
@@ -68,12 +80,22 @@ int copy_spans(const RowCopyApi& api, void* stream, int n, const uint64_t* dst,
       std::memcpy((void*)(uintptr_t)dst[i], (const void*)(uintptr_t)src[i], (size_t)bytes[i]);
     }
   }
-  if (copy && sync) {
-    auto wait = (StreamSynchronize)api.stream_synchronize;
-    if (!wait) return -1;
-    return wait(stream);
+  return copy && done ? wait_event(api, done, stream, spin_us) : 0;
+}
+
+int wait_event(const RowCopyApi& api, void* event, void* stream, int spin_us) {
+  auto record = (EventRecord)api.event_record;
+  auto query = (EventQuery)api.event_query;
+  auto sleep = (EventSynchronize)api.event_synchronize;
+  if (!record || !query || !sleep) return -1;
+  int err = record(event, stream);
+  if (err) return err;
+  auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  while ((err = query(event)) == NOT_READY) {
+    if (std::chrono::steady_clock::now() >= until) return sleep(event);
+    relax();
   }
-  return 0;
+  return err;
 }
 
 }  // namespace ft

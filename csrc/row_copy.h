@@ -9,7 +9,8 @@ struct RowCopyApi {
   void* memcpy_async;       // cuMemcpyAsync
   void* event_record;       // cuEventRecord
   void* stream_wait_event;  // cuStreamWaitEvent
-  void* stream_synchronize; // cuStreamSynchronize
+  void* event_query;        // cuEventQuery
+  void* event_synchronize;  // cuEventSynchronize
 };
 
 // Row dst_rows[i] of dst gets row src_rows[i] of src (row_bytes each), on copy_stream after
@@ -35,9 +36,15 @@ struct RowCopy {
 // 0, or the CUDA driver's error code (-1: an incomplete api).
 int copy_rows(const RowCopyApi& api, const RowCopy& c);
 
-// n copies of bytes[i] from src[i] to dst[i] on stream, in order; with sync the host then
-// waits for the stream. 0, or the CUDA driver's error code.
+// n copies of bytes[i] from src[i] to dst[i] on stream, in order; with an event ``done``
+// the host then waits for them as wait_event does. 0, or the CUDA driver's error code.
 int copy_spans(const RowCopyApi& api, void* stream, int n, const uint64_t* dst,
-               const uint64_t* src, const int64_t* bytes, int sync);
+               const uint64_t* src, const int64_t* bytes, void* done, int spin_us);
+
+// The host waits for the work queued on stream so far: event (made with blocking sync) is
+// recorded there and polled for at most spin_us microseconds, then waited for asleep, so a
+// long wait costs the thread spin_us of CPU time, not the whole wait. 0, or the driver's
+// error code (-1: an incomplete api).
+int wait_event(const RowCopyApi& api, void* event, void* stream, int spin_us);
 
 }  // namespace ft

@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 11  # csrc/common.h ABI_VERSION
+ABI_VERSION = 12  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")
@@ -85,7 +85,8 @@ class RowCopyApi(c.Structure):
     """csrc/row_copy.h RowCopyApi: the CUDA driver's entry points (all None: memcpy)."""
 
     _fields_ = [("memcpy_async", c.c_void_p), ("event_record", c.c_void_p),
-                ("stream_wait_event", c.c_void_p), ("stream_synchronize", c.c_void_p)]
+                ("stream_wait_event", c.c_void_p), ("event_query", c.c_void_p),
+                ("event_synchronize", c.c_void_p)]
 
 
 class RowCopy(c.Structure):

@@ -159,8 +159,9 @@ def native() -> ctypes.CDLL:
         "ft_copy_rows": (c.c_int, [c.POINTER(abi.RowCopyApi), c.POINTER(abi.RowCopy)]),
         "ft_copy_spans": (
             c.c_int, [c.POINTER(abi.RowCopyApi), c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
-                      c.c_void_p, c.c_int],
+                      c.c_void_p, c.c_void_p, c.c_int],
         ),
+        "ft_wait_event": (c.c_int, [c.POINTER(abi.RowCopyApi), c.c_void_p, c.c_void_p, c.c_int]),
         "ft_host_node_run": (None, [c.c_void_p]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_slots_new": (c.c_void_p, [c.c_int]),

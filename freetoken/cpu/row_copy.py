@@ -20,11 +20,13 @@ from functools import cache
 import numpy as np
 import torch
 
+from freetoken.config.engine import MOE_CPU_SPIN_US
 from freetoken.cpu import abi
 from freetoken.cpu.library import NativeUnavailable, native
 
 DRIVER = "libcuda.so.1"
-ENTRY_POINTS = ("cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuStreamSynchronize")
+ENTRY_POINTS = ("cuMemcpyAsync", "cuEventRecord", "cuStreamWaitEvent", "cuEventQuery",
+                "cuEventSynchronize")
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
@@ -93,6 +95,13 @@ class RowCopier:
         self._api = ctypes.byref(self.api)
         self.desc = abi.RowCopy()
         self._rows = np.zeros((2, max_rows), dtype=np.int32)  # dst rows, src rows
+        self._done: torch.cuda.Event | None = None  # what a sync waits on (blocking)
+
+    def _done_event(self) -> int:
+        if self._done is None:
+            self._done = torch.cuda.Event(blocking=True)
+            self._done.record()  # made now, so that it has a handle
+        return self._done.cuda_event
 
     def copy(self, dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
              src_rows: list[int], compute_stream: int = 0, copy_stream: int = 0,
@@ -129,13 +138,15 @@ class RowCopier:
                      sync: bool = False) -> None:
         """Each ``(dst, src)`` pair (contiguous, of equal bytes: a host buffer and a device
         one, either way) copied in order on ``stream`` (a raw handle; 0: the legacy default
-        stream); with ``sync`` the host then waits for the stream. On the CPU: memcpy."""
+        stream); with ``sync`` the host then waits for the stream (as ``cpu/gpu_wait.py``
+        does: a bounded spin, then asleep). On the CPU: memcpy."""
         self.run(Spans(pairs), stream, sync)
 
     def run(self, spans: Spans, stream: int = 0, sync: bool = False) -> None:
         """The copies of ``spans``, as :meth:`copy_tensors` makes them."""
         dst, src, nbytes = spans.pointers
+        done = self._done_event() if sync and self.api.memcpy_async else None
         err = self.lib.ft_copy_spans(self._api, stream or None, spans.n, dst, src, nbytes,
-                                     int(sync))
+                                     done, MOE_CPU_SPIN_US)
         if err:
             raise RowCopyError(f"copying {spans.n} buffers failed: CUDA driver error {err}")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken.cpu.gpu_wait import to_host
+
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's chat limit)
 
 TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]  # the token's, then the top (id, lp)
@@ -84,7 +86,7 @@ def race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """A token drawn from the weights ``probs`` (vocab,; they need not sum to 1) where they
     are: the argmax of ``probs / E`` with E ~ Exp(1) per token. E is kept above 0, so a token
     of weight 0 (filtered out) is never drawn."""
-    return int(race_rows(probs, gen))
+    return int(to_host(race_rows(probs, gen)))
 
 
 def race_rows(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
@@ -101,7 +103,7 @@ def greedy(logits: torch.Tensor) -> int | list[int]:
     # numpy's argmax takes a twentieth of torch's time over a 150k vocabulary
     if logits.is_cpu and logits.dtype is torch.float32:
         return logits.numpy().argmax(axis=-1).tolist()
-    return torch.argmax(logits, dim=-1).tolist()
+    return to_host(torch.argmax(logits, dim=-1)).tolist()
 
 
 def plain(p: SamplingParams) -> bool:
@@ -129,7 +131,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     if len(drawn) > 1 and not logits.is_cpu:
         temps = torch.tensor([params[i].temperature for i in drawn], device=logits.device)
         probs = torch.softmax(logits[drawn].float() / temps.unsqueeze(-1), dim=-1)
-        for i, t in zip(drawn, race_rows(probs, None).tolist(), strict=True):
+        for i, t in zip(drawn, to_host(race_rows(probs, None)).tolist(), strict=True):
             out[i] = t
     return [sample(logits[i], params[i], gens[i]) if t is None else t
             for i, t in enumerate(out)]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.cpu import executor as cx
+from freetoken.cpu.gpu_wait import to_host
 from freetoken.cpu.jobs import CpuMoeFuture
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import Routed, SlotPool, Split
@@ -220,7 +221,7 @@ class HybridExperts(OffloadExperts):
         if job is not None:
             return job.submit(all_pairs=False), time.perf_counter() - t0
         if x.is_cuda:  # one transfer (one sync) for both
-            both = torch.cat([x.float(), w.float()], dim=1).cpu()
+            both = to_host(torch.cat([x.float(), w.float()], dim=1))
             x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
         return (self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer),
                 time.perf_counter() - t0)

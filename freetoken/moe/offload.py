@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from freetoken.cpu.gpu_wait import to_host
 from freetoken.kernels.activation import expert_activation
 from freetoken.kernels.build import raised_by_triton
 from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
@@ -149,8 +150,10 @@ class OffloadExperts(Experts):
         assert self.runtime is not None
         pool = self.runtime.cache.pool(self.shape.layer)
         flat = ids.reshape(-1)
-        if flat.is_cuda or flat.dtype is not torch.int64:
-            flat = flat.to("cpu", torch.int64)
+        if flat.is_cuda:  # the host waits for the router: a bounded spin, then asleep
+            flat = to_host(flat)
+        if flat.dtype is not torch.int64:
+            flat = flat.to(torch.int64)
         flat = flat.contiguous()
         routed = pool.route(self.shape.layer, flat)
         came = self.incoming
@@ -270,7 +273,7 @@ class OffloadExperts(Experts):
                 return
             picks = host.predicted
         else:
-            picks = la.route(x).cpu()
+            picks = to_host(la.route(x))
         pool = rt.cache.pool(la.layer)
         # this call's slots (its hits and fetches; a miss's -1 is ignored) stay
         keep = (np.concatenate((routed.slot, split.slots))

@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 
 from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.cpu.gpu_wait import gpu_wait
 from freetoken.cpu.host_node import HostNodes
 from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 
@@ -126,7 +127,7 @@ class HostStep(_Landing):
         else:
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+            gpu_wait(self.device).wait()
         self.land(self.plan(x, ids, w, host), n)
 
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from freetoken.checkpoint import open_checkpoint
@@ -68,10 +70,34 @@ def our_logits(
     return torch.cat(out).float().cpu()
 
 
+def skip_where_hf_ignores_the_clamp(path: Path | str) -> None:
+    """Skip a comparison with ``transformers`` on a GPT-OSS directory whose ``swiglu_limit``
+    the installed ``transformers`` does not read: some releases (5.17 among them) clamp at a
+    fixed 7.0 whatever the config says, so a tiny checkpoint with a lower limit cannot match
+    them. A probe of its expert module, not a version list, decides."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return
+    cfg = json.loads(config.read_text())
+    if cfg.get("model_type") != "gpt_oss" or "swiglu_limit" not in cfg:
+        return
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    probe = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=4, num_local_experts=2,
+                                       swiglu_limit=cfg["swiglu_limit"]))
+    if getattr(probe, "limit", None) != cfg["swiglu_limit"]:
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} clamps GPT-OSS's experts at "
+                    f"{probe.limit}, not at the config's swiglu_limit {cfg['swiglu_limit']}")
+
+
 @torch.inference_mode()
 def hf_logits(path: Path | str, ids: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
+    skip_where_hf_ignores_the_clamp(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model(torch.tensor([ids])).logits[0].float()
@@ -102,6 +128,7 @@ def our_greedy(model: torch.nn.Module, prompt: list[int], steps: int,
 def hf_greedy(path: Path | str, prompt: list[int], steps: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
+    skip_where_hf_ignores_the_clamp(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     got = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
                          do_sample=False)

@@ -132,8 +132,8 @@ def _without_native(cfg: EngineConfig, ckpt: Checkpoint,
 def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, threads: int,
                      kv_floor_bytes: int) -> tuple[str, ...]:
     """Resident layers while they fit on the device (and in the cache flag's cap, see
-    :func:`resident_budget`), then hybrid or offload per layer kind from the bandwidth profile;
-    on the CPU every MoE layer runs on the CPU pool."""
+    :func:`resident_budget`), then hybrid, cpu or offload per layer kind from the bandwidth
+    profile; on the CPU every MoE layer runs on the CPU pool."""
     mc = ckpt.config
     kinds = layer_kinds(ckpt)
     if device.type != "cuda":
@@ -162,20 +162,21 @@ def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: st
                         cpu: str) -> str | None:
     """What ``--moe-strategy auto`` runs layers of ``kind`` as, from the profile row, on a box
     with ``threads`` pool workers at ``isa`` on a ``cpu``: the row's recommendation, but
-    offload where the row recommends hybrid and was measured unlike this run (another thread
-    count, ISA or CPU), since auto must not pick a plan slower than offload on the box it runs
-    on. None when the kind has no row."""
+    offload where the row recommends the CPU (hybrid or cpu) and was measured unlike this run
+    (another thread count, ISA or CPU), since auto must not pick a plan slower than offload on
+    the box it runs on. None when the kind has no row."""
     match = lookup(profile, kind, threads)
     if match.row is None:
         return None
-    if match.row.recommended != "hybrid":
-        return match.row.recommended
+    rec = match.row.recommended
+    if rec == "offload":
+        return rec
     why = match.unlike(threads, isa, cpu)
     if why is None:
-        return "hybrid"
+        return rec
     log.info("--moe-strategy auto: the profile row for %s was measured %s, so it cannot say "
-             "the CPU share pays on this box; those layers offload (run `ft bench bw --model "
-             "<checkpoint>` here to let auto weigh hybrid)", kind_words(kind), why)
+             "the CPU pays on this box; those layers offload (run `ft bench bw --model "
+             "<checkpoint>` here to let auto weigh %s)", kind_words(kind), why, rec)
     return "offload"
 
 
@@ -334,7 +335,7 @@ def plan_auto(kinds: dict[LayerKind, list[int]], num_layers: int, layer_bytes: i
               budget: int, recommend: Callable[[LayerKind], str | None]) -> tuple[str, ...]:
     """``--moe-strategy auto`` per layer: resident while ``layer_bytes`` per layer fit in
     ``budget`` (device bytes for resident experts, :func:`resident_budget`), then per layer
-    kind what its profile row recommends (``hybrid`` or ``offload``), else offload.
+    kind what its profile row recommends (``hybrid``, ``cpu`` or ``offload``), else offload.
     ``recommend(kind)`` returns the row's recommendation or None when the kind has no row."""
     plan = ["resident"] * num_layers
     moe = sorted(layer for layers in kinds.values() for layer in layers)

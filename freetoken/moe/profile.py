@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 
 VERSION = 6
 FETCH_CAP = 1  # experts a hybrid layer without a row fetches per step
-HYBRID_MARGIN = 1.10  # overlapped CPU + PCIe must beat PCIe alone by 10% to recommend hybrid
+HYBRID_MARGIN = 1.10  # overlapped CPU + PCIe must beat either alone by 10% to recommend hybrid
+# the CPU alone must beat PCIe alone by 50% to recommend cpu over offload: offload also gets
+# the expert cache's hits, which the profile does not see (11 % at 4 GB on the default router)
+CPU_MARGIN = 1.50
 
 How = Literal["exact", "nearest_shape", "nearest_threads", "missing"]
 
@@ -75,13 +78,16 @@ class Row:
         return self.pcie_overlapped_gbps / (self.pcie_overlapped_gbps + self.cpu_overlapped_gbps)
 
     @property
-    def recommended(self) -> Literal["hybrid", "offload"]:
-        """``hybrid`` when overlapped CPU + PCIe beats PCIe alone by HYBRID_MARGIN (10%) and
-        beats the CPU alone; else ``offload`` (the CPU adds too little, or overlapping costs
-        more than it gives)."""
+    def recommended(self) -> Literal["hybrid", "offload", "cpu"]:
+        """``hybrid`` when overlapped CPU + PCIe beats PCIe alone and the CPU alone by
+        HYBRID_MARGIN (10%: the split's planning and fetches cost the step time); else ``cpu``
+        when the CPU alone beats PCIe alone by CPU_MARGIN (on the H200 box, where the two
+        overlapped add little since the link's reads share the CPU's memory bandwidth, cpu
+        decoded 44 tok/s against hybrid's 38); else ``offload``."""
         both = self.cpu_overlapped_gbps + self.pcie_overlapped_gbps
-        helps = both > HYBRID_MARGIN * self.pcie_gbps and both > self.cpu_gbps
-        return "hybrid" if helps else "offload"
+        if both > HYBRID_MARGIN * max(self.pcie_gbps, self.cpu_gbps):
+            return "hybrid"
+        return "cpu" if self.cpu_gbps > CPU_MARGIN * self.pcie_gbps else "offload"
 
     def to_json(self) -> dict[str, Any]:
         return {"cpu_gbps": self.cpu_gbps, "pcie_gbps": self.pcie_gbps,

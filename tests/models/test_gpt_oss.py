@@ -43,6 +43,15 @@ def test_matches_transformers_across_the_window(tiny_gpt_oss, device):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.cuda
+def test_cuda_gives_the_cpus_logits(tiny_gpt_oss):
+    """Our GPU run against our CPU run, which the tests here hold to ``transformers``: where
+    the installed ``transformers`` cannot be the reference, the GPU's path is still held."""
+    cpu = our_logits(load_ours(tiny_gpt_oss), IDS, prefill=9)
+    gpu = our_logits(load_ours(tiny_gpt_oss, device="cuda"), IDS, prefill=9, device="cuda")
+    torch.testing.assert_close(gpu, cpu, atol=1e-4, rtol=1e-4)
+
+
 def test_the_clamp_and_the_sinks_matter(tiny_gpt_oss):
     """Guards the parity test: without the clamp or the sinks the logits move well past its
     tolerance, so neither can be silently dropped."""

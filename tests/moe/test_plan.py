@@ -184,3 +184,18 @@ def test_auto_trusts_a_hybrid_row_only_where_it_was_measured(caplog):
     other = Profile(Path("p.json"), {kind.key(15): offload})
     assert auto_recommendation(other, kind, 3, "avx512_bf16", cpu) == "offload"
     assert auto_recommendation(Profile(Path("p.json"), {}), kind, 3, "avx2", cpu) is None
+
+
+def test_auto_runs_the_cpu_where_it_alone_is_fastest():
+    """A row whose CPU alone beats PCIe by far and the two overlapped add little (the link's
+    reads share the CPU's memory bandwidth) sends auto's layers to cpu, measured here; a
+    row measured on another box sends them to offload, as for hybrid."""
+    kind = LayerKind("gguf", 2048, 768, 8, (("down_type", "8"), ("gate_up_type", "8")))
+    row = Row(123.0, 53.0, 86.0, 48.0, {"isa": "avx512_bf16", "cpu_model": "Some Xeon"})
+    assert row.recommended == "cpu"
+    profile = Profile(Path("p.json"), {kind.key(15): row})
+    assert auto_recommendation(profile, kind, 15, "avx512_bf16", "Some Xeon") == "cpu"
+    assert auto_recommendation(profile, kind, 15, "avx2", "Some Xeon") == "offload"
+    plan = plan_auto({kind: [0, 1, 2]}, 3, 100, 100,
+                     lambda k: auto_recommendation(profile, k, 15, "avx512_bf16", "Some Xeon"))
+    assert plan == ("resident", "cpu", "cpu")

@@ -146,7 +146,9 @@ def test_row_fraction_recommendation_and_table():
     assert r.fraction == pytest.approx(31.1 / 120.2)
     assert r.recommended == "hybrid"
     assert Row(40.0, 50.0, 3.0, 49.0).recommended == "offload"  # CPU adds < 10% over PCIe
-    assert Row(130.0, 30.0, 80.0, 30.0).recommended == "offload"  # the CPU alone is faster
+    assert Row(130.0, 30.0, 80.0, 30.0).recommended == "cpu"  # the CPU alone is faster
+    assert Row(130.0, 50.0, 100.0, 40.0).recommended == "cpu"  # overlapped adds < 10 %
+    assert Row(60.0, 50.0, 30.0, 30.0).recommended == "offload"  # the CPU not 50 % faster
     table = format_table({Q8_KIND.key(12): r}).splitlines()
     assert table[0].split("  ")[0] == "Layer kind" and "Overlapped CPU / PCIe" in table[0]
     assert table[1].split() == [Q8_KIND.key(12), "101.6", "31.5", "89.1", "/", "31.1",

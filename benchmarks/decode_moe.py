@@ -175,18 +175,16 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
     them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
-    whatever --temperature says (sampled against greedy in one run), ``+q8bytes`` reads Q8_0
-    blocks byte by byte in the fused kernels (FREETOKEN_GPU_Q8_READ=bytes)."""
+    whatever --temperature says (sampled against greedy in one run)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "nojoin", "hostnode", "greedy", "q8bytes"}
+                              "nojoin", "hostnode", "greedy"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     os.environ["FREETOKEN_CPU_HOST_NODE"] = "on" if "hostnode" in options else "off"
-    os.environ["FREETOKEN_GPU_Q8_READ"] = "bytes" if "q8bytes" in options else "wide"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")
     prefill = [int(n) for n in args.prefill_tokens.split(",") if n and timed]

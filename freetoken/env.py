@@ -82,22 +82,6 @@ def gpu_expert_kernel() -> str:
     return value
 
 
-GPU_Q8_READS = ("wide", "bytes")
-
-
-def gpu_q8_read() -> str:
-    """FREETOKEN_GPU_Q8_READ: how the fused kernel reads Q8_0 blocks: ``wide`` (default: two
-    bytes a load where the blocks sit at even addresses) or ``bytes`` (one a load, as before;
-    for comparing the two)."""
-    value = os.environ.get("FREETOKEN_GPU_Q8_READ", "wide").strip().lower() or "wide"
-    if value not in GPU_Q8_READS:
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_GPU_Q8_READ={value!r} is not one of "
-                          f"{', '.join(GPU_Q8_READS)}; unset it for wide")
-    return value
-
-
 CPU_HOST_NODES = ("off", "on")
 
 

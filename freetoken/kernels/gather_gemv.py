@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from freetoken import env
 from freetoken.kernels.activation import ACTIVATIONS, glu
 from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as, get_format
@@ -98,17 +97,8 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     grid = (index.numel(), triton.cdiv(R, rows))
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
-        FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, WIDE=wide(fmt, data),
-        num_warps=spec.warps)
+        FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, num_warps=spec.warps)
     return out
-
-
-def wide(fmt: str, data: torch.Tensor) -> bool:
-    """Whether the kernel reads ``fmt``'s blocks two bytes a load: q8_0 at an even address and
-    even slot and row strides (GGUF's 34-byte blocks then start at even addresses); the
-    byte-wise read otherwise, and where FREETOKEN_GPU_Q8_READ says bytes."""
-    return (fmt == "q8_0" and env.gpu_q8_read() == "wide" and data.data_ptr() % 2 == 0
-            and data.stride(0) % 2 == 0 and data.stride(1) % 2 == 0)
 
 
 def glu_code(act: Act) -> int:

@@ -69,31 +69,6 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
     return acc
 
 
-@triton.jit
-def _q8_0_rows_wide(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                    STEP: tl.constexpr):
-    """:func:`_q8_0_rows` reading two bytes a load: a 34-byte block at an even address is 17
-    int16s (d, then 16 pairs of quants, low byte first), half the loads of bytes. Needs the
-    data, slot and row strides even (:func:`gather_gemv`'s WIDE)."""
-    w16 = w_ptr.to(tl.pointer_type(tl.int16))
-    pair = tl.arange(0, 16)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for b0 in range(0, NB, STEP):
-        blocks = b0 + tl.arange(0, STEP)
-        ok = row_ok[:, None] & (blocks < NB)[None, :]
-        at = base[:, None] // 2 + blocks[None, :] * 17  # (BLOCK_R, STEP) in int16s
-        d = tl.load(w16 + at, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        v = tl.load(w16 + at[:, :, None] + 1 + pair[None, None, :], mask=ok[:, :, None],
-                    other=0)
-        lo = ((v << 8) >> 8).to(tl.float32)  # the low byte, sign-extended
-        hi = (v >> 8).to(tl.float32)
-        x_at = x_row + blocks[:, None] * 32 + 2 * pair[None, :]
-        x_ok = (blocks < NB)[:, None]
-        x_lo = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_at + 1, mask=x_ok, other=0.0).to(tl.float32)
-        dot = tl.sum(lo * x_lo[None, :, :] + hi * x_hi[None, :, :], axis=2)
-        acc += tl.sum(dot * d, axis=1)
-    return acc
 
 
 @triton.jit
@@ -227,11 +202,9 @@ def _q6_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 @triton.jit
 def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
-          BLOCK_R: tl.constexpr, STEP: tl.constexpr, WIDE: tl.constexpr):
+          BLOCK_R: tl.constexpr, STEP: tl.constexpr):
     """The rows' sums of format FMT (chosen when the kernel is compiled)."""
-    if FMT == "q8_0" and WIDE:
-        acc = _q8_0_rows_wide(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
-    elif FMT == "q8_0":
+    if FMT == "q8_0":
         acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     elif FMT == "q5_0":
         acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
@@ -247,11 +220,11 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
 @triton.jit
 def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
                 out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                STEP: tl.constexpr, ACT: tl.constexpr, WIDE: tl.constexpr = False):
+                STEP: tl.constexpr, ACT: tl.constexpr):
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
-    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, WIDE)
+    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     if ACT:
-        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP, WIDE)
+        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -93,28 +93,6 @@ def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     torch.testing.assert_close(fused.float(), slow.float(), rtol=tol, atol=tol * slow.abs().max())
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_q8_0_read_two_bytes_a_load_or_one_gives_the_same_sums(kernels, device, monkeypatch):
-    """Q8_0 blocks at even addresses are read as int16s (WIDE); at an odd address, or with
-    FREETOKEN_GPU_Q8_READ=bytes, byte by byte: both against the gguf package's numbers."""
-    _, view = _pool(3, [("q5_0", 3, 32), ("q8_0", 24, 128)], seed=7, device=device)
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(2, 128, generator=g).to(device)
-    index = torch.tensor([2, 0, 1, 1]).to(device)
-    want = np.stack([_gguf_weights("q8_0", view, int(s)) @ x[p // 2].cpu().double().numpy()
-                     for p, s in enumerate(index.tolist())])
-    odd = torch.zeros(view.numel() + 1, dtype=torch.uint8, device=device)[1:].view(view.shape)
-    odd.copy_(view)
-    assert kernels.wide("q8_0", view) and not kernels.wide("q8_0", odd)
-    outs = [kernels.gather_gemv("q8_0", v, index, x, 2).cpu() for v in (view, odd)]
-    monkeypatch.setenv("FREETOKEN_GPU_Q8_READ", "bytes")
-    assert not kernels.wide("q8_0", view)
-    outs.append(kernels.gather_gemv("q8_0", view, index, x, 2).cpu())
-    for out in outs:
-        np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(outs[1], outs[2], rtol=0, atol=0)  # the same byte-wise kernel
-
-
 def test_shapes_that_do_not_fit_are_refused():
     from freetoken.kernels.gather_gemv import fused, gather_gemv
 
@@ -129,20 +107,17 @@ def test_shapes_that_do_not_fit_are_refused():
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 @pytest.mark.parametrize("fmt", list(GGUF_TYPE))
 @pytest.mark.parametrize("act", [0, 1, 2])
-@pytest.mark.parametrize("wide", [False, True])
-def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int, wide: bool) -> None:
+def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
     from freetoken.kernels.gather_gemv import KERNELS
 
-    if wide and fmt != "q8_0":
-        pytest.skip("only q8_0 has a two-byte read")
     spec = KERNELS[fmt]
     sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
            "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
            "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
-           "STEP": "constexpr", "ACT": "constexpr", "WIDE": "constexpr"}
+           "STEP": "constexpr", "ACT": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
-                      "STEP": spec.step, "ACT": act, "WIDE": wide})
+                      "STEP": spec.step, "ACT": act})
 
 
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():

@@ -110,13 +110,15 @@ def peer_sitting_plot(sha: str = "fca7a5f") -> None:
     (its scale is the all-on-GPU one)."""
     runs = []
     llama: dict[str, float] = {}
+    gpu = "H200"
     for f in sorted((ROOT / "benchmarks/results").glob("peer_gpu-qwen3-30b-a3b-48l-*.json")):
         peer = json.loads(f.read_text())
         if peer.get("sha") != sha:
             continue
         llama = llama or {k: v["tokens_per_s"] for k, v in peer["llamacpp"].items()}
+        gpu = "H100" if "H100" in str(peer.get("gpu")) else gpu
         runs += [(r["strategy"], r["tokens_per_s"]) for r in peer["strategies"]
-                 if r["strategy"] != "resident" and r["tokens_per_s"]]
+                 if not r["strategy"].startswith("resident") and r["tokens_per_s"]]
     if not runs:
         return
     fig, ax = plt.subplots(figsize=(8, 3.4))
@@ -129,7 +131,7 @@ def peer_sitting_plot(sha: str = "fca7a5f") -> None:
     ax.set_xticks(range(len(runs)), [name for name, _ in runs], rotation=25, fontsize=7,
                   ha="right")
     ax.set_ylabel("decode tok/s (temperature 1)")
-    ax.set_title(f"48-layer qwen3-30b-a3b q8_0, 4 GB expert cache, 15 threads, H200 ({sha})",
+    ax.set_title(f"48-layer qwen3-30b-a3b q8_0, 4 GB expert cache, 15 threads, {gpu} ({sha})",
                  fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -261,4 +263,5 @@ if __name__ == "__main__":
     lookahead_plot()
     peer_48l_plot()
     peer_sitting_plot()
+    peer_sitting_plot("99ab718")
     split_runs_plot()

@@ -30,11 +30,11 @@ from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS
 from freetoken.moe.host_job import HostJob, HostJobs
-from freetoken.moe.layer_kind import LayerKind, cpu_format
+from freetoken.moe.layer_kind import LayerKind, cpu_format, kind_words
 from freetoken.moe.offload import OffloadExperts, slot_of
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
-from freetoken.moe.split import SplitCosts, SplitPolicy
+from freetoken.moe.split import SplitCosts, SplitPolicy, WallCheck
 from freetoken.moe.stats import Span
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
@@ -117,8 +117,12 @@ class HybridExperts(OffloadExperts):
         self.executor = shared.pool
         self.executor.add_layer(self.shape.layer, gate, up, down, **self.native_glu())
         f = plan.fetch_fraction
-        costs = shared.splits.setdefault(self.kind(), SplitCosts(layers=0))
+        kind = self.kind()
+        costs = shared.splits.setdefault(kind, SplitCosts(layers=0))
         costs.layers += 1
+        if costs.check is None:
+            costs.check = WallCheck(kind_words(kind))
+        costs.check.layers = costs.layers
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5,
                                   costs=costs)
@@ -194,19 +198,27 @@ class HybridExperts(OffloadExperts):
         misses, arrived = routed.misses, self.incoming.arrived
         # experts look-ahead fetched count as fetched: the split is over the misses there
         # would have been without it
-        n = self.policy.n_fetch(misses + arrived) - arrived
+        n = self.policy.n_fetch(misses + arrived, flat.numel() // self.shape.top_k) - arrived
         if self.policy.probing == "pcie":  # a probe still times one fetch
             n = max(n, 1)
         n = max(0, min(n, misses))
         return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
 
     def prefetch_share(self, misses: int) -> int:
-        """The share of predicted misses the split would fetch (none before it has one)."""
+        """The share of predicted misses the split would fetch (none before it has one; all
+        while the wall check benches the CPU)."""
+        if self._benched():
+            return misses
         return 0 if self.policy.fraction is None else self.policy.planned(misses)
 
     def fetches_all(self) -> bool:
         p = self.policy
-        return p.fraction is not None and p.fraction >= 1.0 and p.max_fetch is None
+        return self._benched() or (p.fraction is not None and p.fraction >= 1.0
+                                   and p.max_fetch is None)
+
+    def _benched(self) -> bool:
+        check = self.policy.costs.check
+        return self.policy.online and check is not None and check.benched
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
                 cpu_ids: torch.Tensor, job: HostJob | None = None,

@@ -3,14 +3,22 @@ computes the rest. :class:`SplitPolicy` starts from the bandwidth profile's frac
 online, corrects it from the times each call measures. The times are a property of the box
 and of the layer's kind, not of the layer: hybrid layers of one kind share one
 :class:`SplitCosts`, so each call's times refine the costs every such layer splits by, and an
-idle side is probed once for all of them.
+idle side is probed once for all of them. A model can miss what a CPU share costs the step
+(the engine thread's time in the pool's job, the link shared with look-ahead, memory both sides
+read), so a :class:`WallCheck` now and then times the decode steps all-fetch against the
+split itself and benches the CPU where all-fetch is faster.
 
 Threads: the engine's main thread only (one policy per hybrid layer, one cost model per kind).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 PROBE_FIRST = 8  # one layer's calls after which a side left idle first gets work again
 REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps losing)
@@ -18,6 +26,74 @@ REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps 
 # (the pool's workers asleep, their caches cold; on the H200 such jobs measured 200-450 us an
 # expert against 45-57 warm), so it is not kept, and the next one is timed
 PROBE_CALLS = 2
+# the wall check, in decode calls of each layer (tokens at batch 1): the first after
+# CHECK_FIRST, each arm CHECK_ARM long, the wait doubling up to CHECK_LONGEST; all-fetch must
+# be CHECK_MARGIN faster than the split to bench the CPU
+CHECK_FIRST = 16
+CHECK_ARM = 8
+CHECK_LONGEST = 1024
+CHECK_MARGIN = 0.03
+DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
+
+
+@dataclass
+class WallCheck:
+    """The split judged by the steps it makes: after ``wait`` decode calls of each of the
+    kind's ``layers``, CHECK_ARM calls of each run all-fetch, then as many as the split says,
+    each arm timed by the wall between calls (a call's whole cycle: the GPU, the link, the
+    CPU, the host). Where all-fetch was CHECK_MARGIN faster the CPU is benched (no share, no
+    probes) until the next check; either way the wait doubles. ``clock`` is for tests."""
+
+    name: str = ""
+    layers: int = 1
+    clock: Callable[[], float] = time.perf_counter
+    benched: bool = False
+    phase: str = "wait"  # "wait", then the "fetch" arm, then the "split" arm
+    _wait: int = CHECK_FIRST
+    _calls: int = 0  # decode calls counted in the phase so far
+    _t0: float = 0.0  # when the arm's first call started
+    _restart: bool = False  # a prefill call fell in the arm: it starts again at the next call
+    _fetch_s: float = 0.0
+
+    @property
+    def all_fetch(self) -> bool:
+        """Whether this call gives the CPU nothing: the fetch arm, or benched between checks."""
+        return self.phase == "fetch" or (self.phase == "wait" and self.benched)
+
+    def tick(self, rows: int) -> None:
+        """A call of ``rows`` token rows starts (before its split is chosen)."""
+        now = self.clock()
+        if rows > DECODE_ROWS:
+            self._restart = self.phase != "wait"
+            return
+        if self._restart:  # this call is the arm's first again
+            self._restart, self._calls, self._t0 = False, 0, now
+            return
+        self._calls += 1
+        if self.phase == "wait":
+            if self._calls > self._wait * self.layers:  # this call starts the fetch arm
+                self.phase, self._calls, self._t0 = "fetch", 0, now
+            return
+        if self._calls < CHECK_ARM * self.layers:
+            return
+        per_call = (now - self._t0) / self._calls  # this call is the first after the arm
+        if self.phase == "fetch":
+            self._fetch_s = per_call
+            self.phase, self._calls, self._t0 = "split", 0, now
+            return
+        self._judge(self._fetch_s, per_call)
+        self.phase, self._calls = "wait", 1
+
+    def _judge(self, fetch_s: float, split_s: float) -> None:
+        benched = fetch_s < (1 - CHECK_MARGIN) * split_s
+        if benched != self.benched:
+            log.info("hybrid %s: %s (all-fetch %.0f us a layer call, the split %.0f); next "
+                     "check in %d tokens", self.name or "layers",
+                     "the CPU's share costs the step, so it gets no experts" if benched
+                     else "the CPU's share pays again", 1e6 * fetch_s, 1e6 * split_s,
+                     min(2 * self._wait, CHECK_LONGEST))
+        self.benched = benched
+        self._wait = min(2 * self._wait, CHECK_LONGEST)
 
 
 @dataclass
@@ -41,6 +117,7 @@ class SplitCosts:
 
     layers: int = 1
     smoothing: float = 0.3
+    check: WallCheck | None = None  # the steps' own verdict (None: the model's alone)
     c_cpu: float | None = None  # seconds per expert on the CPU
     l_cpu: float = 0.0  # seconds per CPU job, whatever its size
     c_pcie: float | None = None  # seconds per fetched expert
@@ -178,9 +255,15 @@ class SplitPolicy:
         n = misses if self.fraction is None else round(self.fraction * misses)
         return n if self.max_fetch is None else min(n, self.max_fetch)
 
-    def n_fetch(self, misses: int) -> int:
-        n = self.planned(misses)
+    def n_fetch(self, misses: int, rows: int = 1) -> int:
+        """Misses to fetch of a call's ``misses`` (``rows`` token rows)."""
         self.probing = ""
+        check = self.costs.check if self.online else None
+        if check is not None:
+            check.tick(rows)
+            if check.all_fetch:
+                return misses
+        n = self.planned(misses)
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
             costs = self.costs
             if n == 0 and costs.probe_due("pcie"):

@@ -16,11 +16,16 @@ from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.profile import VERSION, Row, save_rows
 from freetoken.moe.split import (
+    CHECK_ARM,
+    CHECK_FIRST,
+    CHECK_LONGEST,
+    DECODE_ROWS,
     PROBE_CALLS,
     PROBE_FIRST,
     REMEASURE_EVERY,
     SplitCosts,
     SplitPolicy,
+    WallCheck,
 )
 from tests.models.helpers import load_ours, our_logits
 
@@ -167,6 +172,75 @@ def shared_policies(layers: int, fraction: float | None, **kw) -> list[SplitPoli
     costs = SplitCosts(layers=layers)
     return [SplitPolicy(fraction, None if fraction is not None else 1, costs=costs, **kw)
             for _ in range(layers)]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
+                 prefill_at: int = -1) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
+    """``layers`` policies of one kind whose model gives the CPU half of 8 misses (a fixed
+    0.5, nothing observed); each decode call takes ``split_s`` when the CPU had a share and
+    ``fetch_s`` when all 8 were fetched, by a fake clock. Returns the policies, the check and
+    each token's count of calls that gave the CPU nothing."""
+    clock = _Clock()
+    check = WallCheck(layers=layers, clock=clock)
+    costs = SplitCosts(layers=layers, check=check)
+    policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
+    fetched_all = []
+    for token in range(tokens):
+        rows = DECODE_ROWS + 1 if token == prefill_at else 1
+        count = 0
+        for policy in policies:
+            n = policy.n_fetch(8, rows)
+            count += n == 8
+            clock.now += (fetch_s if n == 8 else split_s) * (50 if rows > 1 else 1)
+        fetched_all.append(count)
+    return policies, check, fetched_all
+
+
+def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
+    """The model says the CPU pays, the steps say all-fetch is 10 % faster (the small box:
+    hybrid 0.93x offload): after CHECK_FIRST tokens, CHECK_ARM tokens all-fetch and as many
+    split, the CPU gets nothing; the next check comes twice as late and confirms it."""
+    layers = 6
+    first = CHECK_FIRST + 2 * CHECK_ARM
+    _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 2 * CHECK_ARM + 4,
+                                         split_s=110e-6, fetch_s=100e-6)
+    assert fetched_all[:CHECK_FIRST] == [0] * CHECK_FIRST  # the model's split
+    assert fetched_all[CHECK_FIRST:CHECK_FIRST + CHECK_ARM] == [layers] * CHECK_ARM
+    assert fetched_all[CHECK_FIRST + CHECK_ARM:first] == [0] * CHECK_ARM  # the split's arm
+    assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
+        2 * CHECK_FIRST)
+    assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
+
+
+def test_the_wall_check_keeps_a_cpu_share_that_pays():
+    """The steps agree with the model (the split 15 % faster): after each check the model's
+    split runs again, and the wait doubles up to CHECK_LONGEST tokens."""
+    _, check, fetched_all = _checked_run(4, 400, split_s=85e-6, fetch_s=100e-6)
+    assert not check.benched
+    # fetch arms at tokens 16, 64, 144 and 288: each wait twice the last, and the arms
+    assert sum(1 for c in fetched_all if c) == 4 * CHECK_ARM
+    assert fetched_all[288:296] == [4] * CHECK_ARM and not any(fetched_all[296:])
+    assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
+
+
+def test_a_prefill_call_restarts_the_arm_it_falls_in():
+    """A prompt's call (many rows) in the middle of an arm is not timed: the arm starts again,
+    so a 50x longer call does not decide the verdict."""
+    first = CHECK_FIRST + 2 * CHECK_ARM
+    _, check, fetched_all = _checked_run(4, first + CHECK_ARM + 2, split_s=110e-6,
+                                         fetch_s=100e-6, prefill_at=CHECK_FIRST + 2)
+    arm = CHECK_FIRST + 3 + CHECK_ARM  # two tokens, the prompt's call, then the whole arm
+    assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + CHECK_ARM)
+    assert fetched_all[arm:arm + CHECK_ARM] == [0] * CHECK_ARM  # the split's arm
+    assert check.benched and fetched_all[arm + CHECK_ARM:] == [4] * 7
 
 
 def test_noisy_cpu_times_are_split_by_the_kinds_costs():
@@ -360,8 +434,8 @@ def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatc
     made, seen = [], []
     n_fetch, observe = policy.n_fetch, policy.observe
 
-    def counting(misses: int) -> int:
-        n = n_fetch(misses)
+    def counting(misses: int, rows: int = 1) -> int:
+        n = n_fetch(misses, rows)
         made.append(policy.probing)
         return n
 

@@ -275,7 +275,7 @@ class HybridExperts(OffloadExperts):
         rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
                         fetch=fetch, compute=compute, cpu_experts=on_cpu, cpu_s=t_cpu,
                         plan_s=plan_s)
-        rt.stats.set_fraction(layer, self.policy.fraction)
+        rt.stats.set_fraction(layer, 1.0 if self._benched() else self.policy.fraction)
 
     def _observe_last(self) -> None:
         """Feed the previous call's times to the policy (its copy has finished by now: the

@@ -129,60 +129,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import time
+    from freetoken.engine.engine import generate_main
 
-    from freetoken.engine.detok import Detokenizer
-    from freetoken.engine.engine import Engine, GenerationStats
-    from freetoken.engine.resolve import resolve_engine
-    from freetoken.engine.sample import SamplingParams
-
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
-    try:
-        params.validate()
-    except ValueError as e:
-        raise FreeTokenError(str(e)) from e
-    engine = Engine(resolve_engine(args), progress=sys.stderr.isatty())
-    ids = engine.encode(args.prompt)
-    detok = Detokenizer(engine.tokenizer)
-    stats = GenerationStats()
-    out = sys.stdout
-    if not args.ids:
-        out.write(args.prompt)
-        out.flush()
-    t0 = time.perf_counter()
-    try:
-        tokens = engine.generate(
-            ids,
-            params,
-            stats=stats,
-            on_token=None if args.ids else (lambda t: (out.write(detok.push(t)), out.flush())),
-        )
-    except ValueError as e:
-        raise FreeTokenError(str(e)) from e
-    if args.ids:
-        print(" ".join(map(str, tokens)))
-    else:
-        out.write("\n")
-    total = time.perf_counter() - t0
-    print(
-        f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens; "
-        f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s, "
-        f"total {total:.2f} s]",
-        file=sys.stderr,
-    )
-    if engine.runner.offload is not None:
-        moe = engine.runner.offload.stats.snapshot(per_layer=False)
-        print(f"[expert cache: hit rate {100 * moe['hit_rate']:.1f} %, "
-              f"{moe['bytes_per_token'] / 1e6:.2f} MB/token fetched, {moe['streamed']} experts "
-              f"streamed; fetch {moe['fetch_s']:.2f} s, expert compute {moe['compute_s']:.2f} s]",
-              file=sys.stderr)
-    return 0
+    return generate_main(args)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -5,6 +5,8 @@ The server's scheduler (engine/scheduler.py) drives the same runner with many se
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,8 +15,11 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.engine.detok import Detokenizer
+from freetoken.engine.resolve import resolve_engine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sample import SamplingParams, generator, sample
+from freetoken.errors import FreeTokenError
 from freetoken.layers.context import Segment
 
 
@@ -95,3 +100,55 @@ class Engine:
             pos += 1
         if stats.output_tokens > 1:
             stats.decode_s = time.perf_counter() - t_decode
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    """`ft generate`: one prompt, its tokens streamed to stdout (``--ids``: the token ids),
+    then a line of timings and, with offloaded experts, the cache's figures on stderr."""
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise FreeTokenError(str(e)) from e
+    engine = Engine(resolve_engine(args), progress=sys.stderr.isatty())
+    ids = engine.encode(args.prompt)
+    detok = Detokenizer(engine.tokenizer)
+    stats = GenerationStats()
+    out = sys.stdout
+    if not args.ids:
+        out.write(args.prompt)
+        out.flush()
+    t0 = time.perf_counter()
+    try:
+        tokens = engine.generate(
+            ids,
+            params,
+            stats=stats,
+            on_token=None if args.ids else (lambda t: (out.write(detok.push(t)), out.flush())),
+        )
+    except ValueError as e:
+        raise FreeTokenError(str(e)) from e
+    if args.ids:
+        print(" ".join(map(str, tokens)))
+    else:
+        out.write("\n")
+    total = time.perf_counter() - t0
+    print(
+        f"[{stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens; "
+        f"prefill {stats.prefill_s:.2f} s, decode {stats.decode_tokens_per_s:.1f} tokens/s, "
+        f"total {total:.2f} s]",
+        file=sys.stderr,
+    )
+    if engine.runner.offload is not None:
+        moe = engine.runner.offload.stats.snapshot(per_layer=False)
+        print(f"[expert cache: hit rate {100 * moe['hit_rate']:.1f} %, "
+              f"{moe['bytes_per_token'] / 1e6:.2f} MB/token fetched, {moe['streamed']} experts "
+              f"streamed; fetch {moe['fetch_s']:.2f} s, expert compute {moe['compute_s']:.2f} s]",
+              file=sys.stderr)
+    return 0

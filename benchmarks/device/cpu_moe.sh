@@ -28,6 +28,6 @@ if [ "${PEER:-0}" = 1 ]; then
   [ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --layers ${PEER_LAYERS:-16} \
     --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
   PYTHONPATH=$PWD/.peer/site:$PYTHONPATH python3 benchmarks/cpu_peer.py --model $M --repeats ${REPEATS:-3} \
-    --threads 16 --tokens 32 --engines ${ENGINES:-cpu_dense_pool} --label qwen3-${PEER_LAYERS:-16}layers-q8_0-16cores-h200 \
+    --threads 16 --tokens 32 --engines ${ENGINES:-cpu_dense_pool} --label qwen3-${PEER_LAYERS:-16}layers-q8_0-16cores-$GPU \
     --out "$OUT" 2>&1 | grep -v output_ids | tail -${PEER_TAIL:-25}
 fi

@@ -27,7 +27,7 @@ for round in $(seq ${ROUNDS:-1}); do
     (cd $dir && PYTHONPATH=/tmp/site:$dir FREETOKEN_GIT_SHA=$sha python3 benchmarks/decode_moe.py \
       --model $M --device cuda --strategies ${STRATEGIES:-resident,offload,hybrid-online} \
       --moe-cache-mem ${CACHE:-1GB} --tokens 64 --repeats 2 --temperature ${TEMPERATURE:-0} --git-sha "$sha" \
-      --label $PRESET-${LAYERS:-12}l-ab-$side-h200 --out "$OUT/$side" 2>&1 \
+      --label $PRESET-${LAYERS:-12}l-ab-$side-$GPU --out "$OUT/$side" 2>&1 \
       | grep -v "^Loading" | grep -E "$KEYS")
   done
 done

@@ -4,7 +4,7 @@
 # checkpoint of PRESET (gemma4-26b-a4b, or qwen3-30b-a3b written in q8_0), after the MoE CUDA
 # tests. STRATEGIES (resident, offload, offload-eager, hybrid-cap1, hybrid-profile,
 # hybrid-online, cpu), SPIN (--moe-cpu-spin-us), REPEATS and TESTS=0 (skip the tests) vary it;
-# LABEL names the result. The profile rows in use are benchmarks/results/benchbw-*-h200.json.
+# LABEL names the result. The profile rows in use are benchmarks/results/benchbw-gemma4-qwen3-h200.json.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/decode_moe.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,6 +21,6 @@ FORMAT=(); [ "$PRESET" = qwen3-30b-a3b ] && FORMAT=(--expert-format q8_0)
 python3 benchmarks/decode_moe.py --model $M --device cuda \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,hybrid-profile,cpu} \
   --moe-cache-mem 4GB --moe-cpu-spin-us ${SPIN:-1000} --tokens 64 --repeats ${REPEATS:-2} \
-  --label $PRESET-${LABEL:-tables}-h200 \
+  --label $PRESET-${LABEL:-tables}-$GPU \
   --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
   | tee "$OUT/decode_${LABEL:-tables}.log" | grep -E "$KEYS"

@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 python3 -m pytest -m cuda -q -p no:cacheprovider tests/kernels/test_gather_gemv.py \
   2>&1 | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -20 | tee "$OUT/kernel_tests.log"
-python3 benchmarks/gather_gemv.py --shape 2048x768 --label h200-2048x768 --out "$OUT" \
+python3 benchmarks/gather_gemv.py --shape 2048x768 --label $GPU-2048x768 --out "$OUT" \
   --formats q8_0,q4_k/q4_k/q6_k,q5_0/q5_0/q8_0 --git-sha "${GIT_SHA:-}" 2>&1 | tail -4
-python3 benchmarks/gather_gemv.py --shape 2816x704 --label h200-2816x704 --out "$OUT" \
+python3 benchmarks/gather_gemv.py --shape 2816x704 --label $GPU-2816x704 --out "$OUT" \
   --formats q8_0,q5_0 --git-sha "${GIT_SHA:-}" 2>&1 | tail -3

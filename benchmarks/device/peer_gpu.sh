@@ -9,6 +9,8 @@
 # PREFILL=512,4096 also times our prefill at those prompt lengths (PREFILL_STRATEGIES: whose).
 # WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
 # the build is done, so the compiler does not share the cores with a measurement.
+# BENCH_BW=1 first measures the file's layer kind with `ft bench bw --model` on this box, so
+# that auto decides from the box's own row rather than the carried H200 profile's nearest one.
 # PARTS=peer or PARTS=ours runs one half (default both): a run too long for one call runs the
 # peer first, then ours in a second call on the still-warm machine, which finds the file and
 # llama-bench's JSON in /tmp and merges both.
@@ -30,7 +32,12 @@ M=/tmp/$PRESET-${LAYERS}l.gguf
   --expert-format ${FORMAT:-q8_0} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
 [ -z "$BUILD" ] || wait $BUILD || { tail -20 $L/build.log; exit 1; }
-LABEL=$PRESET-${LAYERS}l-${LABEL:-h200}
+LABEL=$PRESET-${LAYERS}l-${LABEL:-$GPU}
+if [[ -n "${BENCH_BW:-}" && $PARTS == *ours* ]]; then
+  python3 -m freetoken.cli bench bw --model $M --device cuda --threads ${THREADS:-15} 2>&1 \
+    | grep -v "it/s\]" | tail -3
+  cp "$FREETOKEN_BENCHBW_PATH" "$OUT/benchbw-$LABEL.json"
+fi
 [[ $PARTS == *ours* ]] && python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
   --moe-cpu-threads ${THREADS:-15} --tokens 64 --repeats 2 --label $LABEL --out "$OUT" \

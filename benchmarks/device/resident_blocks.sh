@@ -19,7 +19,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -20
 fi
 [ -n "${SKIP_SWEEP:-}" ] || python3 benchmarks/gather_gemv.py --sweep --shape 2048x768 \
-  --formats ${FORMATS:-q8_0} --label h200-sweep-2048x768 --out "$OUT" \
+  --formats ${FORMATS:-q8_0} --label $GPU-sweep-2048x768 --out "$OUT" \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^  rows"
 L=${LAYERS:-12}
 M=/tmp/qwen3-30b-a3b-${L}l.gguf

@@ -4,8 +4,7 @@
 # Run as: GIT_SHA=<commit> bash benchmarks/device/resident_serve.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
+source benchmarks/device/setup.sh
 M=/tmp/qwen3-30b-a3b-q8_0.gguf
 python3 -m pytest -m cuda -q -p no:cacheprovider tests/quant tests/models tests/moe tests/engine 2>&1 | tail -5 | tee "$OUT/cuda_tests.log"
 [ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --expert-format q8_0 \
@@ -19,6 +18,6 @@ python3 -m freetoken.cli serve --model $M --device cuda --port 1919 --kv-tokens 
   --max-running-requests 8 > "$OUT/serve.log" 2>&1 &
 for i in $(seq 1 120); do curl -sf localhost:1919/health >/dev/null && break; sleep 1; done
 python3 benchmarks/serve.py --url http://127.0.0.1:1919 --requests 2 --max-tokens 64 \
-  --label qwen3-30b-a3b-resident-bf16-graphs-h200 --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | tail -4
+  --label qwen3-30b-a3b-resident-bf16-graphs-$GPU --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | tail -4
 kill %1; wait
 tail -5 "$OUT/serve.log"

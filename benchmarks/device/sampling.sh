@@ -10,7 +10,7 @@ source benchmarks/device/setup.sh
 moe_bench_setup
 python3 -m pytest -m cuda -q -p no:cacheprovider tests/engine/test_sample.py 2>&1 | tail -2 \
   | tee "$OUT/cuda_tests.log"
-python3 benchmarks/sample.py --device cuda --label h200 --out "$OUT" --git-sha "${GIT_SHA:-}"
+python3 benchmarks/sample.py --device cuda --label $GPU --out "$OUT" --git-sha "${GIT_SHA:-}"
 PRESET=${PRESET:-qwen3-30b-a3b}
 M=/tmp/$PRESET-${LAYERS:-12}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers ${LAYERS:-12} \
@@ -18,6 +18,6 @@ M=/tmp/$PRESET-${LAYERS:-12}l.gguf
 for T in 0 1; do
   python3 benchmarks/decode_moe.py --model $M --device cuda --temperature $T \
     --strategies ${STRATEGIES:-resident,offload,hybrid-online} --moe-cache-mem ${CACHE:-1GB} \
-    --tokens 64 --repeats 2 --label $PRESET-${LAYERS:-12}l-t$T-h200 --out "$OUT" \
+    --tokens 64 --repeats 2 --label $PRESET-${LAYERS:-12}l-t$T-$GPU --out "$OUT" \
     --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" | grep -E '"(strategy|decode_tokens_per_s|hit_rate)"|rror'
 done

@@ -3,6 +3,9 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 FREETOKEN_CACHE_DIR=/tmp/ftcache
 export FREETOKEN_GIT_SHA=${GIT_SHA:-}
+# the card in result labels (h200, h100): the machine a call gets is not always the one named
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | grep -o 'H[0-9]\+' | tr 'H' 'h'); GPU=${GPU:-gpu}
 # The H200's bandwidth profile (gemma4 and qwen3 rows) in use, and the CPU library built once.
 moe_bench_setup() {
   cp benchmarks/results/benchbw-gemma4-qwen3-h200.json /tmp/benchbw.json

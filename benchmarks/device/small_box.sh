@@ -19,4 +19,4 @@ M=/tmp/qwen3-30b-a3b-${LAYERS}l.gguf
 python3 benchmarks/small_box.py --model $M --device cuda --rows "$(echo ${ROWS:-4:avx2} | tr ' ' ,)" \
   --strategies ${STRATEGIES:-offload,hybrid-online,auto} --rounds ${ROUNDS:-3} \
   --moe-cache-mem ${CACHE:-4GB} --tokens 64 --repeats 2 \
-  --label qwen3-30b-a3b-${LAYERS}l-h200 --out "$OUT" --git-sha "${GIT_SHA:-}"
+  --label qwen3-30b-a3b-${LAYERS}l-$GPU --out "$OUT" --git-sha "${GIT_SHA:-}"

@@ -306,6 +306,8 @@ def test_hybrid_layers_of_one_kind_share_their_split_costs(q8_gguf, tmp_path, mo
     costs = layers[0].policy.costs
     assert len(layers) == 2 and all(m.policy.costs is costs for m in layers)
     assert costs.layers == 2
+    # one wall check for the kind, counting both layers' calls toward its tokens
+    assert costs.check is not None and costs.check.layers == 2 and not costs.check.benched
 
 
 @pytest.fixture(scope="module")

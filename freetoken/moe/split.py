@@ -54,6 +54,8 @@ class WallCheck:
     _t0: float = 0.0  # when the arm's first call started
     _restart: bool = False  # a prefill call fell in the arm: it starts again at the next call
     _fetch_s: float = 0.0
+    # each check's (all-fetch, split) seconds a layer call and whether it benched the CPU
+    verdicts: list[tuple[float, float, bool]] = field(default_factory=list)
 
     @property
     def all_fetch(self) -> bool:
@@ -93,6 +95,7 @@ class WallCheck:
                      else "the CPU's share pays again", 1e6 * fetch_s, 1e6 * split_s,
                      min(2 * self._wait, CHECK_LONGEST))
         self.benched = benched
+        self.verdicts = [*self.verdicts[-15:], (fetch_s, split_s, benched)]
         self._wait = min(2 * self._wait, CHECK_LONGEST)
 
 

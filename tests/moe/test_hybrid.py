@@ -218,6 +218,8 @@ def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
         2 * CHECK_FIRST)
     assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
+    assert [b for _, _, b in check.verdicts] == [True, True]
+    assert check.verdicts[0][:2] == pytest.approx((100e-6, 110e-6))
 
 
 def test_the_wall_check_keeps_a_cpu_share_that_pays():

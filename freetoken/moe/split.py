@@ -34,6 +34,7 @@ CHECK_ARM = 8
 CHECK_LONGEST = 1024
 CHECK_MARGIN = 0.03
 DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
+IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
 
 
 @dataclass
@@ -42,7 +43,10 @@ class WallCheck:
     kind's ``layers``, CHECK_ARM calls of each run all-fetch, then as many as the split says,
     each arm timed by the wall between calls (a call's whole cycle: the GPU, the link, the
     CPU, the host). Where all-fetch was CHECK_MARGIN faster the CPU is benched (no share, no
-    probes) until the next check; either way the wait doubles. ``clock`` is for tests."""
+    probes) until the next check; either way the wait doubles. What would time something
+    else is left out: a prompt's call or an idle gap (no request: IDLE_GAP times the arm's
+    mean call) restarts the arm it falls in, and a change of batch rows the whole check, so
+    that both arms time the same batch. ``clock`` is for tests."""
 
     name: str = ""
     layers: int = 1
@@ -53,6 +57,8 @@ class WallCheck:
     _calls: int = 0  # decode calls counted in the phase so far
     _t0: float = 0.0  # when the arm's first call started
     _restart: bool = False  # a prefill call fell in the arm: it starts again at the next call
+    _last: float = 0.0  # when the last call started
+    _rows: int = 0  # the batch rows the check's arms time
     _fetch_s: float = 0.0
     # each check's (all-fetch, split) seconds a layer call and whether it benched the CPU
     verdicts: list[tuple[float, float, bool]] = field(default_factory=list)
@@ -65,16 +71,21 @@ class WallCheck:
     def tick(self, rows: int) -> None:
         """A call of ``rows`` token rows starts (before its split is chosen)."""
         now = self.clock()
+        gap, self._last = now - self._last, now
         if rows > DECODE_ROWS:
             self._restart = self.phase != "wait"
             return
-        if self._restart:  # this call is the arm's first again
+        if self.phase != "wait" and rows != self._rows:  # another batch: both arms again
+            self.phase, self._restart = "fetch", True
+            self._rows = rows
+        idle = self._calls > 0 and gap > IDLE_GAP * (now - gap - self._t0) / self._calls
+        if self._restart or (self.phase != "wait" and idle):  # the arm's first call again
             self._restart, self._calls, self._t0 = False, 0, now
             return
         self._calls += 1
         if self.phase == "wait":
             if self._calls > self._wait * self.layers:  # this call starts the fetch arm
-                self.phase, self._calls, self._t0 = "fetch", 0, now
+                self.phase, self._calls, self._t0, self._rows = "fetch", 0, now, rows
             return
         if self._calls < CHECK_ARM * self.layers:
             return

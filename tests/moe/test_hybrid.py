@@ -183,18 +183,22 @@ class _Clock:
 
 
 def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
-                 prefill_at: int = -1) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
+                 prefill_at: int = -1, idle_at: int = -1, rows_from: tuple[int, int] = (-1, 1),
+                 ) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
     """``layers`` policies of one kind whose model gives the CPU half of 8 misses (a fixed
     0.5, nothing observed); each decode call takes ``split_s`` when the CPU had a share and
     ``fetch_s`` when all 8 were fetched, by a fake clock. Returns the policies, the check and
-    each token's count of calls that gave the CPU nothing."""
+    each token's count of calls that gave the CPU nothing. ``idle_at``: the engine sits idle
+    for a second before that token; ``rows_from``: (token, rows) the batch has from then on."""
     clock = _Clock()
     check = WallCheck(layers=layers, clock=clock)
     costs = SplitCosts(layers=layers, check=check)
     policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
     fetched_all = []
     for token in range(tokens):
-        rows = DECODE_ROWS + 1 if token == prefill_at else 1
+        rows = rows_from[1] if 0 <= rows_from[0] <= token else 1
+        rows = DECODE_ROWS + 1 if token == prefill_at else rows
+        clock.now += 1.0 if token == idle_at else 0.0
         count = 0
         for policy in policies:
             n = policy.n_fetch(8, rows)
@@ -243,6 +247,27 @@ def test_a_prefill_call_restarts_the_arm_it_falls_in():
     assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + CHECK_ARM)
     assert fetched_all[arm:arm + CHECK_ARM] == [0] * CHECK_ARM  # the split's arm
     assert check.benched and fetched_all[arm + CHECK_ARM:] == [4] * 7
+
+
+def test_an_idle_engine_inside_an_arm_restarts_it():
+    """A second without requests in the split's arm (the split 15 % faster) would make the
+    split look slower than all-fetch and bench the CPU: the arm starts again instead."""
+    first = CHECK_FIRST + 2 * CHECK_ARM
+    _, check, fetched_all = _checked_run(4, first + 6, split_s=85e-6, fetch_s=100e-6,
+                                         idle_at=CHECK_FIRST + CHECK_ARM + 3)
+    assert not check.benched and check.verdicts[0][:2] == pytest.approx((100e-6, 85e-6))
+    assert fetched_all[first + 3:] == [0] * 3  # the arm ran 3 tokens more, then the split
+
+
+def test_a_batch_that_changes_inside_the_check_starts_both_arms_again():
+    """A request joins in the split's arm (two rows a call from then on, which take longer):
+    the fetch arm is timed again at two rows before the split's is compared with it."""
+    first = CHECK_FIRST + 2 * CHECK_ARM
+    _, check, fetched_all = _checked_run(4, first + 2 * CHECK_ARM + 6, split_s=85e-6,
+                                         fetch_s=100e-6, rows_from=(CHECK_FIRST + CHECK_ARM + 3, 2))
+    restart = CHECK_FIRST + CHECK_ARM + 3
+    assert fetched_all[restart:restart + CHECK_ARM] == [4] * CHECK_ARM
+    assert len(check.verdicts) == 1 and not check.benched
 
 
 def test_noisy_cpu_times_are_split_by_the_kinds_costs():

@@ -56,7 +56,7 @@ class WallCheck:
     _wait: int = CHECK_FIRST
     _calls: int = 0  # decode calls counted in the phase so far
     _t0: float = 0.0  # when the arm's first call started
-    _restart: bool = False  # a prefill call fell in the arm: it starts again at the next call
+    _restart: bool = False  # the arm starts again at the next decode call (a prompt fell in it)
     _last: float = 0.0  # when the last call started
     _rows: int = 0  # the batch rows the check's arms time
     _fetch_s: float = 0.0

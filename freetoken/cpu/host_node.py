@@ -25,6 +25,7 @@ import torch
 from freetoken import env
 from freetoken.cpu import abi
 from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.cpu.gpu_wait import GpuWait
 from freetoken.cpu.library import native
 from freetoken.cpu.row_copy import DRIVER
 
@@ -53,7 +54,7 @@ class HostNodes:
         self.step = abi.HostNodeStep()
         self.jobs: list[tuple[abi.HostNodeJob, tuple[torch.Tensor, ...]]] = []
         self._run = ctypes.cast(self.lib.ft_host_node_run, ctypes.c_void_p).value
-        self._done: torch.cuda.Event | None = None  # made by the first wait()
+        self._done: GpuWait | None = None  # made by the first wait()
 
     def job(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
             w: torch.Tensor, out: torch.Tensor) -> abi.HostNodeJob:
@@ -87,11 +88,10 @@ class HostNodes:
     def wait(self) -> None:
         """Block until the current stream's work so far (a replay holding these jobs) is done,
         asleep on a blocking event: the pool computes meanwhile, and a spin on this thread's
-        core in the caller's first sync would take a core from it."""
+        core in the caller's first sync would take a core from it (so no spin first)."""
         if self._done is None:
-            self._done = torch.cuda.Event(blocking=True)
-        self._done.record()
-        self._done.synchronize()
+            self._done = GpuWait(torch.cuda.current_device(), spin_us=0)
+        self._done.wait()
 
     def check(self) -> None:
         """Raise if the pool refused a job since the last check."""

@@ -207,18 +207,14 @@ class HybridExperts(OffloadExperts):
     def prefetch_share(self, misses: int) -> int:
         """The share of predicted misses the split would fetch (none before it has one; all
         while the wall check runs all-fetch or benches the CPU)."""
-        if self._all_fetch():
+        if self.policy.all_fetch:
             return misses
         return 0 if self.policy.fraction is None else self.policy.planned(misses)
 
     def fetches_all(self) -> bool:
         p = self.policy
-        return self._all_fetch() or (p.fraction is not None and p.fraction >= 1.0
-                                     and p.max_fetch is None)
-
-    def _all_fetch(self) -> bool:
-        check = self.policy.costs.check
-        return self.policy.online and check is not None and check.all_fetch
+        return p.all_fetch or (p.fraction is not None and p.fraction >= 1.0
+                               and p.max_fetch is None)
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
                 cpu_ids: torch.Tensor, job: HostJob | None = None,
@@ -275,7 +271,7 @@ class HybridExperts(OffloadExperts):
         rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
                         fetch=fetch, compute=compute, cpu_experts=on_cpu, cpu_s=t_cpu,
                         plan_s=plan_s)
-        rt.stats.set_fraction(layer, 1.0 if self._all_fetch() else self.policy.fraction)
+        rt.stats.set_fraction(layer, 1.0 if self.policy.all_fetch else self.policy.fraction)
 
     def _observe_last(self) -> None:
         """Feed the previous call's times to the policy (its copy has finished by now: the

@@ -269,14 +269,20 @@ class SplitPolicy:
         n = misses if self.fraction is None else round(self.fraction * misses)
         return n if self.max_fetch is None else min(n, self.max_fetch)
 
+    @property
+    def all_fetch(self) -> bool:
+        """Whether the kind's wall check has calls fetch every miss now (its all-fetch arm,
+        or the CPU benched)."""
+        check = self.costs.check
+        return self.online and check is not None and check.all_fetch
+
     def n_fetch(self, misses: int, rows: int = 1) -> int:
         """Misses to fetch of a call's ``misses`` (``rows`` token rows)."""
         self.probing = ""
-        check = self.costs.check if self.online else None
-        if check is not None:
-            check.tick(rows)
-            if check.all_fetch:
-                return misses
+        if self.online and self.costs.check is not None:
+            self.costs.check.tick(rows)
+        if self.all_fetch:
+            return misses
         n = self.planned(misses)
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
             costs = self.costs

@@ -38,8 +38,12 @@ def cpu_model() -> str:
 
 
 def host() -> dict[str, object]:
+    """The machine, and the FREETOKEN_* settings the run was started with (kernel launch
+    choices, say)."""
+    settings = {k: v for k, v in os.environ.items()
+                if k.startswith("FREETOKEN_") and k != "FREETOKEN_GIT_SHA"}
     return {"host": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model(),
-            "cores": len(os.sched_getaffinity(0))}
+            "cores": len(os.sched_getaffinity(0)), "settings": settings}
 
 
 def save_result(out: Path, stem: str, result: dict[str, Any]) -> Path:

@@ -57,7 +57,7 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(g.replay, replays) / calls
 
 
-SWEEP = {"rows": (2, 4, 8), "step": (4, 8, 16, 32, 64), "warps": (1, 2, 4)}
+SWEEP = {"rows": (2, 4, 8), "step": (4, 8, 16, 32), "warps": (1, 2, 4)}
 
 
 def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
@@ -156,6 +156,11 @@ def main() -> None:
             print(f"    rows {t['rows']:2d} step {t['step']:2d} warps {t['warps']}: "
                   f"{t['graph_us']:7.1f} us ({r['weight_bytes'] / t['graph_us'] / 1e3:5.0f} GB/s)",
                   flush=True)
+        if r["sweep"]:
+            best = r["sweep"][0]
+            r["launch"] = " ".join(f"{f}={best['rows']},{best['step']},{best['warps']}"
+                                   for f in sorted(set(r["formats"].split("/"))))
+            print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
               "params": vars(args) | {"out": str(args.out)}, "rows": rows}

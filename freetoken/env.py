@@ -70,9 +70,9 @@ GPU_EXPERT_KERNELS = ("auto", "fused", "dequant")
 
 def gpu_expert_kernel() -> str:
     """FREETOKEN_GPU_EXPERT_KERNEL: how cached experts are computed on the GPU in decode:
-    ``fused`` (slots read in place by Triton kernels: Q8_0, Q5_0, Q4_K, Q5_K, Q6_K), ``dequant``
-    (slots copied out, dequantised, batched matmuls: resident's bits) or ``auto`` (default:
-    fused where every projection's format has a kernel and triton imports)."""
+    ``fused`` (slots read in place by Triton kernels: Q8_0, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4),
+    ``dequant`` (slots copied out, dequantised, batched matmuls: resident's bits) or ``auto``
+    (default: fused where every projection's format has a kernel and triton imports)."""
     value = os.environ.get("FREETOKEN_GPU_EXPERT_KERNEL", "auto").strip().lower() or "auto"
     if value not in GPU_EXPERT_KERNELS:
         from freetoken.errors import ConfigError
@@ -83,6 +83,14 @@ def gpu_expert_kernel() -> str:
 
 
 CPU_HOST_NODES = ("off", "on")
+
+
+def gemv_launch() -> str:
+    """FREETOKEN_GEMV_LAUNCH: launch choices of the fused gather-GEMV kernels that replace
+    ``kernels/gather_gemv.py``'s table, for tuning on another GPU: ``fmt=rows,step,warps``
+    entries separated by spaces (``q8_0=4,16,2``), as ``benchmarks/gather_gemv.py --sweep``
+    prints them; unset means the table."""
+    return os.environ.get("FREETOKEN_GEMV_LAUNCH", "").strip()
 
 
 def cpu_host_node() -> str:

@@ -9,9 +9,10 @@ slot, and accumulate in float32: one program per pair and block of output rows, 
 row's blocks, the pair's activation row broadcast over them.
 
 One kernel compiled per format, its launch choices in :data:`KERNELS` (Q8_0, Q5_0, Q4_K, Q5_K,
-Q6_K: the formats of Q8_0, Q4_K_M and Q5_K_M checkpoints' experts); a layer is fused when all
-three of its projections have one. Block layouts are those of ``freetoken/quant`` (GGUF's);
-scales are read byte by byte, so any slot or row stride works.
+Q6_K: the formats of Q8_0, Q4_K_M and Q5_K_M checkpoints' experts; MXFP4: GPT-OSS's and the
+MXFP4 Gemma-4 files'); a layer is fused when all three of its projections have one. Block
+layouts are those of ``freetoken/quant`` (GGUF's); scales are read byte by byte, so any slot
+or row stride works.
 
 Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a projection:
 ``data`` uint8 (S, R, K // block * block_bytes), S slots (or experts), R output rows, K inputs.
@@ -19,11 +20,15 @@ Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a pr
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from freetoken import env
+from freetoken.errors import ConfigError
 from freetoken.kernels.activation import ACTIVATIONS, glu
 from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as, get_format
@@ -63,14 +68,38 @@ def unavailable() -> str | None:
 
 # H200, one qwen3-30b-a3b layer (8 pairs of 2048 x 768 experts) in a CUDA graph, 4006e51:
 # q8_0 77 -> 45 us, q4_k/q4_k/q6_k 59 -> 48 us against the first choice (rows 16, warps 4).
-# q5_0 keeps it (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
+# q5_0 keeps it (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k; mxfp4
+# takes q8_0's (its loop is q8_0's: products summed once, after it).
 KERNELS: dict[str, FusedKernel] = {
     "q8_0": FusedKernel("q8_0", step=8, rows=8, warps=2),
     "q5_0": FusedKernel("q5_0", step=4),
+    "mxfp4": FusedKernel("mxfp4", step=8, rows=8, warps=2),
     "q4_k": FusedKernel("q4_k", rows=8, warps=2),
     "q5_k": FusedKernel("q5_k", rows=8, warps=2),
     "q6_k": FusedKernel("q6_k", rows=8, warps=2),
 }
+
+
+def launch(fmt: str) -> FusedKernel:
+    """``fmt``'s launch choices: FREETOKEN_GEMV_LAUNCH's entry for it, else :data:`KERNELS`."""
+    return _launch_overrides().get(fmt) or KERNELS[fmt]
+
+
+@functools.cache
+def _launch_overrides() -> dict[str, FusedKernel]:
+    found = {}
+    for entry in env.gemv_launch().split():
+        fmt, _, values = entry.partition("=")
+        try:
+            rows, step, warps = (int(v) for v in values.split(","))
+        except ValueError:
+            rows = step = warps = 0
+        if min(rows, step, warps) < 1 or fmt not in KERNELS:
+            raise ConfigError(f"FREETOKEN_GEMV_LAUNCH entry {entry!r} is not "
+                              f"fmt=rows,step,warps with a format of {', '.join(KERNELS)} "
+                              "and positive integers, say q8_0=4,16,2")
+        found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps)
+    return found
 
 
 def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
@@ -84,7 +113,7 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
 
     from freetoken.kernels import triton_gemv
 
-    spec = KERNELS[fmt]
+    spec = launch(fmt)
     S, R, row_bytes = data.shape
     nb = row_bytes // spec.block_bytes
     if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:

@@ -50,8 +50,10 @@ def _glu(g, u, ACT: tl.constexpr):
 @triton.jit
 def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                STEP: tl.constexpr):
+    # every product kept in its own lane until the loop ends: one reduction across threads
+    # per row instead of one per block
     lane = tl.arange(0, 32)
-    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
     for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
         blocks = b0 + tl.arange(0, STEP)
         ok = row_ok[:, None] & (blocks < NB)[None, :]
@@ -62,13 +64,11 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
             .to(tl.int8, bitcast=True)
             .to(tl.float32)
         )
-        x = tl.load(
-            x_row + blocks[:, None] * 32 + lane[None, :], mask=(blocks < NB)[:, None], other=0.0
-        ).to(tl.float32)
-        acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * d, axis=1)
-    return acc
-
-
+        # x read once per row (from L1) lands in q's layout: no exchange between threads
+        xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
+        x = tl.load(x_row + xi, mask=ok[:, :, None], other=0.0).to(tl.float32)
+        acc += q * (x * d[:, :, None])
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -98,6 +98,37 @@ def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
     return acc
 
 
+
+
+@triton.jit
+def _e2m1_doubled(code):
+    """Twice an e2m1 code's value (``quant/mxfp4.py``'s table): the magnitudes of m = 7..0
+    (12, 8, 6, 4, 3, 2, 1, 0) are the nibbles of one word, the sign is bit 3."""
+    v = ((0x0123468C >> (((code & 7) ^ 7) * 4)) & 15).to(tl.float32)
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
+def _mxfp4_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                STEP: tl.constexpr):
+    # as q8_0's: products kept apart until the loop ends
+    j = tl.arange(0, 16)  # qs[j]: weight j (low nibble) and j + 16 (high)
+    acc = tl.zeros([BLOCK_R, STEP, 16], dtype=tl.float32)
+    for b0 in range(0, NB, STEP):  # e: u8 | qs: u8[16]
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB)[None, :]
+        at = base[:, None] + blocks[None, :] * 17  # (BLOCK_R, STEP)
+        e = tl.load(w_ptr + at, mask=ok, other=0).to(tl.int32)
+        # 2**(e - 128), exact for every byte (0 and 1: subnormals)
+        half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        qs = tl.load(w_ptr + at[:, :, None] + 1 + j[None, None, :], mask=ok[:, :, None],
+                     other=0).to(tl.int32)
+        xi = tl.broadcast_to(blocks[None, :, None] * 32 + j[None, None, :], (BLOCK_R, STEP, 16))
+        x_lo = tl.load(x_row + xi, mask=ok[:, :, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + xi + 16, mask=ok[:, :, None], other=0.0).to(tl.float32)
+        dot = _e2m1_doubled(qs & 15) * x_lo + _e2m1_doubled(qs >> 4) * x_hi
+        acc += dot * half[:, :, None]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
@@ -206,6 +237,8 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
     """The rows' sums of format FMT (chosen when the kernel is compiled)."""
     if FMT == "q8_0":
         acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    elif FMT == "mxfp4":
+        acc = _mxfp4_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     elif FMT == "q5_0":
         acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     elif FMT == "q4_k":

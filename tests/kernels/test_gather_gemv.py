@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 GGUF_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q5_0": GGMLQuantizationType.Q5_0,
              "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
-             "q6_k": GGMLQuantizationType.Q6_K}
+             "q6_k": GGMLQuantizationType.Q6_K, "mxfp4": GGMLQuantizationType.MXFP4}
 
 
 @pytest.fixture
@@ -52,7 +52,8 @@ def _gguf_weights(fmt: str, view: torch.Tensor, slot: int) -> np.ndarray:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt,R,K", [("q8_0", 40, 96), ("q8_0", 17, 288), ("q5_0", 19, 160),
-                                     ("q4_k", 21, 512), ("q5_k", 23, 512), ("q6_k", 18, 768)])
+                                     ("q4_k", 21, 512), ("q5_k", 23, 512), ("q6_k", 18, 768),
+                                     ("mxfp4", 21, 320)])
 @pytest.mark.parametrize("T,A", [(1, 3), (2, 2)])
 def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
     """Row counts off the row block (a partial one), block counts off the loop step, several
@@ -71,7 +72,8 @@ def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("formats", [("q8_0", "q8_0", "q8_0"), ("q4_k", "q4_k", "q6_k"),
-                                     ("q5_0", "q5_0", "q8_0"), ("q5_k", "q5_k", "q6_k")])
+                                     ("q5_0", "q5_0", "q8_0"), ("q5_k", "q5_k", "q6_k"),
+                                     ("mxfp4", "mxfp4", "mxfp4")])
 def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     """gate/up -> silu -> down, weighted and summed per token, as the dequantise + matmul path
     computes it (mixed formats as in Q4_K_M and Q5_K_M files); pairs whose weight is 0 (masked
@@ -171,3 +173,20 @@ def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fm
     want = kernels.weigh_pairs(kernels.gather_gemv("q8_0", down, index, glu(fn, g, u), 1), w)
     # compiled, the kernel's exp is the GPU's fast one: a few float32 ulps of the activation
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
+    from freetoken.errors import ConfigError
+    from freetoken.kernels import gather_gemv
+
+    monkeypatch.setattr(gather_gemv, "_launch_overrides", gather_gemv._launch_overrides.__wrapped__)
+    assert gather_gemv.launch("q8_0") == gather_gemv.KERNELS["q8_0"]
+    monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0=4,16,1 mxfp4=2,8,4")
+    assert (gather_gemv.launch("q8_0").rows, gather_gemv.launch("q8_0").step,
+            gather_gemv.launch("q8_0").warps) == (4, 16, 1)
+    assert gather_gemv.launch("mxfp4").warps == 4
+    assert gather_gemv.launch("q4_k") == gather_gemv.KERNELS["q4_k"]
+    for bad in ("q8_0=4,16", "q9_9=4,16,1", "q8_0=0,16,1", "q8_0=a,b,c"):
+        monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", bad)
+        with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
+            gather_gemv.launch("q8_0")

@@ -27,9 +27,12 @@ REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps 
 # expert against 45-57 warm), so it is not kept, and the next one is timed
 PROBE_CALLS = 2
 # the wall check, in decode calls of each layer (tokens at batch 1): the first after
-# CHECK_FIRST, each arm CHECK_ARM long, the wait doubling up to CHECK_LONGEST; all-fetch must
-# be CHECK_MARGIN faster than the split to bench the CPU
+# CHECK_FIRST, each arm CHECK_SETTLE untimed then CHECK_ARM timed, the wait doubling up to
+# CHECK_LONGEST; all-fetch must be CHECK_MARGIN faster than the split to bench the CPU. The
+# untimed start keeps the switch's own cost out of the arm (the pool waking after an
+# all-fetch arm, the look-ahead's slots picked for the other arm)
 CHECK_FIRST = 16
+CHECK_SETTLE = 2
 CHECK_ARM = 8
 CHECK_LONGEST = 1024
 CHECK_MARGIN = 0.03
@@ -40,8 +43,8 @@ IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, 
 @dataclass
 class WallCheck:
     """The split judged by the steps it makes: after ``wait`` decode calls of each of the
-    kind's ``layers``, CHECK_ARM calls of each run all-fetch, then as many as the split says,
-    each arm timed by the wall between calls (a call's whole cycle: the GPU, the link, the
+    kind's ``layers``, CHECK_SETTLE + CHECK_ARM calls of each run all-fetch, then as many as
+    the split says, the last CHECK_ARM of each arm timed by the wall between calls (a call's whole cycle: the GPU, the link, the
     CPU, the host). Where all-fetch was CHECK_MARGIN faster the CPU is benched (no share, no
     probes) until the next check; either way the wait doubles. What would time something
     else is left out: a prompt's call or an idle gap (no request: IDLE_GAP times the arm's
@@ -57,6 +60,7 @@ class WallCheck:
     _calls: int = 0  # decode calls counted in the phase so far
     _t0: float = 0.0  # when the arm's first call started
     _restart: bool = False  # the arm starts again at the next decode call (a prompt fell in it)
+    _settling: bool = False  # the arm's untimed start (CHECK_SETTLE calls) is under way
     _last: float = 0.0  # when the last call started
     _rows: int = 0  # the batch rows the check's arms time
     _fetch_s: float = 0.0
@@ -76,7 +80,7 @@ class WallCheck:
             self._restart = self.phase != "wait"
             return
         if self.phase != "wait" and rows != self._rows:  # another batch: both arms again
-            self.phase, self._restart = "fetch", True
+            self.phase, self._restart, self._settling = "fetch", True, True
             self._rows = rows
         idle = self._calls > 0 and gap > IDLE_GAP * (now - gap - self._t0) / self._calls
         if self._restart or (self.phase != "wait" and idle):  # the arm's first call again
@@ -86,13 +90,18 @@ class WallCheck:
         if self.phase == "wait":
             if self._calls > self._wait * self.layers:  # this call starts the fetch arm
                 self.phase, self._calls, self._t0, self._rows = "fetch", 0, now, rows
+                self._settling = True
+            return
+        if self._settling:  # the switch's cost is behind from this call: time from here
+            if self._calls >= CHECK_SETTLE * self.layers:
+                self._settling, self._calls, self._t0 = False, 0, now
             return
         if self._calls < CHECK_ARM * self.layers:
             return
         per_call = (now - self._t0) / self._calls  # this call is the first after the arm
         if self.phase == "fetch":
             self._fetch_s = per_call
-            self.phase, self._calls, self._t0 = "split", 0, now
+            self.phase, self._calls, self._t0, self._settling = "split", 0, now, True
             return
         self._judge(self._fetch_s, per_call)
         self.phase, self._calls = "wait", 1

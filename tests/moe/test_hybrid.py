@@ -19,6 +19,7 @@ from freetoken.moe.split import (
     CHECK_ARM,
     CHECK_FIRST,
     CHECK_LONGEST,
+    CHECK_SETTLE,
     DECODE_ROWS,
     PROBE_CALLS,
     PROBE_FIRST,
@@ -30,6 +31,8 @@ from freetoken.moe.split import (
 from tests.models.helpers import load_ours, our_logits
 
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8]
+
+ARM = CHECK_SETTLE + CHECK_ARM  # a wall check arm's tokens: its untimed start, then timed
 
 
 def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
@@ -184,41 +187,45 @@ class _Clock:
 
 def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
                  prefill_at: int = -1, idle_at: int = -1, rows_from: tuple[int, int] = (-1, 1),
-                 ) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
+                 switch_s: float = 0.0) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
     """``layers`` policies of one kind whose model gives the CPU half of 8 misses (a fixed
     0.5, nothing observed); each decode call takes ``split_s`` when the CPU had a share and
     ``fetch_s`` when all 8 were fetched, by a fake clock. Returns the policies, the check and
     each token's count of calls that gave the CPU nothing. ``idle_at``: the engine sits idle
-    for a second before that token; ``rows_from``: (token, rows) the batch has from then on."""
+    for a second before that token; ``rows_from``: (token, rows) the batch has from then on;
+    ``switch_s``: what a layer's call costs more when it fetches all and its last call did not,
+    or the other way round."""
     clock = _Clock()
     check = WallCheck(layers=layers, clock=clock)
     costs = SplitCosts(layers=layers, check=check)
     policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
-    fetched_all = []
+    fetched_all, was_all = [], [False] * layers
     for token in range(tokens):
         rows = rows_from[1] if 0 <= rows_from[0] <= token else 1
         rows = DECODE_ROWS + 1 if token == prefill_at else rows
         clock.now += 1.0 if token == idle_at else 0.0
         count = 0
-        for policy in policies:
+        for i, policy in enumerate(policies):
             n = policy.n_fetch(8, rows)
             count += n == 8
             clock.now += (fetch_s if n == 8 else split_s) * (50 if rows > 1 else 1)
+            clock.now += switch_s if (n == 8) != was_all[i] else 0.0
+            was_all[i] = n == 8
         fetched_all.append(count)
     return policies, check, fetched_all
 
 
 def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     """The model says the CPU pays, the steps say all-fetch is 10 % faster (the small box:
-    hybrid 0.93x offload): after CHECK_FIRST tokens, CHECK_ARM tokens all-fetch and as many
+    hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens all-fetch and as many
     split, the CPU gets nothing; the next check comes twice as late and confirms it."""
     layers = 6
-    first = CHECK_FIRST + 2 * CHECK_ARM
-    _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 2 * CHECK_ARM + 4,
+    first = CHECK_FIRST + 2 * ARM
+    _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 2 * ARM + 4,
                                          split_s=110e-6, fetch_s=100e-6)
     assert fetched_all[:CHECK_FIRST] == [0] * CHECK_FIRST  # the model's split
-    assert fetched_all[CHECK_FIRST:CHECK_FIRST + CHECK_ARM] == [layers] * CHECK_ARM
-    assert fetched_all[CHECK_FIRST + CHECK_ARM:first] == [0] * CHECK_ARM  # the split's arm
+    assert fetched_all[CHECK_FIRST:CHECK_FIRST + ARM] == [layers] * ARM
+    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * ARM  # the split's arm
     assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
         2 * CHECK_FIRST)
     assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
@@ -231,30 +238,42 @@ def test_the_wall_check_keeps_a_cpu_share_that_pays():
     split runs again, and the wait doubles up to CHECK_LONGEST tokens."""
     _, check, fetched_all = _checked_run(4, 400, split_s=85e-6, fetch_s=100e-6)
     assert not check.benched
-    # fetch arms at tokens 16, 64, 144 and 288: each wait twice the last, and the arms
-    assert sum(1 for c in fetched_all if c) == 4 * CHECK_ARM
-    assert fetched_all[288:296] == [4] * CHECK_ARM and not any(fetched_all[296:])
+    # four fetch arms, each wait twice the last (16, 32, 64, 128 tokens) and two arms between
+    assert sum(1 for c in fetched_all if c) == 4 * ARM
+    last = 15 * CHECK_FIRST + 6 * ARM
+    assert fetched_all[last:last + ARM] == [4] * ARM and not any(fetched_all[last + ARM:])
     assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
+
+
+def test_the_switch_between_arms_is_not_timed():
+    """The first call of a layer after a switch costs a millisecond (the pool woken after the
+    all-fetch arm, slots picked for the other arm): over one 8-token arm that would make a
+    split 15 % faster look slower than all-fetch. The arms' untimed starts leave it out."""
+    _, check, _ = _checked_run(4, CHECK_FIRST + 2 * ARM + 2, split_s=85e-6, fetch_s=100e-6,
+                               switch_s=1e-3)
+    assert not check.benched
+    assert check.verdicts[0][:2] == pytest.approx((100e-6, 85e-6))
 
 
 def test_a_prefill_call_restarts_the_arm_it_falls_in():
     """A prompt's call (many rows) in the middle of an arm is not timed: the arm starts again,
     so a 50x longer call does not decide the verdict."""
-    first = CHECK_FIRST + 2 * CHECK_ARM
-    _, check, fetched_all = _checked_run(4, first + CHECK_ARM + 2, split_s=110e-6,
+    first = CHECK_FIRST + 2 * ARM
+    tokens = first + ARM + 2
+    _, check, fetched_all = _checked_run(4, tokens, split_s=110e-6,
                                          fetch_s=100e-6, prefill_at=CHECK_FIRST + 2)
-    arm = CHECK_FIRST + 3 + CHECK_ARM  # two tokens, the prompt's call, then the whole arm
-    assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + CHECK_ARM)
-    assert fetched_all[arm:arm + CHECK_ARM] == [0] * CHECK_ARM  # the split's arm
-    assert check.benched and fetched_all[arm + CHECK_ARM:] == [4] * 7
+    arm = CHECK_FIRST + 3 + ARM  # two tokens, the prompt's call, then the whole arm
+    assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + ARM)
+    assert fetched_all[arm:arm + ARM] == [0] * ARM  # the split's arm
+    assert check.benched and fetched_all[arm + ARM:] == [4] * (tokens - arm - ARM)
 
 
 def test_an_idle_engine_inside_an_arm_restarts_it():
     """A second without requests in the split's arm (the split 15 % faster) would make the
     split look slower than all-fetch and bench the CPU: the arm starts again instead."""
-    first = CHECK_FIRST + 2 * CHECK_ARM
+    first = CHECK_FIRST + 2 * ARM
     _, check, fetched_all = _checked_run(4, first + 6, split_s=85e-6, fetch_s=100e-6,
-                                         idle_at=CHECK_FIRST + CHECK_ARM + 3)
+                                         idle_at=CHECK_FIRST + ARM + 3)
     assert not check.benched and check.verdicts[0][:2] == pytest.approx((100e-6, 85e-6))
     assert fetched_all[first + 3:] == [0] * 3  # the arm ran 3 tokens more, then the split
 
@@ -262,11 +281,11 @@ def test_an_idle_engine_inside_an_arm_restarts_it():
 def test_a_batch_that_changes_inside_the_check_starts_both_arms_again():
     """A request joins in the split's arm (two rows a call from then on, which take longer):
     the fetch arm is timed again at two rows before the split's is compared with it."""
-    first = CHECK_FIRST + 2 * CHECK_ARM
-    _, check, fetched_all = _checked_run(4, first + 2 * CHECK_ARM + 6, split_s=85e-6,
-                                         fetch_s=100e-6, rows_from=(CHECK_FIRST + CHECK_ARM + 3, 2))
-    restart = CHECK_FIRST + CHECK_ARM + 3
-    assert fetched_all[restart:restart + CHECK_ARM] == [4] * CHECK_ARM
+    first = CHECK_FIRST + 2 * ARM
+    _, check, fetched_all = _checked_run(4, first + 2 * ARM + 6, split_s=85e-6,
+                                         fetch_s=100e-6, rows_from=(CHECK_FIRST + ARM + 3, 2))
+    restart = CHECK_FIRST + ARM + 3
+    assert fetched_all[restart:restart + ARM] == [4] * ARM
     assert len(check.verdicts) == 1 and not check.benched
 
 

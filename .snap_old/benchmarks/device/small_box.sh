@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GPU machine: a small-core box emulated: per row of ROWS ("CORES:ISA[:THREADS]", default
+# "4:avx2"), the process limited to CORES cores (taskset), the CPU kernels capped at ISA
+# ("native": no cap), THREADS pool workers (default CORES - 1); offload, hybrid (online) and
+# auto (STRATEGIES) on the LAYERS-layer default-router q8_0 qwen3-30b-a3b file with a CACHE
+# expert cache at temperature 1, ROUNDS interleaved rounds (default 3); one JSON in $OUT.
+# Each run takes about 40 s (load, warm-up, 2 x 64 tokens): rows x rounds x strategies of them.
+# Run as: GIT_SHA=<commit> bash benchmarks/device/small_box.sh (carry .whl).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/device/setup.sh
+moe_bench_setup
+LAYERS=${LAYERS:-12}
+M=/tmp/qwen3-30b-a3b-${LAYERS}l.gguf
+[ -f $M ] || python3 -m freetoken.cli synth --preset qwen3-30b-a3b --layers $LAYERS \
+  --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1
+# each strategy in its own process, ROUNDS interleaved rounds, medians and ratios to offload in
+# one JSON (benchmarks/small_box.py)
+python3 benchmarks/small_box.py --model $M --device cuda --rows "$(echo ${ROWS:-4:avx2} | tr ' ' ,)" \
+  --strategies ${STRATEGIES:-offload,hybrid-online,auto} --rounds ${ROUNDS:-3} \
+  --moe-cache-mem ${CACHE:-4GB} --tokens 64 --repeats 2 \
+  --label qwen3-30b-a3b-${LAYERS}l-$GPU --out "$OUT" --git-sha "${GIT_SHA:-}"

@@ -1,0 +1,166 @@
+"""Decode's expert compute on the GPU per weight format: the fused gather-GEMV kernels against
+their slow twin (gather, dequantise, batched matmul), next to a device copy of the same weight
+bytes measured in the same run (the HBM ceiling for reading them).
+
+One call = one MoE layer's pairs (--pairs, distinct experts) of gate/up/down read from a pool of
+--slots expert slots, as the expert cache holds them. Each call is timed eagerly and inside a
+CUDA graph of 20 calls (as decode runs it: no launch overhead). ``--sweep`` times the fused
+call in a graph for every output-rows / blocks-per-step / warps choice of its kernels and
+reports the fastest (the values ``kernels/gather_gemv.py:KERNELS`` should carry).
+
+    python benchmarks/gather_gemv.py --formats q8_0,q4_k/q6_k,q5_0/q8_0 --shape 2048x768
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_state, host, save_result  # noqa: E402
+from freetoken.kernels import gather_gemv  # noqa: E402
+from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference  # noqa: E402
+from freetoken.quant import QuantTensor, get_format  # noqa: E402
+
+
+def seconds_per_call(fn: Any, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float:
+    """One call's time inside a CUDA graph of ``calls`` calls, replayed ``replays`` times."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return seconds_per_call(g.replay, replays) / calls
+
+
+SWEEP = {"rows": (2, 4, 8), "step": (4, 8, 16, 32, 64), "warps": (1, 2, 4)}
+
+
+def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
+    """The fused call in a graph for every kernel choice (the same for the formats of this
+    layer; ``step`` only where a kernel loops over several blocks)."""
+    saved = dict(gather_gemv.KERNELS)
+    looped = any(saved[f].step > 1 for f in formats)
+    rows = []
+    try:
+        for r, st, w in itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
+                                          SWEEP["warps"]):
+            for f in set(formats):
+                gather_gemv.KERNELS[f] = dataclasses.replace(
+                    saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1)
+            try:
+                us = graph_seconds_per_call(call) * 1e6
+            except Exception as e:  # noqa: BLE001 - a choice that does not compile is skipped
+                print(f"  rows {r} step {st} warps {w}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"rows": r, "step": st, "warps": w, "graph_us": us})
+    finally:
+        gather_gemv.KERNELS.update(saved)
+    return sorted(rows, key=lambda d: d["graph_us"])
+
+
+def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: int,
+            reps: int, do_sweep: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    shapes = ((I_, H), (I_, H), (H, I_))
+    one = [get_format(f).quantize(torch.randn(r, k, generator=g) * 0.02)
+           for f, (r, k) in zip(formats, shapes, strict=True)]
+    stacks = [QuantTensor(q.fmt, (slots, *q.shape), q.data.unsqueeze(0).repeat(
+        slots, *(1,) * q.data.dim()).cuda(), {}) for q in one]
+    x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
+    w = torch.rand(1, pairs, device="cuda")
+    index = torch.randperm(slots)[:pairs].cuda()
+    act = torch.nn.functional.silu
+    nbytes = pairs * sum(q.data.numel() for q in one)
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = seconds_per_call(lambda: dst.copy_(src), reps)
+    def fused() -> Any:
+        return gathered_fused(x, w, index, *stacks, act)
+
+    def slow() -> Any:
+        return gathered_reference(x, w, index, *stacks, act)
+
+    fused_s = seconds_per_call(fused, reps)
+    slow_s = seconds_per_call(slow, reps)
+    fused_graph_s = graph_seconds_per_call(fused)
+    slow_graph_s = graph_seconds_per_call(slow)
+    tried = sweep(formats, fused) if do_sweep else []
+    # a copy reads and writes each byte: reading alone runs at about twice its byte rate
+    ceiling = 2 * nbytes / copy_s
+    return {"formats": "/".join(formats), "hidden": H, "intermediate": I_, "pairs": pairs,
+            "weight_bytes": nbytes, "fused_us": fused_s * 1e6, "dequant_matmul_us": slow_s * 1e6,
+            "speedup": slow_s / fused_s, "fused_gbps": nbytes / fused_s / 1e9,
+            "read_ceiling_gbps": ceiling / 1e9, "fraction_of_ceiling": nbytes / fused_s / ceiling,
+            "graph": {"fused_us": fused_graph_s * 1e6, "dequant_matmul_us": slow_graph_s * 1e6,
+                      "fused_gbps": nbytes / fused_graph_s / 1e9,
+                      "fraction_of_ceiling": nbytes / fused_graph_s / ceiling},
+            "kernels": {f: dataclasses.asdict(gather_gemv.KERNELS[f]) for f in set(formats)},
+            "sweep": tried}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="q8_0,q4_k/q4_k/q6_k,q5_0/q5_0/q8_0",
+                   help="comma-separated gate/up/down formats (one name: all three)")
+    p.add_argument("--shape", default="2048x768", help="hidden x moe intermediate")
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--pairs", type=int, default=8)
+    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--sweep", action="store_true",
+                   help="time every kernel choice of rows, step and warps in a graph")
+    p.add_argument("--label", default="")
+    p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args()
+    H, I_ = (int(v) for v in args.shape.split("x"))
+    rows = []
+    for spec in args.formats.split(","):
+        names = spec.split("/") * 3 if "/" not in spec else spec.split("/")
+        if len(names) != 3:
+            p.error(f"--formats entry {spec!r}: give one format or gate/up/down")
+        rows.append(measure((names[0], names[1], names[2]), H, I_, args.slots, args.pairs,
+                            args.reps, args.sweep))
+        r, gr = rows[-1], rows[-1]["graph"]
+        print(f"{r['formats']:>16} {H}x{I_}: fused {r['fused_us']:7.1f} us eager, "
+              f"{gr['fused_us']:7.1f} us in a graph ({gr['fused_gbps']:6.0f} GB/s, "
+              f"{100 * gr['fraction_of_ceiling']:4.1f} % of the read ceiling); dequantise + "
+              f"matmul {r['dequant_matmul_us']:7.1f} / {gr['dequant_matmul_us']:7.1f} us",
+              flush=True)
+        for t in r["sweep"][:5]:
+            print(f"    rows {t['rows']:2d} step {t['step']:2d} warps {t['warps']}: "
+                  f"{t['graph_us']:7.1f} us ({r['weight_bytes'] / t['graph_us'] / 1e3:5.0f} GB/s)",
+                  flush=True)
+    result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+              "params": vars(args) | {"out": str(args.out)}, "rows": rows}
+    save_result(args.out, f"gather_gemv-{args.label or args.shape}", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""A small-core box emulated on a big one: decode speed of each MoE strategy with the process
+held to a few cores, compared with offload's in interleaved rounds.
+
+Per row ``CORES:ISA[:THREADS]`` (``--rows``): the process limited to CORES cores (taskset), the
+CPU kernels capped at ISA (``FREETOKEN_CPU_ISA``; ``native``: no cap), THREADS pool workers
+(default CORES - 1). Each of ``--rounds`` rounds runs every strategy once, in turn, each in its
+own process (an engine built after another in one process inherits its threads' placement), so
+a slow spell of the machine falls on every strategy alike. Run-to-run spread on the GPU machine
+is about 15 %: the row's figure is each strategy's median over the rounds, and its ratio to
+offload's median. One JSON in ``--out`` holds every run (tok/s, hit rate, the step's shares:
+plan, fetch, CPU wait; the split's fractions and costs) and the medians.
+
+    python benchmarks/small_box.py --model M.gguf --rows 4:avx2,8:avx2,16:native --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import git_state, host  # noqa: E402
+
+KEEP = ("decode_tokens_per_s", "hit_rate", "lookahead_hit_rate", "share_plan", "share_fetch",
+        "share_cpu_wait", "fetch_fractions", "split_costs_us", "error")
+
+
+def parse_row(text: str) -> tuple[int, str, int]:
+    """``CORES:ISA[:THREADS]`` -> (cores, isa, pool threads)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[0].isdigit():
+        raise SystemExit(f"--rows: {text!r} is not CORES:ISA[:THREADS] (e.g. 4:avx2)")
+    cores = int(parts[0])
+    threads = int(parts[2]) if len(parts) == 3 else max(1, cores - 1)
+    return cores, parts[1], threads
+
+
+def one_run(args: argparse.Namespace, cores: int, isa: str, threads: int,
+            strategy: str) -> dict[str, Any]:
+    """One strategy in its own process under the row's limits: what decode_moe.py saved."""
+    env = dict(os.environ)
+    if isa != "native":
+        env["FREETOKEN_CPU_ISA"] = isa
+    with tempfile.TemporaryDirectory() as scratch:
+        cmd = ["taskset", "-c", f"0-{cores - 1}", sys.executable,
+               str(Path(__file__).parent / "decode_moe.py"), "--model", args.model,
+               "--device", args.device, "--temperature", str(args.temperature),
+               "--strategies", strategy, "--moe-cache-mem", args.moe_cache_mem,
+               "--moe-cpu-threads", str(threads), "--tokens", str(args.tokens),
+               "--repeats", str(args.repeats), "--out", scratch]
+        if args.git_sha:
+            cmd += ["--git-sha", args.git_sha]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        saved = sorted(Path(scratch).glob("*.json"))
+        if not saved:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+            return {"strategy": strategy, "error": f"exit {done.returncode}: {' | '.join(tail)}"}
+        run = json.loads(saved[-1].read_text())["strategies"][0]
+    # what auto chose, and a pool shrunk to the cores it may use, as the engine logged them
+    said = [line.strip() for line in (done.stdout + done.stderr).splitlines()
+            if "auto:" in line or "shrink" in line]
+    kept = {k: run[k] for k in KEEP if k in run}
+    return {"strategy": strategy, **kept, **({"log": said[-4:]} if said else {})}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--rows", default="4:avx2", help="CORES:ISA[:THREADS], comma separated")
+    p.add_argument("--strategies", default="offload,hybrid-online,auto")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--moe-cache-mem", default="4GB")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="decode_moe.py's, best kept")
+    p.add_argument("--label", default="")
+    p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+    strategies = args.strategies.split(",")
+    rows: list[dict[str, Any]] = []
+    path = args.out / f"small_box-{args.label or Path(args.model).stem}-{int(time.time())}.json"
+
+    def save() -> None:  # after every run: a call cut by its time limit keeps what it measured
+        result = {"bench": "small_box", **git_state(args.git_sha), **host(),
+                  "params": vars(args) | {"out": str(args.out)}, "rows": rows}
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+    for text in args.rows.split(","):
+        cores, isa, threads = parse_row(text)
+        if cores > len(os.sched_getaffinity(0)):
+            print(f"== {text}: skipped, this process may use {len(os.sched_getaffinity(0))} "
+                  "cores", flush=True)
+            continue
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+        row: dict[str, Any] = {"cores": cores, "isa": isa, "threads": threads, "runs": runs}
+        rows.append(row)
+        for r in range(args.rounds):
+            for s in strategies:
+                run = one_run(args, cores, isa, threads, s)
+                runs[s].append(run)
+                save()
+                print(f"== {cores} cores, {isa}, {threads} threads, round {r + 1}: {s} "
+                      f"{run.get('decode_tokens_per_s', run.get('error'))}", flush=True)
+        medians = {s: statistics.median(v) for s, rs in runs.items()
+                   if (v := [x["decode_tokens_per_s"] for x in rs
+                             if "decode_tokens_per_s" in x])}
+        base = medians.get("offload")
+        ratios = {s: m / base for s, m in medians.items()} if base else {}
+        print(f"== {cores} cores, {isa}: medians " + ", ".join(
+            f"{s} {m:.1f}" + (f" ({ratios[s]:.2f}x offload)" if s in ratios else "")
+            for s, m in medians.items()), flush=True)
+        row |= {"medians": medians, "ratio_to_offload": ratios}
+        save()
+    save()
+    print(f"saved {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Tokenizers: a Hugging Face directory's own files, or one built from GGUF metadata.
+
+Building a fast tokenizer from a GGUF vocabulary takes ``transformers`` ~30 s for 262k tokens,
+so the result is saved once under the cache directory, keyed by the file's identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from freetoken import env
+from freetoken.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def load_hf_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"no usable tokenizer in {directory} ({e}); add tokenizer.json / tokenizer_config.json"
+        ) from e
+
+
+def load_gguf_tokenizer(path: Path) -> Any:
+    """The file's tokenizer from its ``tokenizer.ggml.*`` metadata. ``AutoTokenizer`` also
+    parses the architecture's config to pick a tokenizer class, which transformers cannot do
+    for every file it can tokenise (Gemma-4's per-layer KV head counts, GPT-OSS's metadata);
+    where it fails, the tokenizer is built from the vocabulary alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cached = env.cache_dir() / "tokenizers" / _file_key(path)
+    if (cached / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    log.info("building the tokenizer from %s's metadata (once; cached in %s)", path.name, cached)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as auto:  # transformers raises many types for files it cannot map
+        log.info("transformers' tokenizer class for %s: %s: %s; building it from the "
+                 "vocabulary alone", path.name, type(auto).__name__, str(auto).splitlines()[0]
+                 if str(auto) else "")
+        try:
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:
+            raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
+    try:
+        tok.save_pretrained(str(cached))
+    except OSError as e:
+        log.warning("could not cache the tokenizer in %s: %s", cached, e)
+    return tok
+
+
+def _file_key(path: Path) -> str:
+    """Identity of a file without hashing all of it: name, size, and its first and last MiB."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:24]

@@ -1,0 +1,1 @@
+"""The C++ CPU library's Python side: loading and checking it, the pool, its jobs."""

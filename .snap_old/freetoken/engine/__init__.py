@@ -1,0 +1,1 @@
+"""The engine: flags resolved, the model runner, scheduling, CUDA graphs, sampling."""

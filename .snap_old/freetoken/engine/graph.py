@@ -1,0 +1,165 @@
+"""CUDA graphs of decode steps: one graph per batch size up to ``--cuda-graph-max-bs``.
+
+A decode step at batch b runs the graph captured for the smallest size >= b. Every input lives
+in a static buffer sized for that graph: keys are padded to the runner's full context, padded
+batch rows write their KV to a scratch page and attend to it alone, and their logits are
+dropped. Prefill and mixed steps, and batches above the largest size, run eagerly.
+
+Layers whose experts the host must plan (offload, hybrid: which slot, fetch or CPU) split the
+capture into pieces. Each piece ends where such a layer's experts are called (their inputs, the
+normed hidden states and the routed ids and weights, stay in the graph's memory) and the host
+runs its part between replays:
+- a plan (:meth:`PiecewiseCapture.host`): its inputs come to pinned host buffers with one
+  sync; it makes the copies and the layer's slot table; the next piece begins with the
+  experts' device compute, which reads the slots through that table, plus a static buffer the
+  plan may fill;
+- then, where the plan left work running on the host (hybrid's CPU share), a second step
+  (:meth:`PiecewiseCapture.after`) with no sync: it runs while the device computes its share,
+  and its result (which the CPU pool wrote straight into pinned memory) lands in a static
+  buffer the piece after it adds;
+- or, for calls with too many pairs to gather, the whole experts call
+  (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
+The dense part of every layer stays captured. With ``FREETOKEN_CPU_HOST_NODE=on`` experts the
+CPU pool computes without a plan (cpu) stay in the piece too, their job a host node
+(:meth:`PiecewiseCapture.node`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.cpu.host_node import HostNodes
+from freetoken.kvcache.paged import PagedKV
+from freetoken.layers.context import ForwardContext, Segment
+from freetoken.moe.pieces import Break, HostStep, LateStep, PiecewiseCapture
+from freetoken.moe.strategy import Experts
+
+log = logging.getLogger(__name__)
+
+
+def graph_sizes(max_bs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < max_bs]
+    return sizes + [max_bs]
+
+
+class _Graph:
+    """Static inputs, the captured graph and its output for one batch size."""
+
+    def __init__(self, bs: int, keys: int, windows: tuple[int, ...], kv: PagedKV,
+                 device: torch.device) -> None:
+        long = dict(dtype=torch.long, device=device)
+        self.bs = bs
+        self.ids = torch.zeros(bs, **long)
+        self.positions = torch.zeros(bs, **long)
+        self.slots = torch.zeros(bs, **long)
+        self.k_slots = torch.zeros(bs, keys, **long)
+        self.masks = {w: torch.zeros(bs, 1, 1, keys, dtype=torch.bool, device=device)
+                      for w in windows}
+        self.ctx = ForwardContext(
+            positions=self.positions, slots=self.slots, kv=kv,
+            q_index=torch.arange(bs, device=device)[:, None],
+            q_valid=torch.ones(bs, 1, dtype=torch.bool, device=device),
+            k_slots=self.k_slots, logit_rows=None, single=False,
+            masks=self.masks, decode=True)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[Break | HostStep | LateStep] = []
+        self.nodes: HostNodes | None = None  # the CPU pool's jobs inside the pieces
+
+
+class DecodeGraphs:
+    """Engine-thread only. Owns one scratch KV page for padded rows."""
+
+    def __init__(self, model: torch.nn.Module, kv: PagedKV, max_len: int,
+                 windows: tuple[int, ...], max_bs: int, device: torch.device) -> None:
+        self.model, self.kv, self.keys, self.windows = model, kv, max_len, windows
+        self.scratch = kv.allocate(1)[0] * kv.page_size
+        self.graphs: dict[int, _Graph] = {}
+        self.recorders = list({id(r): r for m in model.modules() if isinstance(m, Experts)
+                               and (r := m.recorder()) is not None}.values())
+        pool = torch.cuda.graph_pool_handle()
+        for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first
+            g = _Graph(bs, max_len, windows, kv, device)
+            self._pad(g, 0)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):  # warm up: lazy inits must not land in the graph
+                    model(g.ids, g.ctx)
+            if self.recorders:
+                self._capture_pieces(g, pool, stream)
+            else:
+                torch.cuda.current_stream().wait_stream(stream)
+                g.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.graph, pool=pool), torch.inference_mode():
+                    g.out = model(g.ids, g.ctx)
+            self.graphs[bs] = g
+        self.sizes = sorted(self.graphs)
+        pieces = len(next(iter(self.graphs.values())).pieces) or 1
+        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s)",
+                 self.sizes, max_len, f"; {pieces} pieces around host-planned experts"
+                 if pieces > 1 else "")
+
+    def _capture_pieces(self, g: _Graph, pool: tuple[int, int],
+                        stream: torch.cuda.Stream) -> None:
+        rows = next((r.rows for r in self.recorders if r.rows is not None), None)
+        cap = PiecewiseCapture(pool, rows)
+        for rt in self.recorders:
+            rt.capture = cap
+        torch.cuda.synchronize()
+        try:
+            with torch.cuda.stream(stream), torch.inference_mode():
+                cap.begin()
+                g.out = self.model(g.ids, g.ctx)
+                cap.end()
+        finally:
+            for rt in self.recorders:
+                rt.capture = None
+        torch.cuda.current_stream().wait_stream(stream)
+        g.pieces, g.breaks, g.nodes = cap.pieces, cap.breaks, cap.nodes
+
+    def fits(self, segments: list[Segment]) -> bool:
+        return len(segments) <= self.sizes[-1] and all(s.count == 1 for s in segments)
+
+    def _pad(self, g: _Graph, n: int) -> None:
+        """Rows n.. of ``g`` write to the scratch slot and see only it."""
+        g.slots[n:] = self.scratch
+        g.k_slots[n:] = self.scratch
+        g.positions[n:] = 0
+        for m in g.masks.values():
+            m[n:] = False
+            m[n:, ..., 0] = True
+
+    @torch.inference_mode()
+    def run(self, tokens: list[list[int]], segments: list[Segment]) -> torch.Tensor:
+        n = len(segments)
+        g = self.graphs[next(s for s in self.sizes if s >= n)]
+        cpu = ForwardContext.build(self.kv, segments, torch.device("cpu"), self.windows)
+        S = cpu.k_slots.shape[1]
+        g.ids[:n].copy_(torch.tensor([t[0] for t in tokens]), non_blocking=True)
+        g.positions[:n].copy_(cpu.positions, non_blocking=True)
+        g.slots[:n].copy_(cpu.slots, non_blocking=True)
+        g.k_slots[:n, :S].copy_(cpu.k_slots, non_blocking=True)
+        g.k_slots[:n, S:] = self.scratch
+        for w, m in g.masks.items():
+            m[:n, ..., S:] = False
+            m[:n, ..., :S].copy_(cpu.masks[w], non_blocking=True)
+        self._pad(g, n)
+        assert g.out is not None
+        if g.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
+            g.nodes.check()
+            g.nodes.set_rows(n)
+        if g.pieces:
+            for i, piece in enumerate(g.pieces):
+                piece.replay()
+                if i < len(g.breaks):
+                    g.breaks[i].run(n)
+        else:
+            assert g.graph is not None
+            g.graph.replay()
+        if g.nodes is not None:
+            g.nodes.wait()
+        return g.out[:n]

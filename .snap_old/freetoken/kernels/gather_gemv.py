@@ -1,0 +1,170 @@
+"""Experts kept as blocks (expert cache slots, resident layers) gathered and multiplied in one
+pass on the GPU (Triton), for decode.
+
+A decode call's (token, expert) pairs each read one expert's weights: in the expert cache those
+are GGUF blocks in the slots. The slow twin (:func:`gathered_reference`) copies the pairs' slots
+out, dequantises them to the compute dtype and runs batched matmuls: each weight byte is read,
+widened, written and read again. The fused kernels read each weight byte once, straight from its
+slot, and accumulate in float32: one program per pair and block of output rows, looping over the
+row's blocks, the pair's activation row broadcast over them.
+
+One kernel compiled per format, its launch choices in :data:`KERNELS` (Q8_0, Q5_0, Q4_K, Q5_K,
+Q6_K: the formats of Q8_0, Q4_K_M and Q5_K_M checkpoints' experts); a layer is fused when all
+three of its projections have one. Block layouts are those of ``freetoken/quant`` (GGUF's);
+scales are read byte by byte, so any slot or row stride works.
+
+Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a projection:
+``data`` uint8 (S, R, K // block * block_bytes), S slots (or experts), R output rows, K inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.kernels.activation import ACTIVATIONS, glu
+from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
+from freetoken.quant import QuantTensor, dequantize_as, get_format
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """A format's gather-GEMV (:mod:`.triton_gemv` compiled for it): blocks per loop
+    step, output rows per program (enough programs to fill the GPU at one token) and warps per
+    program (tuned on the H200 by ``benchmarks/gather_gemv.py --sweep``); its block (weights
+    and bytes) is the quant format's."""
+
+    fmt: str
+    step: int = 1
+    rows: int = 16
+    warps: int = 4
+
+    @property
+    def block(self) -> int:
+        return get_format(self.fmt).block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return get_format(self.fmt).block_bytes
+
+
+def unavailable() -> str | None:
+    """Why the fused kernels cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+# H200, one qwen3-30b-a3b layer (8 pairs of 2048 x 768 experts) in a CUDA graph, 4006e51:
+# q8_0 77 -> 45 us, q4_k/q4_k/q6_k 59 -> 48 us against the first choice (rows 16, warps 4).
+# q5_0 keeps it (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
+KERNELS: dict[str, FusedKernel] = {
+    "q8_0": FusedKernel("q8_0", step=8, rows=8, warps=2),
+    "q5_0": FusedKernel("q5_0", step=4),
+    "q4_k": FusedKernel("q4_k", rows=8, warps=2),
+    "q5_k": FusedKernel("q5_k", rows=8, warps=2),
+    "q6_k": FusedKernel("q6_k", rows=8, warps=2),
+}
+
+
+def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
+                per: int, act: int = 0) -> torch.Tensor:
+    """``out[p] = W[index[p]] @ x[p // per]`` for ``fmt`` blocks ``data`` (S, R, K // block *
+    block_bytes) uint8 (any slot and row strides), ``index`` (P,) int64, ``x`` (N, K) with
+    unit stride along K. Returns (P, R) in ``x``'s dtype. With ``act`` (:func:`glu_code`),
+    ``data`` is gate's rows with up's R rows right after them in every slot, and
+    ``out[p] = act(gate @ x) * (up @ x)``."""
+    import triton
+
+    from freetoken.kernels import triton_gemv
+
+    spec = KERNELS[fmt]
+    S, R, row_bytes = data.shape
+    nb = row_bytes // spec.block_bytes
+    if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:
+        raise ValueError(f"{fmt} data must be uint8 rows of {spec.block_bytes}-byte blocks, got "
+                         f"{data.dtype} {tuple(data.shape)} strides {data.stride()}")
+    if x.dim() != 2 or x.shape[1] != nb * spec.block or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} does not fit {nb * spec.block} inputs")
+    out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
+    rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
+    grid = (index.numel(), triton.cdiv(R, rows))
+    triton_gemv.gather_gemv[grid](
+        data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
+        FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, num_warps=spec.warps)
+    return out
+
+
+def glu_code(act: Act) -> int:
+    """The kernels' code for an activation they apply to a gate/up stack themselves (1 silu,
+    2 tanh-approximated gelu: ``kernels/activation.py``'s functions), else 0: act(g) * u in
+    torch."""
+    if act is ACTIVATIONS["silu"]:
+        return 1
+    if act is ACTIVATIONS["gelu_pytorch_tanh"]:
+        return 2
+    return 0
+
+
+def fused(formats: tuple[str, ...]) -> bool:
+    """Whether every projection format has a fused kernel."""
+    return all(f in KERNELS for f in formats)
+
+
+def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,
+                   up: QuantTensor, down: QuantTensor, act: Act,
+                   bias: ExpertBias | None = None) -> torch.Tensor:
+    """Pairs at once, as ``expert_matmul.gathered``, with pair p's expert ``index[p]`` read from the
+    stacks gate/up (S, I, H) and down (S, H, I); ``bias`` per pair. x (T, H), w (T, A) ->
+    (T, H)."""
+    A = w.shape[1]
+    both = stacked(gate, up)
+    code = glu_code(act)
+    if both is not None and bias is None and code:  # gate, up and act(g) * u in one launch
+        h = gather_gemv(gate.fmt, gate.data, index, x, A, act=code)
+    else:
+        if both is not None:  # one launch for both: each row's sum is the same either way
+            gu = gather_gemv(gate.fmt, both, index, x, A)
+            g, u = gu[:, : gate.data.shape[1]], gu[:, gate.data.shape[1]:]
+        else:
+            g = gather_gemv(gate.fmt, gate.data, index, x, A)
+            u = gather_gemv(up.fmt, up.data, index, x, A)
+        if bias is not None:
+            g, u = g + bias.gate.to(g.dtype), u + bias.up.to(u.dtype)
+        h = glu(act, g, u)
+    y = gather_gemv(down.fmt, down.data, index, h, 1)  # (T*A, H)
+    if bias is not None:
+        y = y + bias.down.to(y.dtype)
+    return weigh_pairs(y, w)
+
+
+def stacked(gate: QuantTensor, up: QuantTensor) -> torch.Tensor | None:
+    """gate's and up's blocks as one (S, 2I, row bytes) stack where up's rows follow gate's in
+    every slot (as an expert row lays them out: same format, no gap), else None."""
+    g, u = gate.data, up.data
+    if gate.fmt != up.fmt or g.shape != u.shape or g.stride() != u.stride() or g.dim() != 3:
+        return None
+    if g.stride(1) != g.shape[2] or u.data_ptr() != g.data_ptr() + g.shape[1] * g.stride(1):
+        return None
+    return torch.as_strided(g, (g.shape[0], 2 * g.shape[1], g.shape[2]), g.stride())
+
+
+def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
+                       gate: QuantTensor, up: QuantTensor, down: QuantTensor,
+                       act: Act, bias: ExpertBias | None = None) -> torch.Tensor:
+    """Slow twin, and the path of layers without a fused kernel: the pairs' experts copied
+    out, dequantised to ``x``'s dtype, batched matmuls (``expert_matmul.gathered``, so resident's
+    bits)."""
+
+    def picked(qt: QuantTensor) -> torch.Tensor:
+        sub = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],
+                          {k: s[index] for k, s in qt.scales.items()})
+        return dequantize_as(sub, x.dtype)
+
+    return gathered(x, w, picked(gate), picked(up), picked(down), act, bias)

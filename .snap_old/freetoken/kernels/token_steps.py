@@ -1,0 +1,119 @@
+"""The per-token elementwise steps of a layer as one GPU kernel each (Triton): at decode a
+launch costs more than its arithmetic.
+
+- RMSNorm instead of torch's five kernels (pow, mean, add, rsqrt, mul), two to four a layer.
+  Its slow twin is ``layers/norm.py:RMSNorm.reference``; the sum of squares is taken in the
+  kernel's own order, so the two agree to float32 rounding, not bit for bit.
+- Rotary embedding (NeoX halves) instead of seven (two index_selects, casts, cat, neg, two
+  muls, add), for q and for k. Its slow twin is ``layers/rotary.py:Rotary.reference``, and the
+  kernel rounds where torch's ops round, so compiled the two agree bit for bit.
+- Routing (softmax, top-k, renormalise, cast) instead of five, from the router's logits. Its
+  slow twin is ``models/blocks.py:MoEBlock.choose``: the same experts but where two
+  probabilities tie to float32 rounding (the kernel takes the lower id, as the CPU's native
+  router does), weights to float32 rounding (its exp is not torch's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.kernels.build import KernelSwitch
+
+MODES = {"qwen": 0, "unit_offset": 1, "float_scale": 2}  # how the scale is applied
+MAX_DIM = 16384  # one row per program, held in registers
+# one switch for the three: a GPU whose compiler rejects one kernel rejects its kind
+SWITCH = KernelSwitch("norms, rotary and routing take the torch path")
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` takes these: a GPU row of at most MAX_DIM, the weight in x's
+    dtype (so the output dtype is the torch path's), and no earlier build failure."""
+    return (x.is_cuda and SWITCH.on and x.dtype == w.dtype and x.shape[-1] == w.numel()
+            <= MAX_DIM)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: str) -> torch.Tensor | None:
+    """x (..., dim) normalised and scaled by w (dim,) as ``mode`` says; None when the kernel
+    failed to build (logged once; the caller takes the torch path)."""
+    import triton
+
+    from freetoken.kernels import triton_token_steps
+
+    dim = x.shape[-1]
+    if x.dim() == 3 and x.stride(2) == 1:  # (T, heads, dim) at its strides: no copy
+        rows, heads, tok, head = x, x.shape[1], x.stride(0), x.stride(1)
+    else:
+        rows = x.reshape(-1, dim)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        heads, tok, head = 1, rows.stride(0), 0
+    n = x.numel() // dim
+    out = torch.empty(n, dim, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(dim)
+
+    def launch() -> None:
+        triton_token_steps.rms_norm[(n,)](
+            rows, w, out, dim, heads, tok, head, out.stride(0), eps, MODE=MODES[mode],
+            BLOCK=block, num_warps=max(1, min(8, block // 256)))
+
+    return out.view(x.shape) if n == 0 or SWITCH.launch(launch, "RMSNorm") else None
+
+
+def rotary_usable(x: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether :func:`rotary` takes these: GPU (T, heads, D) rows, float32 tables of D
+    columns, one position per token, no earlier build failure."""
+    return (x.is_cuda and SWITCH.on and x.dim() == 3 and x.shape[2] % 2 == 0
+            and cos.dtype is torch.float32 and cos.shape[-1] == x.shape[2]
+            and positions.numel() == x.shape[0] and x.stride(2) == 1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor) -> torch.Tensor | None:
+    """x (T, heads, D) rotated at ``positions`` by the (positions, 1, D) tables; None when the
+    kernel failed to build (logged once)."""
+    import triton
+
+    from freetoken.kernels import triton_token_steps
+
+    T, heads, D = x.shape
+    out = torch.empty(T, heads, D, dtype=x.dtype, device=x.device)
+    pos = positions.reshape(-1)
+
+    def launch() -> None:
+        triton_token_steps.rotary_neox[(T, heads)](
+            x, cos, sin, pos, out, heads, x.stride(0), x.stride(1), out.stride(0),
+            HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
+            ROUND=x.dtype != torch.float32, num_warps=1,
+            enable_fp_fusion=False)  # torch's float32 path multiplies, rounds, then adds
+
+    return out if T == 0 or SWITCH.launch(launch, "rotary") else None
+
+
+MAX_EXPERTS = 1024  # router logits of one token in one program
+
+
+def route_usable(logits: torch.Tensor, top_k: int) -> bool:
+    """Whether :func:`route` takes these: GPU (T, E) logits, E at most MAX_EXPERTS, k <= E."""
+    return (logits.is_cuda and SWITCH.on and logits.dim() == 2
+            and top_k <= logits.shape[1] <= MAX_EXPERTS and logits.stride(1) == 1)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool,
+          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-k expert ids (T, k) int64 and weights (T, k) in ``dtype`` from router logits
+    (T, E); None when the kernel failed to build (logged once)."""
+    import triton
+
+    from freetoken.kernels import triton_token_steps
+
+    T, E = logits.shape
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=dtype, device=logits.device)
+
+    def launch() -> None:
+        triton_token_steps.route_topk[(T,)](
+            logits, ids, weights, E, logits.stride(0), K=top_k,
+            KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(E),
+            NORM=renormalise, num_warps=1 if E <= 256 else 4)
+
+    return (ids, weights) if T == 0 or SWITCH.launch(launch, "routing") else None

@@ -1,0 +1,230 @@
+"""The Triton kernel of :mod:`freetoken.kernels.gather_gemv`, compiled once per weight format
+(FMT; imported only when first used: triton is needed on GPU machines, not on CPU installs).
+
+The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (program axis
+0) and BLOCK_R output rows (axis 1), W's blocks read from uint8 ``w_ptr`` at ``slot * slot_stride
++ row * row_stride`` bytes, NB blocks per row, float32 accumulation. With ACT (a gate and up
+stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
+sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu).
+
+The helpers carry no type annotations: compiled code may read only constexpr globals, and the
+compiler counts an annotation such as ``Any`` as a read (the interpreter does not).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _f16(ptr, mask):
+    """Little-endian f16s at byte pointers ``ptr``, as float32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride, x_stride,
+               BLOCK_R: tl.constexpr):
+    """This program's pair p, its block of output rows (and which of them exist), the rows'
+    byte offsets in the pair's slot, and the pair's activation row."""
+    p = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    base = tl.load(index_ptr + p).to(tl.int64) * slot_stride + rows.to(tl.int64) * row_stride
+    return p, rows, rows < R, base, x_ptr + (p // per) * x_stride
+
+
+@triton.jit
+def _glu(g, u, ACT: tl.constexpr):
+    """act(g) * u in float32: ACT 1 silu, 2 gelu with the tanh approximation."""
+    if ACT == 1:
+        a = g / (1.0 + tl.exp(-g))
+    else:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
+        a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))  # 1 + tanh(z)
+    return a * u
+
+
+@triton.jit
+def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+               STEP: tl.constexpr):
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB)[None, :]
+        at = base[:, None] + blocks[None, :] * 34  # (BLOCK_R, STEP)
+        d = _f16(w_ptr + at, ok)
+        q = (
+            tl.load(w_ptr + at[:, :, None] + 2 + lane[None, None, :], mask=ok[:, :, None], other=0)
+            .to(tl.int8, bitcast=True)
+            .to(tl.float32)
+        )
+        x = tl.load(
+            x_row + blocks[:, None] * 32 + lane[None, :], mask=(blocks < NB)[:, None], other=0.0
+        ).to(tl.float32)
+        acc += tl.sum(tl.sum(q * x[None, :, :], axis=2) * d, axis=1)
+    return acc
+
+
+
+
+@triton.jit
+def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+               STEP: tl.constexpr):
+    half = tl.arange(0, 2)[:, None]  # weight i = 16 * half + j: qs[j]'s low or high nibble
+    j = tl.arange(0, 16)[None, :]
+    i = 16 * half + j  # (2, 16)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b0 in range(0, NB, STEP):  # d: f16 | qh: u8[4] | qs: u8[16]
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB)[None, :]
+        at = base[:, None] + blocks[None, :] * 22  # (BLOCK_R, STEP)
+        d = _f16(w_ptr + at, ok)
+        at4 = at[:, :, None, None]
+        ok4 = ok[:, :, None, None]
+        qs = tl.load(w_ptr + at4 + 6 + j[None, None], mask=ok4, other=0).to(tl.int32)
+        qh = tl.load(w_ptr + at4 + 2 + (i // 8)[None, None], mask=ok4, other=0).to(tl.int32)
+        q = ((qs >> (4 * half[None, None])) & 15) | (((qh >> (i % 8)[None, None]) & 1) << 4)
+        x = tl.load(
+            x_row + blocks[:, None, None] * 32 + i[None],
+            mask=(blocks < NB)[:, None, None],
+            other=0.0,
+        ).to(tl.float32)  # (STEP, 2, 16)
+        dot = tl.sum(tl.sum((q.to(tl.float32) - 16.0) * x[None], axis=3), axis=2)
+        acc += tl.sum(dot * d, axis=1)
+    return acc
+
+
+
+
+@triton.jit
+def _k4_scale_min(at, s, ok):
+    """Six-bit scale and min of sub-blocks ``s`` (scales: a = [0:4], b = [4:8], c = [8:12]
+    after the two f16s) for the rows whose blocks start at ``at``."""
+    lo = (s % 4)[None, :]
+    a = tl.load(at[:, None] + 4 + lo, mask=ok[:, None], other=0)
+    b = tl.load(at[:, None] + 8 + lo, mask=ok[:, None], other=0)
+    c = tl.load(at[:, None] + 12 + lo, mask=ok[:, None], other=0)
+    first = (s < 4)[None, :]
+    sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q4_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b in range(NB):  # d, dmin: f16 | scales: u8[12] | qs: u8[128]
+        at = w_ptr + base + b * 144  # (BLOCK_R,) pointers
+        d = _f16(at, row_ok)
+        dmin = _f16(at + 2, row_ok)
+        sc_lo, mn_lo = _k4_scale_min(at, 2 * k, row_ok)
+        sc_hi, mn_hi = _k4_scale_min(at, 2 * k + 1, row_ok)
+        qs = tl.load(
+            at[:, None, None] + 16 + k[None, :, None] * 32 + lane[None, None, :],
+            mask=row_ok[:, None, None],
+            other=0,
+        )
+        x_lo = tl.load(x_row + b * 256 + k[:, None] * 64 + lane[None, :]).to(tl.float32)
+        x_hi = tl.load(x_row + b * 256 + k[:, None] * 64 + 32 + lane[None, :]).to(tl.float32)
+        dot_lo = tl.sum((qs & 15).to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
+        dot_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi[None], axis=2)
+        sum_lo = tl.sum(x_lo, axis=1)[None, :]
+        sum_hi = tl.sum(x_hi, axis=1)[None, :]
+        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
+        acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+    return acc
+
+
+@triton.jit
+def _q5_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    # q4_k's sub-blocks and nibbles; weight l of sub-block j adds 16 where qh[l] has bit j
+    k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
+    k3 = k[None, :, None]
+    lane = tl.arange(0, 32)
+    ok = row_ok[:, None, None]
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b in range(NB):  # d, dmin: f16 | scales: u8[12] | qh: u8[32] | qs: u8[128]
+        at = w_ptr + base + b * 176  # (BLOCK_R,) pointers
+        d = _f16(at, row_ok)
+        dmin = _f16(at + 2, row_ok)
+        sc_lo, mn_lo = _k4_scale_min(at, 2 * k, row_ok)
+        sc_hi, mn_hi = _k4_scale_min(at, 2 * k + 1, row_ok)
+        at3 = at[:, None, None]
+        qh = tl.load(at3 + 16 + lane[None, None, :], mask=ok, other=0).to(tl.int32)
+        qs = tl.load(at3 + 48 + k3 * 32 + lane[None, None, :], mask=ok, other=0).to(tl.int32)
+        q_lo = (qs & 15) | (((qh >> (2 * k3)) & 1) << 4)  # (BLOCK_R, 4, 32)
+        q_hi = (qs >> 4) | (((qh >> (2 * k3 + 1)) & 1) << 4)
+        x_at = x_row + b * 256 + k[:, None] * 64 + lane[None, :]
+        x_lo = tl.load(x_at).to(tl.float32)
+        x_hi = tl.load(x_at + 32).to(tl.float32)
+        dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
+        dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None], axis=2)
+        sum_lo = tl.sum(x_lo, axis=1)[None, :]
+        sum_hi = tl.sum(x_hi, axis=1)[None, :]
+        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
+        acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+    return acc
+
+
+@triton.jit
+def _q6_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
+    # weight 128 h + 32 s + 16 u + v (half h, quarter s, sub-block 8 h + 2 s + u)
+    h = tl.arange(0, 2)[:, None, None]
+    u = tl.arange(0, 2)[None, :, None]
+    v = tl.arange(0, 16)[None, None, :]
+    ok = row_ok[:, None, None, None]
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for b in range(NB):  # ql: u8[128] | qh: u8[64] | scales: i8[16] | d: f16
+        at = base + b * 210
+        d = _f16(w_ptr + at + 208, row_ok)
+        at4 = at[:, None, None, None]
+        qh = tl.load(w_ptr + at4 + 128 + (32 * h + 16 * u + v)[None], mask=ok, other=0)
+        part = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for s in tl.static_range(4):
+            ql = tl.load(w_ptr + at4 + (64 * h + 32 * (s % 2) + 16 * u + v)[None], mask=ok, other=0)
+            q = ((ql >> (4 * (s // 2))) & 15) | (((qh >> (2 * s)) & 3) << 4)
+            x = tl.load(x_row + b * 256 + 128 * h + 32 * s + 16 * u + v).to(tl.float32)
+            dot = tl.sum((q.to(tl.float32) - 32.0) * x[None], axis=3)  # (BLOCK_R, 2, 2)
+            sub = 8 * tl.arange(0, 2)[:, None] + 2 * s + tl.arange(0, 2)[None, :]  # (h, u)
+            sc = tl.load(
+                w_ptr + at[:, None, None] + 192 + sub[None], mask=row_ok[:, None, None], other=0
+            ).to(tl.int8, bitcast=True)
+            part += tl.sum(tl.sum(sc.to(tl.float32) * dot, axis=2), axis=1)
+        acc += d * part
+    return acc
+
+
+@triton.jit
+def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
+          BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+    """The rows' sums of format FMT (chosen when the kernel is compiled)."""
+    if FMT == "q8_0":
+        acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    elif FMT == "q5_0":
+        acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    elif FMT == "q4_k":
+        acc = _q4_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    elif FMT == "q5_k":
+        acc = _q5_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    else:
+        acc = _q6_k_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R)
+    return acc
+
+
+@triton.jit
+def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
+                out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                STEP: tl.constexpr, ACT: tl.constexpr):
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
+    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    if ACT:
+        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
+        acc = _glu(acc, up, ACT)
+    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -1,0 +1,89 @@
+"""The Triton kernels of :mod:`freetoken.kernels.token_steps` (RMSNorm, rotary embedding),
+imported only when first used: triton is needed on GPU machines, not on CPU installs."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm(x_ptr, w_ptr, out_ptr, dim, heads, x_tok, x_head, out_stride, eps,
+             MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program (row r: token r // heads, head r % heads, at their strides):
+    h = x / rms(x) in float32; MODE 0 (Qwen) w * h rounded to the output dtype first,
+    1 (Gemma) h * (1 + w), 2 (plain float scale) h * w."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    at = (row // heads) * x_tok + (row % heads) * x_head
+    x = tl.load(x_ptr + at + cols, mask=ok, other=0.0).to(tl.float32)
+    h = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if MODE == 0:
+        y = w * h.to(out_ptr.dtype.element_ty).to(tl.float32)
+    elif MODE == 1:
+        y = h * (1.0 + w)
+    else:
+        y = h * w
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotary_neox(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, heads, x_tok, x_head, out_tok,
+                HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+    """One (token, head) per program: out = x * cos + rot(x) * sin at the token's position,
+    rot(x) = (-x[half:], x[:half]). With ROUND, cos/sin are first rounded to x's dtype and
+    each product and the sum rounded to it, as torch's elementwise ops on that dtype do."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    src = x_ptr + t * x_tok + h * x_head
+    lo = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    c_lo = tl.load(cos_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
+    c_hi = tl.load(cos_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
+    s_lo = tl.load(sin_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
+    s_hi = tl.load(sin_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    if ROUND:
+        c_lo, c_hi = c_lo.to(dt).to(tl.float32), c_hi.to(dt).to(tl.float32)
+        s_lo, s_hi = s_lo.to(dt).to(tl.float32), s_hi.to(dt).to(tl.float32)
+        y_lo = (lo * c_lo).to(dt).to(tl.float32) + (-hi * s_lo).to(dt).to(tl.float32)
+        y_hi = (hi * c_hi).to(dt).to(tl.float32) + (lo * s_hi).to(dt).to(tl.float32)
+    else:
+        y_lo = lo * c_lo + (-hi) * s_lo
+        y_hi = hi * c_hi + lo * s_hi
+    dst = out_ptr + t * out_tok + h * 2 * HALF
+    tl.store(dst + i, y_lo.to(dt), mask=ok)
+    tl.store(dst + HALF + i, y_hi.to(dt), mask=ok)
+
+
+@triton.jit
+def route_topk(logits_ptr, ids_ptr, w_ptr, E, stride, K: tl.constexpr, KB: tl.constexpr,
+               BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """One token per program: softmax over its E router logits in float32, the K largest
+    (the lower id first on a tie), renormalised to sum 1 when NORM."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < E
+    logit = tl.load(logits_ptr + t * stride + i, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp(logit - tl.max(logit, axis=0))
+    e = tl.where(ok, e, 0.0)
+    p = e / tl.sum(e, axis=0)
+    p = tl.where(ok, p, -1.0)
+    slot = tl.arange(0, KB)
+    vals = tl.zeros([KB], dtype=tl.float32)
+    ids = tl.zeros([KB], dtype=tl.int64)
+    for k in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        at = tl.min(tl.where(p == best, i, BLOCK), axis=0)
+        vals = tl.where(slot == k, best, vals)
+        ids = tl.where(slot == k, at.to(tl.int64), ids)
+        p = tl.where(i == at, -1.0, p)
+    if NORM:
+        vals = vals / tl.sum(vals, axis=0)
+    tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
+    tl.store(w_ptr + t * K + slot, vals.to(w_ptr.dtype.element_ty), mask=slot < K)

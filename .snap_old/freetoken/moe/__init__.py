@@ -1,0 +1,1 @@
+"""Mixture-of-experts execution: where experts live and how a routed batch is computed."""

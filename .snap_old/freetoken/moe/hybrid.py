@@ -1,0 +1,285 @@
+"""Hybrid strategy: of a layer's cache misses, fetch a fraction f over PCIe (the most used
+first) and compute the rest on the CPU from the same host bank, overlapped.
+
+Per layer call (decode):
+  route -> hits | misses; misses by use, descending -> the first n = round(f * misses) (capped
+  by ``--moe-hybrid-max-fetch``) are fetched into cache slots, the rest go to the CPU pool:
+  CPU submit (returns at once) -> copies on the copy stream -> slot table published -> the
+  GPU's share queued (hits and fetched experts, through the table) -> CPU wait -> the CPU's
+  result added. So the CPU computes while the link copies and the GPU computes. With decode
+  CUDA graphs the plan runs between two pieces, the CPU wait between the next two (no sync),
+  and the GPU's share is captured in between.
+f starts from the layer's bandwidth-profile row (``pcie_ov / (pcie_ov + cpu_ov)``) and
+:class:`SplitPolicy` moves it toward the split with the shortest step (CPU and PCIe finishing
+together, counting the host time the CPU half costs), from the times it measures each
+step. Prefill chunks that miss most experts stream them to the GPU like offload does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.cpu import executor as cx
+from freetoken.cpu.gpu_wait import to_host
+from freetoken.cpu.jobs import CpuMoeFuture
+from freetoken.errors import ConfigError
+from freetoken.moe.expert_cache import Routed, SlotPool, Split
+from freetoken.moe.host_banks import PROJECTIONS
+from freetoken.moe.host_job import HostJob, HostJobs
+from freetoken.moe.layer_kind import LayerKind, cpu_format, kind_words
+from freetoken.moe.offload import OffloadExperts, slot_of
+from freetoken.moe.pieces import HostCopies
+from freetoken.moe.runtime import OffloadRuntime
+from freetoken.moe.split import SplitCosts, SplitPolicy, WallCheck
+from freetoken.moe.stats import Span
+from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs, Shared
+from freetoken.quant import QuantTensor, get_format
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class _Pending:
+    """A planned call whose CPU share is still running: what :meth:`HybridExperts._finish`
+    needs to collect it and record the call."""
+
+    x: torch.Tensor
+    hits: int
+    fetched: int
+    on_cpu: int
+    fetch: Span | None
+    future: CpuMoeFuture | None
+    overhead: float
+    host: HostCopies | None
+    plan_s: float
+
+
+class _Calls:
+    """A layer's state between its calls: the last call's times for the policy, the planned
+    call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, float, int, Span | None, float] | None = None
+        self.pending: _Pending | None = None
+        self.staged: torch.Tensor | None = None
+
+
+class HybridExperts(OffloadExperts):
+    """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
+
+    NEEDS = Needs(cpu_pool=True, host_banks=True, device_cache=True)
+    PLAN_READS_INPUTS = True  # the CPU's share reads the hidden states and weights
+    FINISHES_LATE = True  # the CPU's share is collected after the device's is queued
+    # --moe-lookahead auto predicts for these only while the split fetches every miss: with
+    # a CPU share, on the H200 (12-layer qwen3-30b-a3b q8_0, 4 GB cache) it measured 128.6 /
+    # 107.0 / 87.8 tok/s against 181.0 / 101.6 / 103.5 without; the prediction adds host time
+    # to a plan the CPU's share already waits on
+    LOOKAHEAD_BY_DEFAULT = False
+
+    def __init__(self, shape: ExpertShape) -> None:
+        if (why := shape.native_missing()) is not None:
+            raise ConfigError(f"--moe-strategy hybrid cannot run layer {shape.layer}: {why}")
+        reason = cx.available()
+        if reason is not None:
+            raise ConfigError(f"--moe-strategy hybrid needs the CPU MoE library, but {reason}")
+        super().__init__(shape)
+        self.policy = SplitPolicy()
+        self.executor: cx.CpuMoeExecutor | None = None
+        self.calls = _Calls()  # per-call state, kept off nn.Module's slow attribute setter
+        self.host_jobs = HostJobs(shape.layer)  # the CPU's share between graph pieces
+
+    def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
+        """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
+        if qt.fmt in ("f32", "f16"):
+            qt = get_format("bf16").quantize(get_format(qt.fmt).dequantize(qt))
+        return super().load_expert_tensor(proj, qt, expert)
+
+    def kind(self) -> LayerKind:
+        """The layer's kind as the bandwidth profile keys it (from its bank's formats)."""
+        assert self.bank is not None
+        fmt, options = cpu_format(*self.bank.layout.formats)
+        s = self.shape
+        return LayerKind(fmt, s.hidden, s.intermediate, s.top_k, options)
+
+    def attach(self, plan: LayerPlan, shared: Shared) -> None:
+        """Offload's cache, the bank handed to the CPU pool (read in place) and the split."""
+        super().attach(plan, shared)
+        bank = self.bank
+        if shared.pool is None or bank is None:
+            raise RuntimeError(f"layer {self.shape.layer}: hybrid experts need the CPU pool "
+                               "and their loaded bank")
+        gate, up, down = (cx.ExpertStack.from_quant([bank.layout.quant(bank.rows[e], p)
+                                                     for e in range(bank.num_experts)])
+                          for p in PROJECTIONS)
+        self.executor = shared.pool
+        self.executor.add_layer(self.shape.layer, gate, up, down, **self.native_glu())
+        f = plan.fetch_fraction
+        kind = self.kind()
+        costs = shared.splits.setdefault(kind, SplitCosts(layers=0))
+        costs.layers += 1
+        if costs.check is None:
+            costs.check = WallCheck(kind_words(kind))
+        costs.check.layers = costs.layers
+        self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
+                                  probe_fraction=f if f is not None and f < 1 else 0.5,
+                                  costs=costs)
+        # reported from the start: a layer whose calls all stream (more experts than its
+        # cache holds) still shows its split
+        self._runtime().stats.set_fraction(self.shape.layer, self.policy.fraction)
+
+    def _runtime(self) -> OffloadRuntime:
+        if self.executor is None:
+            raise RuntimeError(f"layer {self.shape.layer}: hybrid experts used before "
+                               "attach() gave them the CPU pool")
+        return super()._runtime()
+
+    def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     flat: torch.Tensor, pool: SlotPool, routed: Routed,
+                     host: HostCopies | None,
+                     t0: float) -> torch.Tensor | None:
+        """The CPU's share submitted, the most used misses fetched and the slot table
+        published (the CPU's experts stay out of it, so :meth:`_from_table` gives their pairs
+        0). The CPU's result is left for :meth:`_finish`, so the device computes its share
+        meanwhile. Between graph pieces the split writes the CPU's pairs straight into the
+        host job's ids."""
+        assert self.executor is not None
+        job = None if host is None else self.host_jobs.get(self.executor, host)
+        cpu_ids = torch.empty_like(flat) if job is None else job.ids
+        split = self._split(pool, flat, routed, cpu_ids)
+        future, overhead = self._submit(x, ids, w, split, cpu_ids, job)
+        fetch = self._fetch(pool, split)
+        pool.publish(self.shape.layer)
+        self._prefetch(x, routed, split, host)
+        self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
+                                      future, overhead, host, time.perf_counter() - t0)
+        return None
+
+    def _finish(self) -> torch.Tensor | None:
+        """The CPU's result of the last plan on the device (between graph pieces: in
+        ``host.cpu_out``, which the graph step copies in), and the call's stats."""
+        p, self.calls.pending = self.calls.pending, None
+        if p is None:
+            return None
+        cpu_out, t_cpu, overhead = self._collect(p.future, p.x, p.overhead, p.host)
+        self._record(p.x, p.hits, p.fetched, p.on_cpu, p.fetch, None, t_cpu, overhead,
+                     p.plan_s)
+        return cpu_out
+
+    def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               flat: torch.Tensor, pool: SlotPool, routed: Routed) -> torch.Tensor:
+        """A call with too many pairs to gather (or on the CPU): the CPU's share submitted
+        first, the fetched experts and hits computed expert by expert meanwhile."""
+        rt = self.runtime
+        assert rt is not None
+        cpu_ids = torch.empty_like(flat)
+        split = self._split(pool, flat, routed, cpu_ids)
+        future, overhead = self._submit(x, topk_ids, topk_weights, split, cpu_ids)
+        fetch = self._fetch(pool, split)
+        self._prefetch(x, routed, split)
+        compute = rt.stats.span()
+        slots = slot_of(routed, split)
+        out = (self._compute(x, topk_ids, topk_weights, pool, slots) if slots
+               else torch.zeros_like(x))
+        compute.stop()
+        cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
+        self._record(x, routed.n_hits, split.fetched.size, split.cpu, fetch, compute, t_cpu,
+                     overhead)
+        return out if cpu_out is None else out + cpu_out
+
+    def _split(self, pool: SlotPool, flat: torch.Tensor, routed: Routed,
+               cpu_ids: torch.Tensor) -> Split:
+        """The policy's count of misses fetched (the most used; :meth:`SlotPool.split` gives
+        them slots), the rest the CPU's (their pairs written to ``cpu_ids``). The last call's
+        times reach the policy first (n_fetch's probe flag is this call's)."""
+        self._observe_last()
+        misses, arrived = routed.misses, self.incoming.arrived
+        # experts look-ahead fetched count as fetched: the split is over the misses there
+        # would have been without it
+        n = self.policy.n_fetch(misses + arrived, flat.numel() // self.shape.top_k) - arrived
+        if self.policy.probing == "pcie":  # a probe still times one fetch
+            n = max(n, 1)
+        n = max(0, min(n, misses))
+        return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
+
+    def prefetch_share(self, misses: int) -> int:
+        """The share of predicted misses the split would fetch (none before it has one; all
+        while the wall check runs all-fetch or benches the CPU)."""
+        if self.policy.all_fetch:
+            return misses
+        return 0 if self.policy.fraction is None else self.policy.planned(misses)
+
+    def fetches_all(self) -> bool:
+        p = self.policy
+        return p.all_fetch or (p.fraction is not None and p.fraction >= 1.0
+                               and p.max_fetch is None)
+
+    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
+                cpu_ids: torch.Tensor, job: HostJob | None = None,
+                ) -> tuple[CpuMoeFuture | None, float]:
+        """The CPU's share on the pool (``cpu_ids``: the pairs of other experts as -1);
+        returns at once. With a host ``job`` (whose ids ``cpu_ids`` are), it reads the host
+        copies and writes into their ``cpu_out``."""
+        if not split.cpu:
+            return None, 0.0
+        assert self.executor is not None
+        t0 = time.perf_counter()
+        if job is not None:
+            return job.submit(all_pairs=False), time.perf_counter() - t0
+        if x.is_cuda:  # one transfer (one sync) for both
+            both = to_host(torch.cat([x.float(), w.float()], dim=1))
+            x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
+        return (self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer),
+                time.perf_counter() - t0)
+
+    def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor, overhead: float,
+                 host: HostCopies | None = None) -> tuple[torch.Tensor | None, float, float]:
+        """The CPU's result on ``x``'s device (left in ``host.cpu_out`` with ``host``), the
+        pool's time on it, and the host overhead. On CUDA the result goes through a pinned
+        buffer without waiting for the stream (which may still be waiting for the copies): the
+        buffer is rewritten only at this layer's next call, after the host has synced on that
+        call's routed ids."""
+        if future is None:
+            return None, 0.0, overhead
+        out = future.wait()
+        t0 = time.perf_counter()
+        if host is None:  # else the pool wrote host.cpu_out, which the graph step copies in
+            out = self._to_device(out, x)
+        return out, future.seconds, overhead + time.perf_counter() - t0
+
+    def _to_device(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The CPU's result in ``x``'s dtype on its device (through the pinned buffer)."""
+        if not x.is_cuda:
+            return out.to(dtype=x.dtype)
+        T, H = out.shape
+        c = self.calls
+        if c.staged is None or c.staged.shape[0] < T:
+            c.staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
+        staged = c.staged[:T]
+        staged.copy_(out)
+        return staged.to(x.device, non_blocking=True)
+
+    def _record(self, x: torch.Tensor, hits: int, fetched: int, on_cpu: int,
+                fetch: Span | None, compute: Span | None, t_cpu: float, overhead: float,
+                plan_s: float = 0.0) -> None:
+        """A call's counts of experts (hits, fetched, on the CPU) and times."""
+        rt, bank, layer = self.runtime, self.bank, self.shape.layer
+        assert rt is not None and bank is not None
+        self.calls.last = (on_cpu, t_cpu, fetched, fetch, overhead)
+        rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
+                        fetch=fetch, compute=compute, cpu_experts=on_cpu, cpu_s=t_cpu,
+                        plan_s=plan_s)
+        rt.stats.set_fraction(layer, 1.0 if self.policy.all_fetch else self.policy.fraction)
+
+    def _observe_last(self) -> None:
+        """Feed the previous call's times to the policy (its copy has finished by now: the
+        host has synced on this call's routed ids since)."""
+        if self.calls.last is None:
+            return
+        n_cpu, t_cpu, n_fetch, span, overhead = self.calls.last
+        t_pcie = span.done() if span is not None else 0.0
+        if t_pcie is not None:
+            self.policy.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead)
+        self.calls.last = None

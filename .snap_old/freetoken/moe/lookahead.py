@@ -1,0 +1,103 @@
+"""Look-ahead: the next MoE layer's router applied to this layer's expert input predicts the
+experts the next layer will route to, and their misses are fetched into the cache while this
+layer computes, so the link works during the GPU's own time.
+
+The residual stream changes little from one layer to the next (each layer adds one attention
+and one MoE branch to it), so ``router_{L+1}(x_L)``, with ``x_L`` the normalised hidden state
+layer L's experts get, picks most of the experts ``router_{L+1}(x_{L+1})`` picks. A prediction
+only moves experts into cache slots earlier: the next layer finds them as hits, with the same
+bytes it would have fetched, so outputs do not change (offload gives the same bits with or
+without it); a wrong prediction costs link time and a slot.
+
+Per prediction the next layer's call scores it: ``lookahead_needed`` experts it routed to,
+``lookahead_used`` of them predicted (the hit rate of the prediction is used / needed),
+``lookahead_predicted`` predicted in all, ``prefetched`` the predicted misses copied.
+
+Threads: the engine's main thread only (as the expert cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
+PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
+
+
+@dataclass
+class Lookahead:
+    """Layer ``layer``'s router (weight (E, H) and bias, float32 on the model's device) for
+    the layer before it to predict with, and ``target``: that layer's experts (their bank and
+    cache). With ``while_all_fetched``, the layer before predicts only while ``target``
+    fetches every miss (a hybrid layer whose split has gone all-fetch: then it is offload,
+    and gets offload's look-ahead; while its CPU takes a share, the host time of the fetches
+    would delay the plan the CPU waits on).
+
+    The router runs where the model does (:meth:`route`: device ops, inside a decode graph's
+    piece), so the host gets only its picks, with the routed ids, and the expert cache ranks
+    them (:meth:`~freetoken.moe.expert_cache.SlotPool.prefetch`)."""
+
+    layer: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    top_k: int
+    target: Any  # the next layer's OffloadExperts (a plain reference, not a submodule)
+    while_all_fetched: bool = False
+
+    def active(self) -> bool:
+        """Whether to predict for the target's next call."""
+        return not self.while_all_fetched or self.target.fetches_all()
+
+    def route(self, x: torch.Tensor) -> torch.Tensor:
+        """The next layer's router on the tokens ``x`` (T, H): its top-k experts per token,
+        (T, k) int64 on x's device."""
+        logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
+        return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+
+    def budget(self, tokens: int) -> int:
+        """Predicted misses fetched for a call of ``tokens`` at most (0: too many tokens to
+        predict for: a prefill chunk streams its experts anyway)."""
+        if tokens > PREDICT_MAX_TOKENS:
+            return 0
+        return int(PREFETCH_PER_TOKEN * self.top_k * tokens)
+
+
+def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The router of an MoE block when it is a plain linear layer, logits = x W^T (+ b):
+    ``gate`` in Qwen3-MoE and the moeified families, ``router`` in GPT-OSS; None otherwise
+    (Gemma-4's router normalises and scales its input itself: no look-ahead there)."""
+    experts = block.experts.shape.num_experts
+    for name in ("gate", "router"):
+        r = getattr(block, name, None)
+        w = getattr(r, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == experts:
+            return r
+    return None
+
+
+def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
+         always: Callable[[torch.nn.Module], bool] = lambda m: True) -> int:
+    """Give every ``eligible`` experts layer whose next MoE layer is eligible too (same model,
+    so the same expert cache) a :class:`Lookahead` on that layer's router, predicting always
+    when ``always(next layer)``, else only while the next layer fetches every miss; returns
+    how many."""
+    blocks = [(m.experts, r) for m in model.modules()
+              if isinstance(getattr(m, "experts", None), torch.nn.Module)
+              and (r := router_of(m)) is not None]
+    blocks.sort(key=lambda b: b[0].shape.layer)
+    n = 0
+    for (this, _), (nxt, router) in pairwise(blocks):
+        if not (eligible(this) and eligible(nxt)):
+            continue
+        w = router.weight.detach().float().contiguous()  # routers are float32: no copy
+        b = router.bias
+        b = None if b is None else b.detach().float()
+        this.lookahead = Lookahead(nxt.shape.layer, w, b, nxt.shape.top_k, nxt,
+                                   while_all_fetched=not always(nxt))
+        n += 1
+    return n

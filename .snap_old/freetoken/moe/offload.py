@@ -1,0 +1,390 @@
+"""Offload strategy: experts live in host banks, a GPU cache of slots holds the hot ones, a miss
+is fetched over PCIe into a victim slot.
+
+Per layer call (T tokens, A active, E experts):
+  route (ids, weights) -> the needed experts -> hits run from their slots; misses get the least
+  recently used slots and are copied bank row -> slot on the copy stream; the compute stream waits
+  for the copies and runs the same kernels as the resident strategy (:mod:`resident`) on weights
+  read from the slots, so offload gives resident's bits.
+When a call needs more experts than the pool has slots, or misses more than half the layer's
+experts (a prefill chunk), the misses are streamed instead (:mod:`.prefill_stream`): copied in
+chunks through two staging buffers (the copy of chunk k+1 overlaps the compute of chunk k)
+without touching the cache.
+
+Decode-sized calls on a GPU (pairs few enough to gather) are split: the host's plan (routed
+ids, hits and misses, copies, the layer's slot table published to the device), the device's
+compute (:meth:`OffloadExperts._from_table`, which reads slots through that table and so needs
+nothing from the host), then what the plan left running on the host (:meth:`_finish`: hybrid's
+CPU share). Decode CUDA graphs (``engine/graph.py``, through :mod:`.pieces`) run the plan and
+the finish between pieces and capture the compute; larger calls run between pieces whole. On
+``--device cpu`` the same code runs with host memory as the "device" and memcpy as the link.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from freetoken.cpu.gpu_wait import to_host
+from freetoken.kernels.activation import expert_activation
+from freetoken.kernels.build import raised_by_triton
+from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
+from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
+from freetoken.moe.expert_cache import Routed, SlotPool, Split
+from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
+from freetoken.moe.lookahead import Lookahead
+from freetoken.moe.pieces import HostCopies
+from freetoken.moe.prefill_stream import PrefillStream
+from freetoken.moe.runtime import OffloadRuntime
+from freetoken.moe.stats import Span
+from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
+from freetoken.quant import QuantTensor
+
+log = logging.getLogger(__name__)
+
+STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a layer's experts
+
+
+@dataclass
+class Incoming:
+    """What the layer before's look-ahead did for a layer's next call (a plain object: the
+    engine thread writes it every call, which an nn.Module attribute makes slow)."""
+
+    predicted: set[int] | None = None  # the experts it predicted
+    prefetched: set[int] = field(default_factory=set)  # of those, the misses it fetched
+    arrived: int = 0  # experts of the last call that it had fetched
+
+
+class OffloadExperts(Experts):
+    """One MoE layer's experts in a host bank, computed from cache slots on the model's device."""
+
+    NEEDS = Needs(host_banks=True, device_cache=True)
+    PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
+    FINISHES_LATE = False  # the plan leaves host work for :meth:`_finish` (graph step after it)
+    LOOKAHEAD_BY_DEFAULT = True  # --moe-lookahead auto predicts for these layers always
+
+    def __init__(self, shape: ExpertShape) -> None:
+        super().__init__()
+        self.shape = shape
+        self.act = expert_activation(shape.activation, shape.swiglu_alpha, shape.swiglu_limit)
+        self.make_bias()
+        self.device = torch.empty(0).device  # the device the model is being built on
+        self.dtype = torch.get_default_dtype()
+        self.builder = BankBuilder(shape.layer, shape.num_experts, shape.hidden,
+                                   shape.intermediate)
+        self.bank: HostBank | None = None
+        self.runtime: OffloadRuntime | None = None
+        self._pool_views: dict[str, QuantTensor] = {}
+        self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
+        self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
+        self.incoming = Incoming()  # what the layer before's look-ahead did for us
+
+    def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
+        """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
+        self.builder.add(proj, qt, expert)
+        if not self.builder.missing():
+            self.bank = self.builder.build(pinned=self.device.type == "cuda")
+        return True
+
+    def missing_expert_tensors(self) -> list[str]:
+        return [] if self.bank is not None else self.builder.missing()
+
+    def recorder(self) -> OffloadRuntime | None:
+        return self.runtime
+
+    def attach(self, plan: LayerPlan, shared: Shared) -> None:
+        """Serve misses through the model's shared expert cache."""
+        if shared.runtime is None:
+            raise RuntimeError(f"layer {self.shape.layer}: {plan.strategy} experts need the "
+                               "device expert cache, and none was made")
+        self.runtime, self._pool_views = shared.runtime, {}
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:  # x (T, H), ids/weights (T, A) -> (T, H)
+        rt = self._runtime()
+        if use_gather(x, topk_ids):  # decode on a GPU: the host plans, the device computes
+            return self._gathered_call(rt, x, topk_ids, topk_weights)
+        if rt.capture is not None:  # too many pairs to gather: all of it between the pieces
+            return rt.capture.split(self, x, topk_ids, topk_weights)
+        flat, pool, routed = self._route(topk_ids)
+        if self._must_stream(routed.needed.size, routed.misses, pool):
+            return self._streamed(x, topk_ids, topk_weights, pool, routed.hits(), routed.missed())
+        return self._serve(x, topk_ids, topk_weights, flat, pool, routed)
+
+    def _gathered_call(self, rt: OffloadRuntime, x: torch.Tensor, ids: torch.Tensor,
+                       w: torch.Tensor) -> torch.Tensor:
+        """Plan, device compute from the slot table, then what the plan left running on the
+        host (:meth:`_finish`). While decode graphs are captured, the plan and the finish run
+        between pieces and their results come from static buffers."""
+        if rt.capture is not None:
+            la = self.lookahead  # the next layer's picks made in the piece, for look-ahead
+            picks = la.route(x) if la is not None and la.budget(x.shape[0]) else None
+            static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS, picks)
+            out = self._from_table(x, ids, w) + static
+            if self.FINISHES_LATE:
+                out = out + rt.capture.after(self._finish, x)
+            return out
+        early = self._plan(x, ids, w)
+        out = self._from_table(x, ids, w)
+        late = self._finish()
+        for extra in (early, late):
+            if extra is not None:
+                out = out + extra
+        return out
+
+    def _finish(self) -> torch.Tensor | None:
+        """The result of what the last :meth:`_plan` left running (nothing here; hybrid's CPU
+        share), called once the device's compute is queued."""
+        return None
+
+    def _route(self, ids: torch.Tensor) -> tuple[torch.Tensor, SlotPool, Routed]:
+        """The routed ids on the host (int64, flat; a sync if they are on the device), and the
+        experts they need with their hits and misses (:meth:`SlotPool.route`)."""
+        assert self.runtime is not None
+        pool = self.runtime.cache.pool(self.shape.layer)
+        flat = ids.reshape(-1)
+        if flat.is_cuda:  # the host waits for the router: a bounded spin, then asleep
+            flat = to_host(flat)
+        if flat.dtype is not torch.int64:
+            flat = flat.to(torch.int64)
+        flat = flat.contiguous()
+        routed = pool.route(self.shape.layer, flat)
+        came = self.incoming
+        came.arrived = 0
+        if came.predicted is not None or came.prefetched:
+            needed = set(routed.needed.tolist())
+            if came.predicted is not None:  # the layer before's look-ahead, scored
+                self.runtime.stats.record_lookahead(self.shape.layer, len(came.predicted),
+                                                    len(came.predicted & needed), len(needed))
+            came.arrived = len(came.prefetched & needed)
+            came.predicted, came.prefetched = None, set()
+        return flat, pool, routed
+
+    def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
+        return needed > pool.num_slots or misses > STREAM_ABOVE * self.shape.num_experts
+
+    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+              host: HostCopies | None = None) -> torch.Tensor | None:
+        """The host's part of a gathered call: fetch the misses, publish the layer's slot table
+        for :meth:`_from_table`. Returns what :meth:`_from_table` does not compute (streamed
+        experts here, the CPU's share in hybrid), or None. Between graph pieces, ``host`` holds
+        the inputs already copied to the host."""
+        t0 = time.perf_counter()
+        flat, pool, routed = self._route(ids if host is None else host.ids)
+        if self._must_stream(routed.needed.size, routed.misses, pool):
+            pool.publish(self.shape.layer, empty=True)
+            return self._streamed(x, ids, w, pool, routed.hits(), routed.missed())
+        return self._plan_misses(x, ids, w, flat, pool, routed, host, t0)
+
+    def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                     flat: torch.Tensor, pool: SlotPool, routed: Routed, host: HostCopies | None,
+                     t0: float) -> torch.Tensor | None:
+        """What :meth:`_plan` does with a call's misses (``t0``: when the plan began)."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        split = pool.split(self.shape.layer, flat, routed, routed.misses)
+        fetch = self._fetch(pool, split)
+        pool.publish(self.shape.layer)
+        self._prefetch(x, routed, split, host)
+        n = split.fetched.size
+        rt.stats.record(self.shape.layer, x.shape[0], routed.n_hits, n,
+                        n * bank.expert_bytes, fetch=fetch, plan_s=time.perf_counter() - t0)
+        return None
+
+    def _from_table(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every pair whose expert the published slot table holds, gathered from its slot with
+        the fused kernels or resident's; the other pairs count 0. Device work only
+        (capturable). A fused kernel that fails to build (its first call is in the eager
+        warm-up before any capture) leaves the layer on resident's kernels, with a warning."""
+        assert self.runtime is not None
+        pool = self.runtime.cache.pool(self.shape.layer)
+        slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
+        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
+        index = slot.clamp(min=0)
+        views = [self._pool_view(pool, p) for p in PROJECTIONS]
+        bias = self.bias()
+        bias = bias and bias.rows(ids.reshape(-1))
+        if self.gpu_kernel == "fused":  # the slots' blocks read in place
+            try:
+                return gathered_fused(x, w, index, *views, self.act, bias)
+            except Exception as e:
+                if not raised_by_triton(e):
+                    raise
+                log.warning("layer %d: the fused %s kernel failed to build (%s: %s); its "
+                            "experts use dequantise + matmul", self.shape.layer,
+                            "/".join(v.fmt for v in views), type(e).__name__,
+                            str(e).splitlines()[0] if str(e) else "")
+                self.gpu_kernel = "dequant"
+        return gathered_reference(x, w, index, *views, self.act, bias)
+
+    def _runtime(self) -> OffloadRuntime:
+        if self.runtime is None or self.bank is None:
+            raise RuntimeError(f"layer {self.shape.layer}: offloaded experts used before "
+                               "attach() gave them a cache")
+        return self.runtime
+
+    def _serve(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, flat: torch.Tensor,
+               pool: SlotPool, routed: Routed) -> torch.Tensor:
+        """One decode-sized call: every miss fetched into the cache, then computed."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        split = pool.split(self.shape.layer, flat, routed, routed.misses)
+        fetch = self._fetch(pool, split)
+        self._prefetch(x, routed, split)
+        compute = rt.stats.span()
+        out = self._compute(x, ids, w, pool, slot_of(routed, split))
+        n = split.fetched.size
+        rt.stats.record(self.shape.layer, x.shape[0], routed.n_hits, n,
+                        n * bank.expert_bytes, fetch=fetch, compute=compute.stop())
+        return out
+
+    def _fetch(self, pool: SlotPool, split: Split) -> Span | None:
+        """The experts ``split`` gave slots copied from the bank into them; the compute stream
+        waits for the copies (and for what look-ahead fetched for this call before)."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        if split.fetched.size:
+            return rt.fetch(pool.data, split.slots, bank, split.fetched, wait=True)
+        rt.wait_copies()
+        return None
+
+    def _prefetch(self, x: torch.Tensor, routed: Routed, split: Split,
+                  host: HostCopies | None = None) -> None:
+        """Look-ahead (:mod:`.lookahead`): the experts the next layer's router picks for ``x``
+        fetched into the cache now, on the copy stream behind this call's copies, into slots
+        other than this call's (``routed``'s hits and ``split``'s fetches, which its compute
+        still reads). Calls of more tokens than look-ahead predicts for, or when no layer
+        follows, do nothing. Between graph pieces the picks come with ``host`` (the piece
+        before ran the next router); an eager call runs it here (on a GPU: the host has synced
+        on the routed ids already)."""
+        la, rt = self.lookahead, self.runtime
+        if la is None or rt is None or not (budget := la.budget(x.shape[0])) \
+                or not la.active():
+            return
+        if host is not None:
+            if host.predicted is None:
+                return
+            picks = host.predicted
+        else:
+            picks = to_host(la.route(x))
+        pool = rt.cache.pool(la.layer)
+        # this call's slots (its hits and fetches; a miss's -1 is ignored) stay
+        keep = (np.concatenate((routed.slot, split.slots))
+                if pool is rt.cache.pool(self.shape.layer) else split.slots[:0])
+        target = la.target
+        got = pool.prefetch(la.layer, picks, keep,
+                            lambda misses: min(target.prefetch_share(misses), budget))
+        came = target.incoming
+        came.predicted = set(got.predicted.tolist())
+        if not got.fetched.size:
+            return
+        came.prefetched = set(got.fetched.tolist())
+        bank = target.bank
+        span = rt.fetch(pool.data, got.slots, bank, got.fetched, wait=False)
+        rt.stats.record_prefetch(la.layer, got.fetched.size, got.fetched.size * bank.expert_bytes,
+                                 span)
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
+                 slot_of: dict[int, int]) -> torch.Tensor:
+        """The experts in ``slot_of`` from their slots, expert by expert with resident's
+        kernel (too many pairs to gather, or the CPU); other experts' pairs are skipped."""
+        return grouped(x, ids, w, self.shape.num_experts,
+                       lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
+                       only=slot_of, bias=self.bias())
+
+    def prefetch_share(self, misses: int) -> int:
+        """How many of ``misses`` predicted misses look-ahead may fetch for this layer: all
+        (hybrid: the share its split would fetch)."""
+        return misses
+
+    def fetches_all(self) -> bool:
+        """Whether this layer's next call fetches every miss (hybrid: while its split is
+        all-fetch)."""
+        return True
+
+    def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
+        """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""
+        assert self.bank is not None
+        qt = self._pool_views.get(proj)
+        if qt is None:
+            qt = self._pool_views[proj] = self.bank.layout.quant(pool.data, proj)
+        return qt
+
+    def _row_weights(self, row: torch.Tensor) -> Weights:
+        assert self.bank is not None
+        lay = self.bank.layout
+        return (lay.weight(row, "gate_proj", self.dtype), lay.weight(row, "up_proj", self.dtype),
+                lay.weight(row, "down_proj", self.dtype))
+
+    def _streamed(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
+                  hits: dict[int, int], misses: list[int]) -> torch.Tensor:
+        """Misses through the staging buffers, hits from their slots; the cache is unchanged."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        rt.wait_copies()  # hits that look-ahead fetched (before the stream's own copies)
+        stream = PrefillStream(rt, bank, misses)
+        compute = rt.stats.span()
+
+        def weights_of(e: int) -> Weights:
+            if e in hits:
+                return self._row_weights(pool.data[hits[e]])
+            return self._row_weights(stream.row(e))
+
+        out = grouped(x, ids, w, self.shape.num_experts, weights_of, self.act, bias=self.bias())
+        rt.stats.record(self.shape.layer, x.shape[0], len(hits), 0,
+                        len(misses) * bank.expert_bytes, streamed=len(misses),
+                        fetch=stream.finish(), compute=compute.stop())
+        return out
+
+
+def slot_of(routed: Routed, split: Split) -> dict[int, int]:
+    """Expert -> slot of a call's hits and of the misses ``split`` fetched."""
+    return routed.hits() | dict(zip(split.fetched.tolist(), split.slots.tolist(), strict=True))
+
+
+def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:
+    """Each layer's GPU compute of cached experts (FREETOKEN_GPU_EXPERT_KERNEL): the fused
+    kernels where every projection's format has one and triton imports, else dequantise +
+    matmul; logged, with a warning when a layer that could be fused is not for want of
+    triton."""
+    from freetoken import env
+    from freetoken.errors import ConfigError
+    from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
+
+    want = env.gpu_expert_kernel()
+    if device.type != "cuda":
+        return
+    able = [m for m in layers if m.bank is not None and fused(m.bank.layout.formats)]
+    reason = unavailable()
+    if want == "fused" and (reason or not able):
+        why = reason or f"no layer's experts are all in {', '.join(KERNELS)}"
+        raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL=fused, but {why}; unset it for auto")
+    if want == "auto" and able and reason:
+        log.warning("GPU expert kernel: %d layers take the slow path (dequantise + matmul) "
+                    "because %s; install triton for the fused kernels", len(able), reason)
+    chosen = able if want != "dequant" and reason is None else []
+    for m in chosen:
+        m.gpu_kernel = "fused"
+    kinds = sorted({m.bank.layout.kind for m in chosen if m.bank is not None})
+    slow = sorted({"/".join(m.bank.layout.formats) for m in layers
+                   if m.bank is not None and m not in chosen})
+    log.info("GPU expert kernel: fused gather-GEMV on %d layer%s%s, dequantise + matmul on "
+             "%d%s", len(chosen), "" if len(chosen) == 1 else "s",
+             f" ({'; '.join(kinds)})" if kinds else "", len(layers) - len(chosen),
+             f" ({'; '.join(slow)}: no fused kernel)" if slow and reason is None
+             and want != "dequant" else "")
+
+
+def offload_stats(model: nn.Module, per_layer: bool = True) -> dict[str, Any] | None:
+    """The stats snapshot of the model's offloaded layers, None if it has none."""
+    for m in model.modules():
+        if isinstance(m, OffloadExperts) and m.runtime is not None:
+            return m.runtime.stats.snapshot(per_layer)
+    return None

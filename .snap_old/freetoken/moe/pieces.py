@@ -1,0 +1,244 @@
+"""Where host-planned experts break a decode CUDA graph into pieces.
+
+Layers whose experts the host must plan (offload, hybrid: which slot, fetch or CPU) cannot run
+inside one captured graph. While decode graphs are captured (``engine/graph.py``), their
+experts call :class:`PiecewiseCapture` instead of running: it ends the current piece and
+records the host's part, which the graph runner calls between replays of the pieces
+(:class:`HostStep`: the plan, with its inputs in pinned memory after one sync;
+:class:`LateStep`: work the plan left running, collected without a sync; :class:`Break`: a
+whole experts call). What each puts in its static ``out`` buffer the next piece reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.cpu.gpu_wait import gpu_wait
+from freetoken.cpu.host_node import HostNodes
+from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
+
+T = TypeVar("T", "Break", "HostStep", "LateStep")
+
+
+class Recorder:
+    """What the layers whose experts the host plans share with the decode graph runner: it
+    sets ``capture`` while it records the model (their calls then become breaks between
+    pieces) and copies a host step's inputs with ``rows`` (the library's copier; None: torch's
+    copies). The offload runtime is one; layers with no device cache (cpu) share a bare one."""
+
+    def __init__(self, rows: RowCopier | None) -> None:
+        self.capture: PiecewiseCapture | None = None  # set while decode graphs are captured
+        self.rows = rows
+
+
+class Break:
+    """Host-planned experts between two captured pieces: their inputs and static output."""
+
+    def __init__(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                 w: torch.Tensor) -> None:
+        self.experts, self.x, self.ids, self.w = experts, x, ids, w
+        self.out = torch.zeros_like(x)
+
+    def run(self, n: int) -> None:
+        """The experts for the first ``n`` rows (padded rows keep a stale, finite output)."""
+        self.out[:n].copy_(self.experts(self.x[:n], self.ids[:n], self.w[:n]))
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
+    one sync; x and w float32 when a graph step makes them), ``cpu_out``, a pinned float32
+    buffer for the CPU's share, and ``predicted``:
+    the next layer's router picks for look-ahead (made in the piece before; None if none)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    w: torch.Tensor
+    cpu_out: torch.Tensor
+    predicted: torch.Tensor | None = None
+
+
+class _Landing:
+    """A static buffer ``out`` (shaped like ``like``) that the next piece adds, and what a host
+    step puts there: a result (copied in without a wait: it is pinned or on the device) or
+    zeros (cleared again only after a result)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.out = torch.zeros_like(like)
+        self.dirty = False
+
+    def land(self, extra: torch.Tensor | None, n: int) -> None:
+        if extra is not None:
+            self.out[:n].copy_(extra, non_blocking=True)
+            self.dirty = True
+        elif self.dirty:
+            self.out.zero_()
+            self.dirty = False
+
+
+class HostStep(_Landing):
+    """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
+    and their :class:`HostCopies` (with ``predicted``'s, a tensor the piece before made, when
+    given); it returns None or a device tensor, which lands in ``out``.
+    Work it leaves running (hybrid's CPU share, written into ``host.cpu_out``) is collected by
+    a :class:`LateStep` after the next piece.
+
+    The pinned buffers are rewritten only after :meth:`run`'s sync, which comes after every
+    copy that read them at the previous replay (this step's and its LateStep's, both queued
+    earlier on the same stream)."""
+
+    def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
+                 ids: torch.Tensor, w: torch.Tensor, inputs: bool,
+                 copier: RowCopier | None = None,
+                 predicted: torch.Tensor | None = None,
+                 like: torch.Tensor | None = None) -> None:
+        super().__init__(x if like is None else like)
+        self.plan, self.x, self.ids, self.w = plan, x, ids, w
+        self.predicted = predicted
+        self.copier = copier  # the inputs' copies and the sync in one library call
+        self.device = x.device.index or 0
+        self.inputs = inputs  # the plan reads x and w on the host, not only the ids
+        # per row count, made once: the inputs' (dst, src) copies and their library layout
+        # (one call with the sync), and the views the plan gets
+        self._views: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
+                                     tuple[torch.Tensor, ...], HostCopies]] = {}
+
+        def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
+                   needed: bool = True) -> torch.Tensor:
+            shape = t.shape if needed else (0, *t.shape[1:])
+            return torch.zeros(shape, dtype=dtype or t.dtype, pin_memory=True)
+
+        self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
+                               pinned(x, torch.float32, needed=inputs),
+                               None if predicted is None else pinned(predicted))
+
+    def run(self, n: int) -> None:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = self._make_views(n)
+        copies, spans, (x, ids, w), host = views
+        if self.copier is not None and spans is not None:
+            self.copier.run(spans, current_stream(self.device), sync=True)
+        else:
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            gpu_wait(self.device).wait()
+        self.land(self.plan(x, ids, w, host), n)
+
+    def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                           Spans | None, tuple[torch.Tensor, ...], HostCopies]:
+        h = self.host
+        pairs = [(self.ids, h.ids)]
+        if self.predicted is not None:
+            assert h.predicted is not None
+            pairs.append((self.predicted, h.predicted))
+        if self.inputs:
+            pairs += [(self.w, h.w), (self.x, h.x)]
+        copies = [(dst[:n], src[:n]) for src, dst in pairs]
+        spans = None if self.copier is None else Spans(copies)
+        host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n],
+                          None if h.predicted is None else h.predicted[:n])
+        return copies, spans, (self.x[:n], self.ids[:n], self.w[:n]), host
+
+
+class LateStep(_Landing):
+    """Host work a plan left running, finished between the next two pieces without a sync
+    (the device goes on with what was queued): ``finish()`` returns None or a pinned or
+    device tensor with the step's rows, which lands in ``out``."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor) -> None:
+        super().__init__(like)
+        self.finish = finish
+
+    def run(self, n: int) -> None:
+        self.land(self.finish(), n)
+
+
+class PiecewiseCapture:
+    """Capture state while a model forward is being recorded in pieces.
+
+    Host-planned experts call :meth:`host` (or :meth:`split`) instead of running: it ends the
+    current piece, records a :class:`HostStep` (or :class:`Break`) and begins the next piece,
+    all in one memory pool. :meth:`after` does the same for a :class:`LateStep`. Experts the
+    CPU pool computes without a plan call :meth:`node`, which stays in the piece.
+    """
+
+    def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None) -> None:
+        self.pool, self.copier = pool, copier
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.breaks: list[Break | HostStep | LateStep] = []
+        self.nodes: HostNodes | None = None  # made by the first node()
+        # pinned buffers of the nodes, by (rows, hidden, top-k): the layers take turns on them
+        # in stream order
+        self._node_buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self.current = torch.cuda.CUDAGraph()
+
+    def begin(self) -> None:
+        self.current.capture_begin(pool=self.pool)
+
+    def split(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+              w: torch.Tensor) -> torch.Tensor:
+        """The whole experts call between two pieces; returns its static output buffer."""
+        return self._between(lambda: Break(experts, x, ids, w)).out
+
+    def host(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor, ids: torch.Tensor,
+             w: torch.Tensor, inputs: bool = True,
+             predicted: torch.Tensor | None = None) -> torch.Tensor:
+        """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
+        ids: the piece casts them to float32, what the CPU pool reads, so the host converts
+        nothing; ``predicted``: a tensor the piece made, copied with the ids); returns the
+        static buffer (shaped and typed like ``x``) of its extra output, for the captured
+        compute that follows to add."""
+        xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
+        return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
+                                              predicted, like=x)).out
+
+    def node(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
+             w: torch.Tensor) -> torch.Tensor:
+        """The pool's job on layer ``layer``'s experts inside the current piece: x, ids and w
+        copied to pinned memory, the job as a host node (``cpu/host_node.py``), its result
+        copied back; returns it on the device, typed like ``x``. Needs the library's copier."""
+        assert self.copier is not None
+        if self.nodes is None:
+            self.nodes = HostNodes()
+        (T, H), A = x.shape, ids.shape[1]
+        key = (T, H, A)
+        if key not in self._node_buffers:
+            self._node_buffers[key] = tuple(
+                torch.zeros(shape, dtype=dtype, pin_memory=True)
+                for shape, dtype in (((T, H), torch.float32), ((T, A), torch.int64),
+                                     ((T, A), torch.float32), ((T, H), torch.float32)))
+        hx, hids, hw, hout = self._node_buffers[key]
+        out = torch.empty((T, H), dtype=torch.float32, device=x.device)
+        stream = current_stream(x.device.index or 0)
+        inputs = [(hx, x.float()), (hids, ids.long()), (hw, w.float())]
+        self.copier.run(Spans([(h, d.contiguous()) for h, d in inputs]), stream)
+        self.nodes.enqueue(self.nodes.job(executor, layer, hx, hids, hw, hout), stream)
+        self.copier.run(Spans([(out, hout)]), stream)
+        return out.to(x.dtype)
+
+    def after(self, finish: Callable[[], torch.Tensor | None],
+              like: torch.Tensor) -> torch.Tensor:
+        """``finish`` between two pieces, after the device work queued so far (no sync);
+        returns the static buffer (shaped like ``like``) of its result."""
+        return self._between(lambda: LateStep(finish, like)).out
+
+    def _between(self, make: Callable[[], T]) -> T:
+        """End the current piece, make the break (outside any capture: its buffers must not
+        be written by a replay), begin the next piece."""
+        self.current.capture_end()
+        self.pieces.append(self.current)
+        item = make()
+        self.breaks.append(item)
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+        return item
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.pieces.append(self.current)

@@ -1,0 +1,60 @@
+"""The prefill stream: a call that misses most of a layer's experts (a prefill chunk) reads
+them through two staging buffers on the device instead of the expert cache, which it leaves
+alone. The copy of chunk k+1 overlaps the compute of chunk k."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.moe.host_banks import HostBank
+from freetoken.moe.runtime import STREAM_CHUNK, OffloadRuntime
+from freetoken.moe.stats import Span
+
+
+class PrefillStream:
+    """Misses of one call, in ascending order, through two staging buffers of STREAM_CHUNK rows:
+    chunk k+1 is copied while chunk k is computed; chunk k+2 reuses chunk k's buffer once its
+    compute is done."""
+
+    def __init__(self, rt: OffloadRuntime, bank: HostBank, misses: list[int]) -> None:
+        self.rt, self.bank = rt, bank
+        self.buffers = rt.staging(bank.expert_bytes)
+        self.chunks = [misses[i:i + STREAM_CHUNK] for i in range(0, len(misses), STREAM_CHUNK)]
+        self.where = {e: (k, i) for k, c in enumerate(self.chunks) for i, e in enumerate(c)}
+        self.loaded: dict[int, torch.cuda.Event | None] = {}
+        self.used: dict[int, torch.cuda.Event] = {}  # chunk -> end of its compute
+        self.spans: list[Span] = []
+        self.current = -1
+        if self.chunks:
+            self._load(0)
+
+    def _load(self, k: int) -> None:
+        after = self.used.get(k - 2)
+        span, done = self.rt.copy(self.buffers[k % 2], list(range(len(self.chunks[k]))),
+                                  self.bank, self.chunks[k], after)
+        self.spans.append(span)
+        self.loaded[k] = done
+
+    def row(self, e: int) -> torch.Tensor:
+        k, i = self.where[e]
+        if k != self.current:
+            if self.current >= 0 and self.rt.cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream())
+                self.used[self.current] = ev
+            self.current = k
+            if k + 1 < len(self.chunks) and k + 1 not in self.loaded:
+                self._load(k + 1)
+            self.rt.wait(self.loaded[k])
+        return self.buffers[k % 2][i]
+
+    def finish(self) -> Span | None:
+        """The span of the copies (first start to last end) for the stats."""
+        if not self.spans:
+            return None
+        first, last = self.spans[0], self.spans[-1]
+        if first.stream is None:
+            first.seconds = sum(s.seconds or 0.0 for s in self.spans)
+            return first
+        first.end = last.end
+        return first

@@ -1,0 +1,315 @@
+"""The hybrid split: of a layer's cache misses, how many to fetch over the link; the CPU
+computes the rest. :class:`SplitPolicy` starts from the bandwidth profile's fraction and, when
+online, corrects it from the times each call measures. The times are a property of the box
+and of the layer's kind, not of the layer: hybrid layers of one kind share one
+:class:`SplitCosts`, so each call's times refine the costs every such layer splits by, and an
+idle side is probed once for all of them. A model can miss what a CPU share costs the step
+(the engine thread's time in the pool's job, the link shared with look-ahead, memory both sides
+read), so a :class:`WallCheck` now and then times the decode steps all-fetch against the
+split itself and benches the CPU where all-fetch is faster.
+
+Threads: the engine's main thread only (one policy per hybrid layer, one cost model per kind).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+PROBE_FIRST = 8  # one layer's calls after which a side left idle first gets work again
+REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps losing)
+# consecutive calls a CPU probe gives work: the first job after the CPU sat idle runs cold
+# (the pool's workers asleep, their caches cold; on the H200 such jobs measured 200-450 us an
+# expert against 45-57 warm), so it is not kept, and the next one is timed
+PROBE_CALLS = 2
+# the wall check, in decode calls of each layer (tokens at batch 1): the first after
+# CHECK_FIRST, each arm CHECK_ARM long, the wait doubling up to CHECK_LONGEST; all-fetch must
+# be CHECK_MARGIN faster than the split to bench the CPU
+CHECK_FIRST = 16
+CHECK_ARM = 8
+CHECK_LONGEST = 1024
+CHECK_MARGIN = 0.03
+DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
+IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
+
+
+@dataclass
+class WallCheck:
+    """The split judged by the steps it makes: after ``wait`` decode calls of each of the
+    kind's ``layers``, CHECK_ARM calls of each run all-fetch, then as many as the split says,
+    each arm timed by the wall between calls (a call's whole cycle: the GPU, the link, the
+    CPU, the host). Where all-fetch was CHECK_MARGIN faster the CPU is benched (no share, no
+    probes) until the next check; either way the wait doubles. What would time something
+    else is left out: a prompt's call or an idle gap (no request: IDLE_GAP times the arm's
+    mean call) restarts the arm it falls in, and a change of batch rows the whole check, so
+    that both arms time the same batch. ``clock`` is for tests."""
+
+    name: str = ""
+    layers: int = 1
+    clock: Callable[[], float] = time.perf_counter
+    benched: bool = False
+    phase: str = "wait"  # "wait", then the "fetch" arm, then the "split" arm
+    _wait: int = CHECK_FIRST
+    _calls: int = 0  # decode calls counted in the phase so far
+    _t0: float = 0.0  # when the arm's first call started
+    _restart: bool = False  # the arm starts again at the next decode call (a prompt fell in it)
+    _last: float = 0.0  # when the last call started
+    _rows: int = 0  # the batch rows the check's arms time
+    _fetch_s: float = 0.0
+    # each check's (all-fetch, split) seconds a layer call and whether it benched the CPU
+    verdicts: list[tuple[float, float, bool]] = field(default_factory=list)
+
+    @property
+    def all_fetch(self) -> bool:
+        """Whether this call gives the CPU nothing: the fetch arm, or benched between checks."""
+        return self.phase == "fetch" or (self.phase == "wait" and self.benched)
+
+    def tick(self, rows: int) -> None:
+        """A call of ``rows`` token rows starts (before its split is chosen)."""
+        now = self.clock()
+        gap, self._last = now - self._last, now
+        if rows > DECODE_ROWS:
+            self._restart = self.phase != "wait"
+            return
+        if self.phase != "wait" and rows != self._rows:  # another batch: both arms again
+            self.phase, self._restart = "fetch", True
+            self._rows = rows
+        idle = self._calls > 0 and gap > IDLE_GAP * (now - gap - self._t0) / self._calls
+        if self._restart or (self.phase != "wait" and idle):  # the arm's first call again
+            self._restart, self._calls, self._t0 = False, 0, now
+            return
+        self._calls += 1
+        if self.phase == "wait":
+            if self._calls > self._wait * self.layers:  # this call starts the fetch arm
+                self.phase, self._calls, self._t0, self._rows = "fetch", 0, now, rows
+            return
+        if self._calls < CHECK_ARM * self.layers:
+            return
+        per_call = (now - self._t0) / self._calls  # this call is the first after the arm
+        if self.phase == "fetch":
+            self._fetch_s = per_call
+            self.phase, self._calls, self._t0 = "split", 0, now
+            return
+        self._judge(self._fetch_s, per_call)
+        self.phase, self._calls = "wait", 1
+
+    def _judge(self, fetch_s: float, split_s: float) -> None:
+        benched = fetch_s < (1 - CHECK_MARGIN) * split_s
+        if benched != self.benched:
+            log.info("hybrid %s: %s (all-fetch %.0f us a layer call, the split %.0f); next "
+                     "check in %d tokens", self.name or "layers",
+                     "the CPU's share costs the step, so it gets no experts" if benched
+                     else "the CPU's share pays again", 1e6 * fetch_s, 1e6 * split_s,
+                     min(2 * self._wait, CHECK_LONGEST))
+        self.benched = benched
+        self.verdicts = [*self.verdicts[-15:], (fetch_s, split_s, benched)]
+        self._wait = min(2 * self._wait, CHECK_LONGEST)
+
+
+@dataclass
+class SplitCosts:
+    """The fitted costs of a call's two halves, shared by the ``layers`` hybrid layers of one
+    kind, and when to probe a side left idle.
+
+    Each observation updates smoothed costs: the CPU's time for a job of n experts as
+    ``l_cpu + n * c_cpu`` (a fixed part: waking the pool and splitting the job, which a job of
+    one expert pays as much as one of eight; fitted by least squares with forgetting over the
+    job sizes seen), seconds per fetched expert (``c_pcie``), and the host time the CPU half
+    adds to a call (``o``: handing over the hidden states and adding the result back). Their
+    memory is ``smoothing`` per layer's call (each observation counts ``1 / layers`` of that),
+    so the costs follow the box as fast as one layer's own would, from ``layers`` times the
+    samples. A side idle for ``PROBE_FIRST`` calls of each layer is given work once (by the
+    next call of any layer; the CPU by the next ``PROBE_CALLS``), then after twice as long
+    each time the probe confirms it loses, up to ``REMEASURE_EVERY`` calls of each layer. A
+    CPU job observed right after one without CPU work ran cold: its times are not kept; a
+    probe's warm job rescales the CPU's costs to its own time.
+    """
+
+    layers: int = 1
+    smoothing: float = 0.3
+    check: WallCheck | None = None  # the steps' own verdict (None: the model's alone)
+    c_cpu: float | None = None  # seconds per expert on the CPU
+    l_cpu: float = 0.0  # seconds per CPU job, whatever its size
+    c_pcie: float | None = None  # seconds per fetched expert
+    o: float = 0.0  # host seconds the CPU half adds to a call
+    _idle_cpu: int = 0  # observations since the CPU last had an expert (any layer's)
+    _idle_pcie: int = 0
+    _wait_cpu: int = PROBE_FIRST  # idle calls of each layer before the CPU is probed again
+    _wait_pcie: int = PROBE_FIRST
+    _probe_left: int = 0  # further calls the CPU probe under way gives work
+    _cpu_was_idle: bool = True  # the last observation had no CPU work: the next job is cold
+    _fit: tuple[float, float, float, float, float] = field(
+        default=(0.0, 0.0, 0.0, 0.0, 0.0), repr=False)  # the CPU fit's decayed sums
+
+    @property
+    def known(self) -> bool:
+        return self.c_cpu is not None and self.c_pcie is not None
+
+    def best(self, m: int) -> int:
+        """The fetch count of ``m`` misses with the shortest call, by the fitted costs (known):
+        ``max(n * c_pcie, l_cpu + (m - n) * c_cpu) + o`` while the CPU has a share, else
+        ``m * c_pcie``."""
+        assert self.c_cpu is not None and self.c_pcie is not None
+        c_cpu, c_pcie, o, l_cpu = self.c_cpu, self.c_pcie, self.o, self.l_cpu
+        return min(range(m + 1), key=lambda n: max(n * c_pcie, l_cpu + (m - n) * c_cpu)
+                   + o if n < m else n * c_pcie)
+
+    def probe_due(self, side: str) -> bool:
+        """Whether ``side`` ("cpu" or "pcie"), idle, is due a probe (or was never timed)."""
+        if side == "cpu":
+            return (self.c_cpu is None or self._probe_left > 0
+                    or self._idle_cpu >= self._wait_cpu * self.layers)
+        return self.c_pcie is None or self._idle_pcie >= self._wait_pcie * self.layers
+
+    def probed(self, side: str) -> None:
+        """A call probes ``side``: the idle count starts again, so the calls of other layers
+        before its observation do not probe it too."""
+        if side == "cpu":
+            self._idle_cpu = 0
+            self._probe_left = PROBE_CALLS - 1 if self._probe_left == 0 else self._probe_left - 1
+        else:
+            self._idle_pcie = 0
+
+    def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
+                overhead: float, pcie_warm: bool, probing: str) -> None:
+        """One call's halves: ``n_cpu`` experts in ``t_cpu`` on the CPU, ``n_fetch`` fetched in
+        ``t_pcie``, the host's ``overhead``. ``pcie_warm``: whether the fetch time is kept (a
+        layer's first fetch is a warm-up); ``probing``: the side the call probed."""
+        self._idle_cpu = 0 if n_cpu else self._idle_cpu + 1
+        self._idle_pcie = 0 if n_fetch else self._idle_pcie + 1
+        cold, self._cpu_was_idle = self._cpu_was_idle, n_cpu == 0
+        if n_cpu > 0 and t_cpu > 0 and not cold:
+            if probing == "cpu" and self.c_cpu is not None:
+                self._rescale_cpu(n_cpu, t_cpu, overhead)
+            self._fit_cpu(n_cpu, t_cpu)
+            self.o = self._smooth(self.o, overhead)
+        if n_fetch > 0 and t_pcie > 0 and pcie_warm:
+            self.c_pcie = self._smooth(self.c_pcie, t_pcie / n_fetch)
+        m = n_cpu + n_fetch
+        if not self.known or m == 0:
+            return
+        best = self.best(m)
+        # a probed side that still loses waits twice as long for its next probe; a side
+        # a split itself uses is probed soon once it goes idle
+        if n_cpu and not cold:  # a cold job judges nothing
+            lost = probing == "cpu" and best == m
+            self._wait_cpu = min(2 * self._wait_cpu, REMEASURE_EVERY) if lost else PROBE_FIRST
+        if n_fetch:
+            lost = probing == "pcie" and best == 0
+            self._wait_pcie = (min(2 * self._wait_pcie, REMEASURE_EVERY) if lost
+                               else PROBE_FIRST)
+
+    def _rescale_cpu(self, n: int, t: float, overhead: float) -> None:
+        """A probe's warm job of ``n`` experts took ``t``: the CPU's past times are scaled to
+        its level (both fitted costs by ``t`` over their prediction) and its host overhead
+        taken as it is. Probes are rare, so a smoothed update would leave costs measured
+        in another state of the box (a busy CPU, cold jobs) deciding for hundreds of steps;
+        if the probe flattered the CPU, the calls that then use it correct the costs."""
+        assert self.c_cpu is not None
+        k = t / (self.l_cpu + n * self.c_cpu)
+        s0, s1, s2, t0, t1 = self._fit
+        self._fit = s0, s1, s2, k * t0, k * t1
+        self.c_cpu, self.l_cpu, self.o = k * self.c_cpu, k * self.l_cpu, overhead
+
+    def _fit_cpu(self, n: int, t: float) -> None:
+        """One CPU job of ``n`` experts that took ``t``: ``l_cpu`` and ``c_cpu`` refitted. The
+        sums decay by ``1 - smoothing / layers`` per job; while the jobs seen are all of one
+        size the fixed part keeps its last estimate and the per-expert cost takes the rest."""
+        keep = 1 - self.smoothing / self.layers
+        s0, s1, s2, t0, t1 = (keep * v for v in self._fit)
+        self._fit = s0, s1, s2, t0, t1 = s0 + 1, s1 + n, s2 + n * n, t0 + t, t1 + n * t
+        det = s0 * s2 - s1 * s1
+        if det > 0.05 * s0 * s0:  # job sizes vary enough (n's variance > 0.05)
+            c = (s0 * t1 - s1 * t0) / det
+            lat = (t0 - c * s1) / s0
+            if c > 0 and lat >= 0:
+                self.c_cpu, self.l_cpu = c, lat
+                return
+        self.l_cpu = min(self.l_cpu, t0 / s0)
+        self.c_cpu = max((t0 - self.l_cpu * s0) / s1, 1e-9)
+
+    def _smooth(self, old: float | None, new: float) -> float:
+        a = self.smoothing / self.layers
+        return new if old is None else (1 - a) * old + a * new
+
+
+@dataclass
+class SplitPolicy:
+    """How many of a layer's misses to fetch; the rest run on the CPU.
+
+    ``fraction``: share of misses fetched (None until a profile row or measurements give one);
+    ``max_fetch``: cap on fetched experts per call (None: no cap). With ``online``, each call's
+    times go to ``costs`` (the kind's, shared with the other hybrid layers of that kind; a
+    policy made alone has its own) and ``fraction`` moves toward the best split of the call's
+    m misses (:meth:`SplitCosts.best`) by at most ``step`` per observation, so a wrong profile
+    row, or a CPU half that costs more than it saves, is corrected toward the better split
+    (all fetched, as offload, when the CPU does not pay). The link's first observation in
+    each layer is a warm-up (first-use allocations) and is not kept; the CPU's cold jobs are
+    the kind's to skip (:class:`SplitCosts`). A side without
+    an estimate, or idle long enough (:meth:`SplitCosts.probe_due`), is given work so that it
+    is measured: the link one expert, the CPU the share ``probe_fraction`` gives it (the
+    profile row's), since a job of one expert measures mostly the fixed part.
+    """
+
+    fraction: float | None = None
+    max_fetch: int | None = 1
+    online: bool = True
+    step: float = 0.5
+    probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
+    costs: SplitCosts = field(default_factory=SplitCosts)
+    probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it
+    _seen_pcie: int = 0
+
+    def planned(self, misses: int) -> int:
+        """The split's fetch count for ``misses`` before any probe."""
+        n = misses if self.fraction is None else round(self.fraction * misses)
+        return n if self.max_fetch is None else min(n, self.max_fetch)
+
+    @property
+    def all_fetch(self) -> bool:
+        """Whether the kind's wall check has calls fetch every miss now (its all-fetch arm,
+        or the CPU benched)."""
+        check = self.costs.check
+        return self.online and check is not None and check.all_fetch
+
+    def n_fetch(self, misses: int, rows: int = 1) -> int:
+        """Misses to fetch of a call's ``misses`` (``rows`` token rows)."""
+        self.probing = ""
+        if self.online and self.costs.check is not None:
+            self.costs.check.tick(rows)
+        if self.all_fetch:
+            return misses
+        n = self.planned(misses)
+        if self.online and misses >= 2:  # keep both sides measured, so f can move back
+            costs = self.costs
+            if n == 0 and costs.probe_due("pcie"):
+                n, self.probing = 1, "pcie"
+            if n == misses and costs.probe_due("cpu"):
+                k = min(misses, max(1, round((1 - self.probe_fraction) * misses)))
+                n, self.probing = misses - k, "cpu"
+            if self.probing:
+                costs.probed(self.probing)
+        return n
+
+    def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
+                overhead: float = 0.0) -> None:
+        if not self.online:
+            return
+        if n_fetch > 0 and t_pcie > 0:
+            self._seen_pcie += 1
+        costs = self.costs
+        costs.observe(n_cpu, t_cpu, n_fetch, t_pcie, overhead,
+                      self._seen_pcie > 1, self.probing)
+        m = n_cpu + n_fetch
+        if not costs.known or m == 0:
+            return
+        target = costs.best(m) / m
+        if self.fraction is None:
+            self.fraction, self.max_fetch = target, None
+            return
+        delta = max(-self.step, min(self.step, target - self.fraction))
+        self.fraction = min(1.0, max(0.0, self.fraction + delta))

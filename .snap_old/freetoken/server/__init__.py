@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server and the engine process behind it."""

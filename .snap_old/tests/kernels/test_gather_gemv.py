@@ -1,0 +1,173 @@
+"""The fused gather-GEMV kernels against the gguf package's dequantisation (float64 math) and
+against their slow twin; on the CPU through Triton's interpreter, on the GPU compiled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from freetoken.quant import QuantTensor, get_format
+from tests.kernels.conftest import compile_for_sm90
+
+triton = pytest.importorskip("triton")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+GGUF_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q5_0": GGMLQuantizationType.Q5_0,
+             "q4_k": GGMLQuantizationType.Q4_K, "q5_k": GGMLQuantizationType.Q5_K,
+             "q6_k": GGMLQuantizationType.Q6_K}
+
+
+@pytest.fixture
+def kernels(triton_runs):
+    """The kernel module, on the CPU only through Triton's interpreter."""
+    from freetoken.kernels import gather_gemv
+
+    return gather_gemv
+
+
+def _pool(slots: int, projections: list[tuple[str, int, int]], seed: int,
+          device: str = "cpu") -> list[torch.Tensor]:
+    """Byte rows holding ``slots`` experts' projections (format, rows, cols) back to back, one
+    slot per row as in the expert cache, and each projection's (S, R, row bytes) view."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [[get_format(f).quantize(torch.randn(r, k, generator=g)).data.reshape(-1)
+              for (f, r, k) in projections] for _ in range(slots)]
+    rows = torch.stack([torch.cat(p) for p in parts]).to(device)
+    views, offset = [], 0
+    for f, r, k in projections:
+        fmt = get_format(f)
+        n = r * k // fmt.block_size * fmt.block_bytes
+        views.append(rows[:, offset:offset + n].view(slots, r, n // r))
+        offset += n
+    return views
+
+
+def _gguf_weights(fmt: str, view: torch.Tensor, slot: int) -> np.ndarray:
+    raw = view[slot].contiguous().cpu().numpy()
+    return dequantize(raw, GGUF_TYPE[fmt]).reshape(view.shape[1], -1).astype(np.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt,R,K", [("q8_0", 40, 96), ("q8_0", 17, 288), ("q5_0", 19, 160),
+                                     ("q4_k", 21, 512), ("q5_k", 23, 512), ("q6_k", 18, 768)])
+@pytest.mark.parametrize("T,A", [(1, 3), (2, 2)])
+def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
+    """Row counts off the row block (a partial one), block counts off the loop step, several
+    tokens and pairs per token, slots read in place from strided rows after another
+    projection."""
+    _, view = _pool(4, [("q5_0", 3, 32), (fmt, R, K)], seed=R + K, device=device)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(T, K, generator=g)
+    index = torch.randint(0, 4, (T * A,), generator=g)
+    out = kernels.gather_gemv(fmt, view, index.to(device), x.to(device), A).cpu()
+    want = np.stack([_gguf_weights(fmt, view, int(s)) @ x[p // A].double().numpy()
+                     for p, s in enumerate(index)])
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("formats", [("q8_0", "q8_0", "q8_0"), ("q4_k", "q4_k", "q6_k"),
+                                     ("q5_0", "q5_0", "q8_0"), ("q5_k", "q5_k", "q6_k")])
+def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
+    """gate/up -> silu -> down, weighted and summed per token, as the dequantise + matmul path
+    computes it (mixed formats as in Q4_K_M and Q5_K_M files); pairs whose weight is 0 (masked
+    by the slot table) add nothing."""
+    H, I_ = 512, 256  # two super-blocks per gate/up row
+    views = _pool(5, [(formats[0], I_, H), (formats[1], I_, H), (formats[2], H, I_)], seed=3,
+                  device=device)
+    qts = [QuantTensor(f, (5, v.shape[1], H if i < 2 else I_), v, {})
+           for i, (f, v) in enumerate(zip(formats, views, strict=True))]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, H, generator=g).to(device, dtype)
+    w = torch.rand(2, 3, generator=g)
+    w[1, 2] = 0.0
+    index = torch.tensor([0, 4, 2, 2, 1, 3]).to(device)
+    act = torch.nn.functional.silu
+    fused = kernels.gathered_fused(x, w.to(device), index, *qts, act)
+    slow = kernels.gathered_reference(x, w.to(device), index, *qts, act)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused.float(), slow.float(), rtol=tol, atol=tol * slow.abs().max())
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    from freetoken.kernels.gather_gemv import fused, gather_gemv
+
+    rows = torch.zeros(2, 3 * 34, dtype=torch.uint8).view(2, 1, 102)
+    with pytest.raises(ValueError, match="does not fit 96 inputs"):
+        gather_gemv("q8_0", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
+    with pytest.raises(ValueError, match="rows of 144-byte blocks"):
+        gather_gemv("q4_k", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
+    assert fused(("q4_k", "q4_k", "q6_k")) and not fused(("q4_k", "q4_k", "bf16"))
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("fmt", list(GGUF_TYPE))
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
+    from freetoken.kernels.gather_gemv import KERNELS
+
+    spec = KERNELS[fmt]
+    sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
+           "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
+           "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
+           "STEP": "constexpr", "ACT": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
+                     {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
+                      "STEP": spec.step, "ACT": act})
+
+
+def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
+    """An expert row holds up's blocks right after gate's: the two are one launch over 2I
+    rows, with the bits of two launches."""
+    from freetoken.kernels.gather_gemv import stacked
+
+    gate, up, _ = _pool(3, [("q8_0", 8, 64), ("q8_0", 8, 64), ("q8_0", 64, 32)], seed=1)
+    both = stacked(QuantTensor("q8_0", (3, 8, 64), gate), QuantTensor("q8_0", (3, 8, 64), up))
+    assert both is not None and torch.equal(both[:, :8], gate) and torch.equal(both[:, 8:], up)
+    assert stacked(QuantTensor("q8_0", (3, 8, 64), up),
+                   QuantTensor("q8_0", (3, 8, 64), gate)) is None  # up does not follow
+    assert stacked(QuantTensor("q8_0", (3, 8, 64), gate),
+                   QuantTensor("q5_0", (3, 8, 64), up)) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_stack_has_the_bits_of_two_launches(kernels, device):
+    gate, up, down = _pool(4, [("q8_0", 32, 96), ("q8_0", 32, 96), ("q8_0", 96, 32)], seed=2,
+                           device=device)
+    qts = [QuantTensor("q8_0", (4, r, k), v) for v, (r, k) in
+           zip((gate, up, down), ((32, 96), (32, 96), (96, 32)), strict=True)]
+    x = torch.randn(2, 96, device=device)
+    index = torch.tensor([0, 3, 2, 1], device=device)
+    both = kernels.stacked(qts[0], qts[1])
+    one = kernels.gather_gemv("q8_0", both, index, x, 2)
+    two = torch.cat([kernels.gather_gemv("q8_0", q.data, index, x, 2) for q in qts[:2]], 1)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q5_0", 96), ("q4_k", 256), ("q5_k", 256),
+                                   ("q6_k", 256)])
+def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fmt, K):
+    """gate, up and act(g) * u in one launch where the activation has a code (gelu without
+    the tanh has none: torch applies it), close to the two sums rounded then combined."""
+    from freetoken.kernels.activation import ACTIVATIONS, glu
+
+    gate, up, down = _pool(4, [(fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)], seed=3,
+                           device=device)
+    qts = [QuantTensor(f, (4, r, k), v) for v, (f, r, k) in
+           zip((gate, up, down), ((fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)), strict=True)]
+    x = torch.randn(2, K, device=device)
+    w = torch.rand(2, 2, device=device)
+    index = torch.tensor([0, 3, 2, 1], device=device)
+    fn = ACTIVATIONS[act]
+    assert kernels.glu_code(fn) == {"silu": 1, "gelu_pytorch_tanh": 2, "gelu": 0}[act]
+    got = kernels.gathered_fused(x, w, index, *qts, fn)
+    g, u = (kernels.gather_gemv(fmt, q.data, index, x, 2) for q in qts[:2])
+    want = kernels.weigh_pairs(kernels.gather_gemv("q8_0", down, index, glu(fn, g, u), 1), w)
+    # compiled, the kernel's exp is the GPU's fast one: a few float32 ulps of the activation
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

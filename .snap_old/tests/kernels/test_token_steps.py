@@ -1,0 +1,157 @@
+"""The per-token step kernels against their slow twins: RMSNorm (``RMSNorm.reference``) in each
+of its three scale orders, rotary (``Rotary.reference``), routing (``MoEBlock.choose``); on the
+CPU through Triton's interpreter, on the GPU compiled."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from freetoken.layers.norm import RMSNorm
+from tests.kernels.conftest import compile_for_sm90
+
+triton = pytest.importorskip("triton")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+STEPS = "freetoken.kernels.triton_token_steps"
+
+
+@pytest.fixture
+def kernel(triton_runs):
+    from freetoken.kernels.token_steps import rms_norm
+
+    return rms_norm
+
+
+def _norm(dim: int, dtype: torch.dtype, device: str, **kw) -> RMSNorm:
+    torch.manual_seed(0)
+    n = RMSNorm(dim, 1e-6, **kw)
+    n.weight.data = (torch.randn(dim) * 0.5 + (0.0 if kw.get("unit_offset") else 1.0)).to(
+        device, dtype)
+    return n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [{}, {"unit_offset": True}, {"float_scale": True}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 96), (2, 4, 128), (1, 2048)])
+def test_kernel_follows_the_reference(kernel, device, kw, dtype, shape):
+    n = _norm(shape[-1], dtype, device, **kw)
+    x = (torch.randn(shape) * 3).to(device, dtype)
+    want = n.reference(x)
+    got = kernel(x, n.weight, n.eps, n.mode)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype is torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:  # two bf16 steps apart at most (two roundings; the interpreter truncates to bf16)
+        step = want.float().abs().clamp(min=1e-3) * 2 ** -6
+        assert ((got.float() - want.float()).abs() <= step).all()
+        if device == "cuda":  # compiled, it rounds to nearest: nearly every value agrees
+            assert (got == want).float().mean() > 0.95
+
+
+def test_rows_with_a_stride_are_read_as_rows(kernel=None):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter on the CPU")
+    from freetoken.kernels.token_steps import rms_norm
+
+    n = _norm(64, torch.float32, "cpu")
+    x = torch.randn(5, 128)[:, :64]  # every row 128 apart
+    torch.testing.assert_close(rms_norm(x, n.weight, n.eps, n.mode), n.reference(x))
+    heads = torch.randn(3, 320)[:, 64:256].view(3, 3, 64)  # (T, heads, D) of a wider row
+    torch.testing.assert_close(rms_norm(heads, n.weight, n.eps, n.mode), n.reference(heads))
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_kernel_compiles_for_a_gpu(dtype: str, mode: int) -> None:
+    sig = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "dim": "i32", "heads": "i32",
+           "x_tok": "i64", "x_head": "i64", "out_stride": "i64", "eps": "fp32",
+           "MODE": "constexpr", "BLOCK": "constexpr"}
+    compile_for_sm90(STEPS, "rms_norm", sig, {"MODE": mode, "BLOCK": 2048})
+
+
+@pytest.fixture
+def rotary_kernel(triton_runs):
+    from freetoken.kernels.token_steps import rotary
+
+    return rotary
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,heads,D", [(1, 4, 128), (5, 2, 64), (3, 1, 80)])
+def test_rotary_kernel_follows_the_reference(rotary_kernel, device, dtype, T, heads, D):
+    from freetoken.config import RopeSpec
+    from freetoken.layers.rotary import Rotary
+
+    torch.manual_seed(0)
+    rope = Rotary(D, 10000.0, 64, spec=RopeSpec(150000.0, "yarn", 8.0, beta_fast=32.0,
+                                               beta_slow=1.0, original_max_position=32,
+                                               truncate=True)).to(device)
+    x = torch.randn(T, heads, D).to(device, dtype)
+    pos = torch.randint(0, 64, (T,)).to(device)
+    want = rope.reference(x, pos)
+    got = rotary_kernel(x, rope.cos, rope.sin, pos)
+    if dtype is torch.float32 or device == "cuda":  # it rounds where torch rounds
+        assert torch.equal(got, want)
+    else:  # the interpreter truncates to bf16, at each of four roundings
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.03)
+
+
+@pytest.mark.parametrize("dtype,rnd", [("*bf16", True), ("*fp32", False)])
+def test_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: bool) -> None:
+    sig = {"x_ptr": dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
+           "out_ptr": dtype, "heads": "i32", "x_tok": "i64", "x_head": "i64", "out_tok": "i64",
+           "HALF": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr"}
+    compile_for_sm90(STEPS, "rotary_neox", sig, {"HALF": 64, "BLOCK": 64, "ROUND": rnd})
+
+
+@pytest.fixture
+def route_kernel(triton_runs):
+    from freetoken.kernels.token_steps import route
+
+    return route
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("E,k", [(128, 8), (60, 4), (8, 2)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_kernel_follows_the_torch_router(route_kernel, device, E, k, norm, dtype):
+    from freetoken.models.blocks import MoEBlock
+
+    torch.manual_seed(0)
+    logits = (torch.randn(6, E) * 2).to(device, dtype)
+    block = MoEBlock.__new__(MoEBlock)
+    block.top_k, block.norm_topk_prob = k, norm
+    want_ids, want_w = block.choose(logits, dtype)
+    ids, w = route_kernel(logits, k, norm, dtype)
+    assert ids.dtype == torch.int64 and w.dtype == dtype
+    if dtype is torch.float32:  # random float32 logits: no ties
+        assert torch.equal(ids, want_ids)
+    else:  # bf16 logits tie for real: the same logits chosen, maybe other ids of a tie
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    tol = 1e-6 if dtype is torch.float32 else 1e-2
+    torch.testing.assert_close(w, want_w, rtol=tol, atol=tol)
+
+
+def test_routing_kernel_takes_the_lower_id_on_a_tie():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter on the CPU")
+    from freetoken.kernels.token_steps import route
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0]])
+    ids, w = route(logits, 3, True, torch.float32)
+    assert ids.tolist() == [[1, 3, 4]]
+    torch.testing.assert_close(w.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_routing_kernel_compiles_for_a_gpu(dtype: str) -> None:
+    sig = {"logits_ptr": dtype, "ids_ptr": "*i64", "w_ptr": dtype, "E": "i32", "stride": "i64",
+           "K": "constexpr", "KB": "constexpr", "BLOCK": "constexpr", "NORM": "constexpr"}
+    compile_for_sm90(STEPS, "route_topk", sig, {"K": 8, "KB": 8, "BLOCK": 128, "NORM": True})

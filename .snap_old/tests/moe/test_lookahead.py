@@ -1,0 +1,172 @@
+"""Look-ahead: the next layer's router on this layer's input, its predicted experts fetched
+early; outputs are those of offload without it, bit for bit, and the prediction beats chance
+by far on a synthetic checkpoint whose residual stream moves as a trained model's does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing
+from freetoken.moe.expert_cache import rank
+from freetoken.moe.hybrid import HybridExperts
+from freetoken.moe.lookahead import Lookahead, router_of
+from freetoken.moe.offload import OffloadExperts, offload_stats
+from freetoken.moe.split import SplitPolicy
+from tests.models.helpers import load_ours, our_logits
+
+IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8, 19, 240]
+
+
+@pytest.fixture(scope="module")
+def synth_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ft synth``'s tiny preset at 6 layers of 32 q8_0 experts (top-2), default router."""
+    from freetoken.cli import main
+
+    out = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    assert main(["synth", "--preset", "tiny", "--layers", "6", "--experts", "32",
+                 "--expert-format", "q8_0", "--out", str(out)]) == 0
+    return out
+
+
+def test_each_cached_layer_predicts_with_the_next_moe_layers_router(tiny_qwen3_moe):
+    """Layer 1 of the tiny model is dense: layer 0 predicts for layer 2, with its router."""
+    model = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4))
+    blocks = {m.experts.shape.layer: m for m in model.modules()
+              if isinstance(getattr(m, "experts", None), OffloadExperts)}
+    assert sorted(blocks) == [0, 2]
+    la = blocks[0].experts.lookahead
+    assert la is not None and la.layer == 2 and la.target is blocks[2].experts
+    assert torch.equal(la.weight, router_of(blocks[2]).weight.float())
+    assert blocks[2].experts.lookahead is None  # no MoE layer after it
+    assert not la.while_all_fetched
+    off = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4),
+                    lookahead="off")
+    assert all(m.lookahead is None for m in off.modules() if isinstance(m, OffloadExperts))
+    for mode in ("auto", "on"):  # hybrid: with auto, only while the next split fetches all
+        on = load_ours(tiny_qwen3_moe, strategy="hybrid", cache=CacheSizing("size", 4),
+                       lookahead=mode)
+        linked = [m.lookahead for m in on.modules()
+                  if isinstance(m, OffloadExperts) and m.lookahead is not None]
+        assert len(linked) == 1 and linked[0].while_all_fetched == (mode == "auto")
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_hybrid_fetching_every_miss_gets_offloads_lookahead(tiny_qwen3_moe, tmp_path,
+                                                           fraction):
+    """Under --moe-lookahead auto a hybrid layer whose split fetches every miss is offload:
+    the layer before predicts for it, and the logits are offload's, bit for bit. With a CPU
+    share nothing is predicted for it."""
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    runs = {}
+    for strategy in ("offload", "hybrid"):
+        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 4))
+        for m in model.modules():
+            if isinstance(m, HybridExperts):
+                m.policy = SplitPolicy(fraction, None, online=False)
+        runs[strategy] = our_logits(model, IDS, prefill=1), offload_stats(model)
+    needed = runs["hybrid"][1]["layers"]["2"]["lookahead_needed"]
+    if fraction == 1.0:
+        assert torch.equal(runs["hybrid"][0], runs["offload"][0])
+        assert needed == runs["offload"][1]["layers"]["2"]["lookahead_needed"] > 0
+        assert runs["hybrid"][1]["layers"]["2"]["prefetched"] > 0
+    else:
+        assert needed == 0 and runs["hybrid"][1]["layers"]["2"]["cpu_experts"] > 0
+
+
+def test_prediction_orders_experts_by_how_many_tokens_pick_them():
+    w = torch.eye(4)  # expert e's logit is x[e]
+    la = Lookahead(1, w, None, 2, None)
+    x = torch.tensor([[0.0, 3.0, 2.0, 0.0], [0.0, 1.0, 0.0, 5.0], [4.0, 3.0, 0.0, 0.0]])
+    # tokens pick {1, 2}, {3, 1}, {0, 1}: expert 1 thrice, then 0, 2, 3 once (lower id first)
+    assert rank(la.route(x).numpy().ravel()) == [1, 0, 2, 3]
+    assert la.budget(1) == 2 and la.budget(3) == 6 and la.budget(17) == 0
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_lookahead_changes_no_output(tiny_qwen3_moe, tmp_path, strategy):
+    """Offload gives the same logits with look-ahead on and off: predicted experts only
+    arrive earlier. Hybrid's CPU computes an expert with int8 activations, the device's path
+    without, so an expert look-ahead moves from the CPU share into the cache changes its
+    bits: close, not equal."""
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    runs = {}
+    for on in (True, False):
+        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 4),
+                          lookahead="on" if on else "off", online=False)
+        for m in model.modules():  # hybrid: half the misses fetched, as a profile row says
+            if isinstance(m, HybridExperts):
+                m.policy.fraction, m.policy.max_fetch = 0.5, None
+        runs[on] = our_logits(model, IDS, prefill=1), offload_stats(model)
+    if strategy == "offload":
+        assert torch.equal(runs[True][0], runs[False][0])
+    else:
+        torch.testing.assert_close(runs[True][0], runs[False][0], rtol=5e-3, atol=5e-3)
+    on, off = runs[True][1], runs[False][1]
+    assert on["layers"]["2"]["lookahead_needed"] > 0 and off["lookahead_needed"] == 0
+    assert on["layers"]["2"]["prefetched"] > 0 and off["layers"]["2"]["prefetched"] == 0
+    assert on["lookahead_hit_rate"] is not None and off["lookahead_hit_rate"] is None
+
+
+def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):
+    """Top-2 of 32 experts: a random guess holds 1/16 of what a layer routes to; the next
+    layer's router on this layer's input holds most of it, and its fetches turn misses into
+    hits with the same logits as without it."""
+    logits, stats = {}, {}
+    for on in (True, False):
+        model = load_ours(synth_moe, strategy="offload", cache=CacheSizing("size", 40),
+                          lookahead="auto" if on else "off")
+        logits[on] = our_logits(model, list(range(300, 340)), prefill=1)
+        stats[on] = offload_stats(model)
+    assert torch.equal(logits[True], logits[False])
+    layers = stats[True]["layers"]
+    rates = [v["lookahead_hit_rate"] for k, v in layers.items() if k != "0"]
+    assert len(rates) == 5 and min(rates) > 0.5, rates
+    assert layers["0"]["lookahead_hit_rate"] is None  # no layer before it
+    assert stats[True]["misses"] < stats[False]["misses"]
+
+
+def test_picks_made_in_the_graph_piece_fetch_what_the_eager_plan_fetches(tiny_qwen3_moe,
+                                                                          tmp_path,
+                                                                          gather_on_cpu):
+    """Between decode graph pieces the next layer's router runs in the piece before and its
+    picks reach the plan with the routed ids (``HostCopies.predicted``; the plan reads no
+    hidden state): the same experts are prefetched into the same slots as when the eager
+    plan runs the router itself, call after call."""
+    from freetoken.moe.pieces import HostCopies
+
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    eager, piece = (load_ours(path, strategy="offload", cache=CacheSizing("size", 6))
+                    for _ in range(2))
+    first = [next(m for m in model.modules() if isinstance(m, OffloadExperts))
+             for model in (eager, piece)]
+    la = first[1].lookahead
+    assert la is not None and la.target.shape.layer == 2
+    shape = first[0].shape
+    g = torch.Generator().manual_seed(3)
+    prefetched = 0
+    for _ in range(12):
+        x = torch.randn(1, shape.hidden, generator=g)
+        ids = torch.randperm(shape.num_experts, generator=g)[:shape.top_k].view(1, -1)
+        w = torch.rand(1, shape.top_k, generator=g)
+        first[0]._plan(x, ids, w)
+        nan = torch.full_like(x, float("nan"))
+        host = HostCopies(x[:0], ids.clone(), w[:0], x[:0].float(), la.route(x))
+        first[1]._plan(nan, ids, torch.full_like(w, float("nan")), host)
+        pools = [m.runtime.cache.pool(2) for m in first]
+        assert pools[0].state() == pools[1].state()
+        came = [m.lookahead.target.incoming for m in first]
+        assert came[0].predicted == came[1].predicted
+        assert came[0].prefetched == came[1].prefetched
+        prefetched += len(came[1].prefetched)
+        for m in first:  # the next layer's call takes what arrived
+            m.lookahead.target.incoming.predicted = None
+            m.lookahead.target.incoming.prefetched = set()
+    assert prefetched > 0

@@ -1,0 +1,201 @@
+"""The MoE plan: each strategy's declared needs, every ``auto`` resolved into one frozen plan
+before the model is built, and the runner's one CPU pool handed to everything that uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing, EngineConfig
+from freetoken.cpu import executor as cx
+from freetoken.cpu.cores import core_plan, plan_cores, usable_cores
+from freetoken.moe.layer_kind import LayerKind
+from freetoken.moe.plan import (
+    MoEPlan,
+    auto_recommendation,
+    plan_auto,
+    plan_moe,
+    resident_budget,
+)
+from freetoken.moe.profile import Profile, Row
+from freetoken.moe.registry import STRATEGIES, needs_of
+from freetoken.moe.strategy import LayerPlan, Needs
+
+needs_pool = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "q8.gguf"
+    return convert_to_gguf(open_checkpoint(tiny_qwen3_moe), out,
+                           lambda n, s: "q8_0" if ".experts." in n or "proj" in n else "f32")
+
+
+def _cfg(path, strategy: str, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), device="cpu", dtype="float32", moe_strategy=strategy,
+                        max_seq_len=64, **kw)
+
+
+def test_each_strategy_declares_its_needs():
+    assert needs_of("resident") == Needs()
+    assert needs_of("offload") == Needs(host_banks=True, device_cache=True)
+    assert needs_of("hybrid") == Needs(cpu_pool=True, host_banks=True, device_cache=True)
+    assert needs_of("cpu") == Needs(cpu_pool=True, host_banks=True)
+    union = Needs()
+    for cls in STRATEGIES.values():
+        union = union | cls.NEEDS
+    assert needs_of("auto") == union == Needs(True, True, True)
+
+
+@pytest.mark.parametrize("strategy, cache, pool", [
+    ("resident", None, False), ("offload", "from_auto", False), ("cpu", None, True),
+    ("hybrid", "given", True),
+])
+def test_the_plan_resolves_every_auto(q8_gguf, strategy, cache, pool, monkeypatch, tmp_path):
+    if pool and cx.available() is not None:
+        pytest.skip(str(cx.available()))
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    sizing = CacheSizing("size", 3) if cache == "given" else CacheSizing()
+    plan = plan_moe(_cfg(q8_gguf, strategy, moe_cache=sizing), open_checkpoint(q8_gguf),
+                    torch.device("cpu"))
+    assert plan.strategies == (strategy, "resident", strategy)  # layer 1 is a dense MLP
+    assert plan.needs == needs_of(strategy)
+    if cache is None:
+        assert plan.cache is None
+    elif cache == "from_auto":  # --moe-cache-auto is a byte budget now, still named as given
+        assert plan.cache.kind == "mem" and plan.cache.from_auto and plan.cache.value > 0
+        assert plan.cache.describe() == "--moe-cache-auto"
+    else:
+        assert plan.cache == sizing
+    assert plan.pool_threads == (len(plan_cores(usable_cores(), None)) if pool else 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.pool_threads = 3  # type: ignore[misc]
+
+
+@needs_pool
+@pytest.mark.parametrize("max_fetch, cap", [("auto", 1), (3, 3)])
+def test_hybrid_split_without_a_profile_row(q8_gguf, monkeypatch, tmp_path, caplog, max_fetch,
+                                            cap):
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    cfg = _cfg(q8_gguf, "hybrid", moe_cpu_threads=2, moe_hybrid_max_fetch=max_fetch,
+               moe_hybrid_online=False, moe_cache=CacheSizing("size", 3))
+    with caplog.at_level("INFO"):
+        plan = plan_moe(cfg, open_checkpoint(q8_gguf), torch.device("cpu"))
+    assert plan.layers[0] == plan.layers[2] == LayerPlan("hybrid", None, cap, False, "")
+    want = len(core_plan(usable_cores(), True, 2).workers)  # 2, or what the cores allow
+    assert plan.pool_threads == want
+    assert f"MoE plan: hybrid on 2 q8_0 layers at a fetch cap of {cap}" in caplog.text
+    assert "MoE plan: hybrid on layers 0, 2; expert cache --moe-cache-size 3; CPU pool " \
+           f"{want} workers" in caplog.text
+    assert ("--moe-cpu-threads 2 would leave the engine thread no core" in caplog.text) == \
+        (want < 2)
+
+
+@needs_pool
+def test_the_runner_makes_one_pool_and_hands_it_down(q8_gguf):
+    from freetoken.engine.runner import ModelRunner
+    from freetoken.layers.pool_linear import PoolLinear
+    from freetoken.moe.cpu import CpuExperts
+
+    cfg = _cfg(q8_gguf, "cpu", moe_cpu_threads=1, cpu_dense="pool")
+    runner = ModelRunner(cfg, kv_tokens=64, progress=False)
+    assert isinstance(runner.moe, MoEPlan) and runner.moe.pool_threads == 1
+    assert runner.pool is not None and runner.pool.threads == 1
+    experts = [m for m in runner.model.modules() if isinstance(m, CpuExperts)]
+    linears = [m for m in runner.model.modules() if isinstance(m, PoolLinear)]
+    assert len(experts) == 2 and linears
+    assert all(m._pool is runner.pool for m in experts)
+    assert all(m.pool is runner.pool for m in linears)
+    natives = [layer.native for layer in runner.model.model.layers if layer.native is not None]
+    assert natives and all(n._ex is runner.pool for n in natives)
+    other = ModelRunner(cfg, kv_tokens=64, progress=False, pool=runner.pool)
+    assert other.pool is runner.pool  # a second runner in the process shares it
+
+
+def test_auto_keeps_to_the_expert_memory_it_is_given():
+    """48 MoE layers of 1.2 GB resident: with a 4 GB cap (none fit alongside a useful cache)
+    every layer is offloaded and the cap is the cache; a cap that holds them all makes all
+    resident; with no cap, layers go resident while the free memory lasts."""
+    layer, n, free = 1_200_000_000, 48, 130_000_000_000
+    kinds = {LayerKind("gguf", 2048, 768, 8, (("down_type", "8"), ("gate_up_type", "8"))):
+             list(range(n))}
+    recommend = {k: None for k in kinds}.get
+    capped = plan_auto(kinds, n, layer, resident_budget(free, 4_000_000_000, n * layer),
+                       recommend)
+    assert capped == ("offload",) * n
+    assert plan_auto(kinds, n, layer, resident_budget(free, 60_000_000_000, n * layer),
+                     recommend) == ("resident",) * n
+    assert resident_budget(10 * layer, 60_000_000_000, n * layer) == 0  # the cap, not free
+    uncapped = plan_auto(kinds, n, layer, resident_budget(10 * layer, None, n * layer),
+                         recommend)
+    assert uncapped == ("resident",) * 10 + ("offload",) * (n - 10)
+
+
+def test_resident_layers_kept_as_blocks_count_their_file_bytes(q8_gguf, tmp_path, monkeypatch):
+    """What ``auto`` budgets for one resident layer: on a GPU that keeps the blocks, the file's
+    bytes of its experts (here q8_0: 34 bytes per 32 weights); dequantised (or in a format
+    without a kernel), the compute dtype's."""
+    from freetoken.moe import plan
+    from freetoken.moe.host_banks import expert_bytes
+
+    ckpt = open_checkpoint(q8_gguf)
+    mc = ckpt.config
+    cfg = dataclasses.replace(_cfg(q8_gguf, "auto"), dtype="bfloat16")
+    at_dtype = 3 * mc.num_experts * mc.hidden_size * mc.moe_intermediate_size * 2
+    monkeypatch.setattr(plan, "keeps_blocks", lambda device: True)
+    _, blocks = plan._device_bytes(cfg, ckpt)
+    assert blocks == expert_bytes(ckpt) // sum(mc.moe_layers)
+    assert blocks == at_dtype // 2 * 34 // 32  # q8_0 is 17/32 of bf16's bytes
+    monkeypatch.setattr(plan, "keeps_blocks", lambda device: False)
+    assert plan._device_bytes(cfg, ckpt)[1] == at_dtype
+    monkeypatch.setattr(plan, "keeps_blocks", lambda device: True)
+    bf16 = convert_to_gguf(ckpt, tmp_path / "bf16.gguf",
+                           lambda n, s: "bf16" if ".experts." in n else "f32")
+    cfg32 = dataclasses.replace(cfg, dtype="float32")  # bf16 blocks have no kernel: float32
+    assert plan._device_bytes(cfg32, open_checkpoint(bf16))[1] == 2 * at_dtype
+
+
+def test_auto_trusts_a_hybrid_row_only_where_it_was_measured(caplog):
+    """A row that recommends hybrid sends auto's layers to hybrid only when it was measured at
+    this run's thread count, ISA and CPU model; measured elsewhere (the 15-thread AVX-512 row
+    on a 3-thread AVX2 run) the layers offload, with a line saying why. Rows that recommend
+    offload are followed wherever they come from."""
+    kind = LayerKind("gguf", 2048, 768, 8, (("down_type", "8"), ("gate_up_type", "8")))
+    cpu = "Some Xeon"
+    hybrid = Row(100.0, 31.5, 90.0, 30.0, {"isa": "avx512_bf16", "cpu_model": cpu})
+    assert hybrid.recommended == "hybrid"
+    offload = Row(40.0, 50.0, 3.0, 49.0, {"isa": "avx2", "cpu_model": "other"})
+    profile = Profile(Path("p.json"), {kind.key(15): hybrid})
+    caplog.set_level(logging.INFO, logger="freetoken.moe.plan")
+    assert auto_recommendation(profile, kind, 15, "avx512_bf16", cpu) == "hybrid"
+    assert not [r for r in caplog.records if "cannot say" in r.message]
+    for threads, isa, model, why in ((3, "avx512_bf16", cpu, "another thread count"),
+                                     (15, "avx2", cpu, "at avx512_bf16, not avx2"),
+                                     (15, "avx512_bf16", "An EPYC", "not this An EPYC")):
+        caplog.clear()
+        assert auto_recommendation(profile, kind, threads, isa, model) == "offload"
+        assert why in caplog.text and "ft bench bw" in caplog.text
+    other = Profile(Path("p.json"), {kind.key(15): offload})
+    assert auto_recommendation(other, kind, 3, "avx512_bf16", cpu) == "offload"
+    assert auto_recommendation(Profile(Path("p.json"), {}), kind, 3, "avx2", cpu) is None
+
+
+def test_auto_runs_the_cpu_where_it_alone_is_fastest():
+    """A row whose CPU alone beats PCIe by far and the two overlapped add little (the link's
+    reads share the CPU's memory bandwidth) sends auto's layers to cpu, measured here; a
+    row measured on another box sends them to offload, as for hybrid."""
+    kind = LayerKind("gguf", 2048, 768, 8, (("down_type", "8"), ("gate_up_type", "8")))
+    row = Row(123.0, 53.0, 86.0, 48.0, {"isa": "avx512_bf16", "cpu_model": "Some Xeon"})
+    assert row.recommended == "cpu"
+    profile = Profile(Path("p.json"), {kind.key(15): row})
+    assert auto_recommendation(profile, kind, 15, "avx512_bf16", "Some Xeon") == "cpu"
+    assert auto_recommendation(profile, kind, 15, "avx2", "Some Xeon") == "offload"
+    plan = plan_auto({kind: [0, 1, 2]}, 3, 100, 100,
+                     lambda k: auto_recommendation(profile, k, 15, "avx512_bf16", "Some Xeon"))
+    assert plan == ("resident", "cpu", "cpu")

@@ -47,9 +47,10 @@ class WallCheck:
     the split says, the last CHECK_ARM of each arm timed by the wall between calls (a call's
     whole cycle: the GPU, the link, the CPU, the host). Where all-fetch was CHECK_MARGIN
     faster the CPU is benched (no share, no probes) until the next check; either way the wait
-    doubles. What would time something else is left out: a prompt's call or an idle gap (no request: IDLE_GAP times the arm's
-    mean call) restarts the arm it falls in, and a change of batch rows the whole check, so
-    that both arms time the same batch. ``clock`` is for tests."""
+    doubles. What would time something else is left out: a prompt's call or an idle gap (no
+    request: IDLE_GAP times the arm's mean call) restarts the arm it falls in, and a change of
+    batch rows the whole check, so that both arms time the same batch. ``clock`` is for
+    tests."""
 
     name: str = ""
     layers: int = 1

@@ -182,16 +182,18 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
     them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
-    whatever --temperature says (sampled against greedy in one run)."""
+    whatever --temperature says (sampled against greedy in one run), ``+nocheck`` leaves an
+    online split without its wall check (FREETOKEN_WALL_CHECK=off)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "nojoin", "hostnode", "greedy"}
+                              "nojoin", "hostnode", "greedy", "nocheck"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     os.environ["FREETOKEN_CPU_HOST_NODE"] = "on" if "hostnode" in options else "off"
+    os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")
     prefill = [int(n) for n in args.prefill_tokens.split(",") if n and timed]

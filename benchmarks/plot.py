@@ -264,4 +264,5 @@ if __name__ == "__main__":
     peer_48l_plot()
     peer_sitting_plot()
     peer_sitting_plot("99ab718")
+    peer_sitting_plot("eca228c")
     split_runs_plot()

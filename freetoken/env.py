@@ -93,6 +93,18 @@ def gemv_launch() -> str:
     return os.environ.get("FREETOKEN_GEMV_LAUNCH", "").strip()
 
 
+def wall_check() -> str:
+    """FREETOKEN_WALL_CHECK: whether an online hybrid split is checked against all-fetch by
+    the decode steps' own wall time (``moe/split.py WallCheck``): ``on`` (default) or ``off``
+    (the online cost model alone decides the split)."""
+    value = os.environ.get("FREETOKEN_WALL_CHECK", "on").strip().lower() or "on"
+    if value not in ("on", "off"):
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_WALL_CHECK={value!r} is not on or off; unset it for on")
+    return value
+
+
 def cpu_host_node() -> str:
     """FREETOKEN_CPU_HOST_NODE: how decode CUDA graphs run the cpu strategy's pool jobs:
     ``off`` (default: a host step between two graph pieces per layer) or ``on`` (each job a

@@ -82,6 +82,11 @@ KERNELS: dict[str, FusedKernel] = {
 }
 
 
+# output rows a program takes at least on the CPU (Triton's interpreter, which runs the tests
+# there): its time goes by programs, and the GPU's choice of 1-2 rows made them 4-8x as many
+INTERPRETER_ROWS = 16
+
+
 def launch(fmt: str) -> FusedKernel:
     """``fmt``'s launch choices: FREETOKEN_GEMV_LAUNCH's entry for it, else :data:`KERNELS`."""
     return _launch_overrides().get(fmt) or KERNELS[fmt]
@@ -116,6 +121,8 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     from freetoken.kernels import triton_gemv
 
     spec = launch(fmt)
+    if x.device.type == "cpu":  # Triton's interpreter: fewer, larger programs
+        spec = dataclasses.replace(spec, rows=max(spec.rows, INTERPRETER_ROWS))
     S, R, row_bytes = data.shape
     nb = row_bytes // spec.block_bytes
     if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:

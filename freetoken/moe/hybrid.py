@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken import env
 from freetoken.cpu import executor as cx
 from freetoken.cpu.gpu_wait import to_host
 from freetoken.cpu.jobs import CpuMoeFuture
@@ -120,9 +121,10 @@ class HybridExperts(OffloadExperts):
         kind = self.kind()
         costs = shared.splits.setdefault(kind, SplitCosts(layers=0))
         costs.layers += 1
-        if costs.check is None:
+        if costs.check is None and env.wall_check() == "on":
             costs.check = WallCheck(kind_words(kind))
-        costs.check.layers = costs.layers
+        if costs.check is not None:
+            costs.check.layers = costs.layers
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5,
                                   costs=costs)

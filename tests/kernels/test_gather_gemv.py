@@ -3,6 +3,8 @@ against their slow twin; on the CPU through Triton's interpreter, on the GPU com
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -93,6 +95,31 @@ def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     slow = kernels.gathered_reference(x, w.to(device), index, *qts, act)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fused.float(), slow.float(), rtol=tol, atol=tol * slow.abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
+def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
+    """The interpreter takes at least INTERPRETER_ROWS rows a program (its time goes by
+    programs); the GPU's own choice (one row of gate and one of up a program for q8_0) gives
+    the same sums through it."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter on the CPU")
+    from freetoken.kernels import gather_gemv as kernels
+
+    views = _pool(3, [(fmt, 32, 64), (fmt, 32, 64), (fmt, 64, 32)], seed=5)
+    qts = [QuantTensor(fmt, (3, v.shape[1], 64 if i < 2 else 32), v, {})
+           for i, v in enumerate(views)]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 64, generator=g)
+    w, index = torch.rand(2, 2, generator=g), torch.tensor([0, 2, 1, 1])
+    act = torch.nn.functional.silu
+    coarse = kernels.gathered_fused(x, w, index, *qts, act)
+    monkeypatch.setattr(kernels, "INTERPRETER_ROWS", 1)
+    assert kernels.launch(fmt).rows <= 2
+    fine = kernels.gathered_fused(x, w, index, *qts, act)
+    torch.testing.assert_close(fine, coarse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fine, kernels.gathered_reference(x, w, index, *qts, act),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_shapes_that_do_not_fit_are_refused():

@@ -12,6 +12,7 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
+from freetoken.errors import ConfigError
 from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.profile import VERSION, Row, save_rows
@@ -354,6 +355,18 @@ def test_hybrid_layers_of_one_kind_share_their_split_costs(q8_gguf, tmp_path, mo
     assert costs.layers == 2
     # one wall check for the kind, counting both layers' calls toward its tokens
     assert costs.check is not None and costs.check.layers == 2 and not costs.check.benched
+
+
+def test_the_wall_check_can_be_left_out(q8_gguf, tmp_path, monkeypatch):
+    """FREETOKEN_WALL_CHECK=off: the online cost model alone splits (an A/B of the check on
+    one box); a value that is neither on nor off is refused by name."""
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    monkeypatch.setenv("FREETOKEN_WALL_CHECK", "off")
+    _, layers = _hybrid(q8_gguf)
+    assert layers[0].policy.costs.check is None and not layers[0].policy.all_fetch
+    monkeypatch.setenv("FREETOKEN_WALL_CHECK", "maybe")
+    with pytest.raises(ConfigError, match="FREETOKEN_WALL_CHECK='maybe'"):
+        _hybrid(q8_gguf)
 
 
 @pytest.fixture(scope="module")

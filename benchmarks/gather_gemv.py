@@ -57,7 +57,7 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(g.replay, replays) / calls
 
 
-SWEEP = {"rows": (2, 4, 8), "step": (4, 8, 16, 32), "warps": (1, 2, 4)}
+SWEEP = {"rows": (1, 2, 4), "step": (4, 8, 16, 32), "warps": (1, 2, 4), "bits": (False, True)}
 
 
 def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
@@ -65,19 +65,21 @@ def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
     layer; ``step`` only where a kernel loops over several blocks)."""
     saved = dict(gather_gemv.KERNELS)
     looped = any(saved[f].step > 1 for f in formats)
+    bits = SWEEP["bits"] if "q8_0" in formats else (False,)
     rows = []
     try:
-        for r, st, w in itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
-                                          SWEEP["warps"]):
+        for r, st, w, b in itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
+                                             SWEEP["warps"], bits):
             for f in set(formats):
                 gather_gemv.KERNELS[f] = dataclasses.replace(
-                    saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1)
+                    saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b)
             try:
                 us = graph_seconds_per_call(call) * 1e6
             except Exception as e:  # noqa: BLE001 - a choice that does not compile is skipped
-                print(f"  rows {r} step {st} warps {w}: {type(e).__name__}", flush=True)
+                print(f"  rows {r} step {st} warps {w} bits {b:d}: {type(e).__name__}",
+                      flush=True)
                 continue
-            rows.append({"rows": r, "step": st, "warps": w, "graph_us": us})
+            rows.append({"rows": r, "step": st, "warps": w, "bits": b, "graph_us": us})
     finally:
         gather_gemv.KERNELS.update(saved)
     return sorted(rows, key=lambda d: d["graph_us"])
@@ -153,13 +155,16 @@ def main() -> None:
               f"matmul {r['dequant_matmul_us']:7.1f} / {gr['dequant_matmul_us']:7.1f} us",
               flush=True)
         for t in r["sweep"][:5]:
-            print(f"    rows {t['rows']:2d} step {t['step']:2d} warps {t['warps']}: "
+            print(f"    rows {t['rows']:2d} step {t['step']:2d} warps {t['warps']} "
+                  f"bits {t['bits']:d}: "
                   f"{t['graph_us']:7.1f} us ({r['weight_bytes'] / t['graph_us'] / 1e3:5.0f} GB/s)",
                   flush=True)
         if r["sweep"]:
             best = r["sweep"][0]
-            r["launch"] = " ".join(f"{f}={best['rows']},{best['step']},{best['warps']}"
-                                   for f in sorted(set(r["formats"].split("/"))))
+            r["launch"] = " ".join(
+                f"{f}={best['rows']},{best['step']},{best['warps']}"
+                + (f",{best['bits']:d}" if f == "q8_0" else "")
+                for f in sorted(set(r["formats"].split("/"))))
             print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),

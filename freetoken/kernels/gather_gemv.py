@@ -41,12 +41,15 @@ class FusedKernel:
     """A format's gather-GEMV (:mod:`.triton_gemv` compiled for it): blocks per loop
     step, output rows per program (enough programs to fill the GPU at one token) and warps per
     program (tuned on the H200 by ``benchmarks/gather_gemv.py --sweep``); its block (weights
-    and bytes) is the quant format's."""
+    and bytes) is the quant format's. ``bits`` (q8_0): the weights and bf16 activations
+    become float32 by integer and add instructions instead of conversion instructions, which
+    a GPU runs at a quarter of its rate (the same values, the same sums)."""
 
     fmt: str
     step: int = 1
     rows: int = 16
     warps: int = 4
+    bits: bool = False
 
     @property
     def block(self) -> int:
@@ -98,14 +101,19 @@ def _launch_overrides() -> dict[str, FusedKernel]:
     for entry in env.gemv_launch().split():
         fmt, _, values = entry.partition("=")
         try:
-            rows, step, warps = (int(v) for v in values.split(","))
+            rows, step, warps, *more = (int(v) for v in values.split(","))
         except ValueError:
             rows = step = warps = 0
-        if min(rows, step, warps) < 1 or fmt not in KERNELS:
+            more = []
+        bits = more[0] if more else int(KERNELS[fmt].bits) if fmt in KERNELS else 0
+        if min(rows, step, warps) < 1 or fmt not in KERNELS or len(more) > 1 \
+                or bits not in (0, 1):
             raise ConfigError(f"FREETOKEN_GEMV_LAUNCH entry {entry!r} is not "
-                              f"fmt=rows,step,warps with a format of {', '.join(KERNELS)} "
-                              "and positive integers, say q8_0=4,16,2")
-        found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps)
+                              f"fmt=rows,step,warps[,bits] with a format of "
+                              f"{', '.join(KERNELS)}, positive integers and bits 0 or 1, "
+                              "say q8_0=4,16,2")
+        found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps,
+                                         bits=bool(bits))
     return found
 
 
@@ -135,7 +143,8 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     grid = (index.numel(), triton.cdiv(R, rows))
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
-        FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, num_warps=spec.warps)
+        FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
+        num_warps=spec.warps)
     return out
 
 

@@ -48,10 +48,23 @@ def _glu(g, u, ACT: tl.constexpr):
 
 
 @triton.jit
+def _as_f32(x_row, offs, mask, BITS: tl.constexpr):
+    """x at ``x_row + offs`` as float32; with BITS a bf16 x becomes the high half of its
+    float32 by a shift, not a conversion instruction."""
+    if BITS and x_row.dtype.element_ty == tl.bfloat16:
+        raw = tl.load(x_row.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        return (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-               STEP: tl.constexpr):
+               STEP: tl.constexpr, BITS: tl.constexpr):
     # every product kept in its own lane until the loop ends: one reduction across threads
-    # per row instead of one per block
+    # per row instead of one per block. BITS: the int8s become float32 as 2**23 + 128 + q
+    # (the byte with its sign bit flipped, under 2**23's exponent) less 2**23 + 128, the same
+    # values with integer and add instructions instead of the GPU's slower conversions
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
     for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
@@ -59,14 +72,15 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
         ok = row_ok[:, None] & (blocks < NB)[None, :]
         at = base[:, None] + blocks[None, :] * 34  # (BLOCK_R, STEP)
         d = _f16(w_ptr + at, ok)
-        q = (
-            tl.load(w_ptr + at[:, :, None] + 2 + lane[None, None, :], mask=ok[:, :, None], other=0)
-            .to(tl.int8, bitcast=True)
-            .to(tl.float32)
-        )
+        qb = tl.load(w_ptr + at[:, :, None] + 2 + lane[None, None, :], mask=ok[:, :, None],
+                     other=0x80 if BITS else 0)
+        if BITS:
+            q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            q = qb.to(tl.int8, bitcast=True).to(tl.float32)
         # x read once per row (from L1) lands in q's layout: no exchange between threads
         xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
-        x = tl.load(x_row + xi, mask=ok[:, :, None], other=0.0).to(tl.float32)
+        x = _as_f32(x_row, xi, ok[:, :, None], BITS)
         acc += q * (x * d[:, :, None])
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -233,10 +247,10 @@ def _q6_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 @triton.jit
 def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
-          BLOCK_R: tl.constexpr, STEP: tl.constexpr):
+          BLOCK_R: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
     """The rows' sums of format FMT (chosen when the kernel is compiled)."""
     if FMT == "q8_0":
-        acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+        acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "mxfp4":
         acc = _mxfp4_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     elif FMT == "q5_0":
@@ -253,11 +267,11 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
 @triton.jit
 def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
                 out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                STEP: tl.constexpr, ACT: tl.constexpr):
+                STEP: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr = False):
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
-    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     if ACT:
-        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP)
+        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -3,6 +3,7 @@ against their slow twin; on the CPU through Triton's interpreter, on the GPU com
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -122,6 +123,30 @@ def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_by_bit_operations_gives_the_same_bits(kernels, monkeypatch, device, dtype):
+    """q8_0's ``bits`` launch turns int8 weights (and bf16 activations) into float32 by bit
+    operations: the same values, so the same sums to the bit, masked blocks too."""
+    views = _pool(3, [("q8_0", 32, 96), ("q8_0", 32, 96), ("q8_0", 96, 32)], seed=9,
+                  device=device)
+    qts = [QuantTensor("q8_0", (3, v.shape[1], 96 if i < 2 else 32), v, {})
+           for i, v in enumerate(views)]
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 96, generator=g).to(device, dtype)
+    w, index = torch.rand(2, 2, generator=g).to(device), torch.tensor([0, 2, 1, 1]).to(device)
+    act = torch.nn.functional.silu
+    plain = kernels.gathered_fused(x, w, index, *qts, act)
+    monkeypatch.setitem(kernels.KERNELS, "q8_0",
+                        dataclasses.replace(kernels.KERNELS["q8_0"], bits=True, step=2))
+    monkeypatch.setattr(kernels, "INTERPRETER_ROWS", 1)
+    by_bits = kernels.gathered_fused(x, w, index, *qts, act)
+    monkeypatch.setitem(kernels.KERNELS, "q8_0",
+                        dataclasses.replace(kernels.KERNELS["q8_0"], bits=False, step=2))
+    assert torch.equal(by_bits, kernels.gathered_fused(x, w, index, *qts, act))
+    torch.testing.assert_close(by_bits.float(), plain.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_shapes_that_do_not_fit_are_refused():
     from freetoken.kernels.gather_gemv import fused, gather_gemv
 
@@ -143,10 +168,10 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
     sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
            "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
            "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
-           "STEP": "constexpr", "ACT": "constexpr"}
+           "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
-                      "STEP": spec.step, "ACT": act})
+                      "STEP": spec.step, "ACT": act, "BITS": fmt == "q8_0"})
 
 
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
@@ -208,12 +233,13 @@ def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
 
     monkeypatch.setattr(gather_gemv, "_launch_overrides", gather_gemv._launch_overrides.__wrapped__)
     assert gather_gemv.launch("q8_0") == gather_gemv.KERNELS["q8_0"]
-    monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0=4,16,1 mxfp4=2,8,4")
+    monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0=4,16,1,1 mxfp4=2,8,4")
     assert (gather_gemv.launch("q8_0").rows, gather_gemv.launch("q8_0").step,
-            gather_gemv.launch("q8_0").warps) == (4, 16, 1)
+            gather_gemv.launch("q8_0").warps, gather_gemv.launch("q8_0").bits) == (4, 16, 1, True)
     assert gather_gemv.launch("mxfp4").warps == 4
     assert gather_gemv.launch("q4_k") == gather_gemv.KERNELS["q4_k"]
-    for bad in ("q8_0=4,16", "q9_9=4,16,1", "q8_0=0,16,1", "q8_0=a,b,c"):
+    for bad in ("q8_0=4,16", "q9_9=4,16,1", "q8_0=0,16,1", "q8_0=a,b,c", "q8_0=4,16,1,2",
+                "q8_0=4,16,1,1,1"):
         monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", bad)
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
             gather_gemv.launch("q8_0")

@@ -1,1 +1,0 @@
-"""`ft bench bw`: CPU and PCIe bandwidth per MoE layer kind, saved as the profile."""

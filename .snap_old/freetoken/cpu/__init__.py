@@ -1,1 +1,0 @@
-"""The C++ CPU library's Python side: loading and checking it, the pool, its jobs."""

@@ -1,1 +1,0 @@
-"""The engine: flags resolved, the model runner, scheduling, CUDA graphs, sampling."""

@@ -1,1 +1,0 @@
-"""Mixture-of-experts execution: where experts live and how a routed batch is computed."""

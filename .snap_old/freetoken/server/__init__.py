@@ -1,1 +1,0 @@
-"""The OpenAI-compatible HTTP server and the engine process behind it."""

@@ -65,7 +65,7 @@ def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
     layer; ``step`` only where a kernel loops over several blocks)."""
     saved = dict(gather_gemv.KERNELS)
     looped = any(saved[f].step > 1 for f in formats)
-    bits = SWEEP["bits"] if "q8_0" in formats else (False,)
+    bits = SWEEP["bits"] if {"q8_0", "mxfp4"} & set(formats) else (False,)
     rows = []
     try:
         for r, st, w, b in itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
@@ -163,7 +163,7 @@ def main() -> None:
             best = r["sweep"][0]
             r["launch"] = " ".join(
                 f"{f}={best['rows']},{best['step']},{best['warps']}"
-                + (f",{best['bits']:d}" if f == "q8_0" else "")
+                + (f",{best['bits']:d}" if f in ("q8_0", "mxfp4") else "")
                 for f in sorted(set(r["formats"].split("/"))))
             print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),

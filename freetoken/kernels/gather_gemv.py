@@ -41,9 +41,10 @@ class FusedKernel:
     """A format's gather-GEMV (:mod:`.triton_gemv` compiled for it): blocks per loop
     step, output rows per program (enough programs to fill the GPU at one token) and warps per
     program (tuned on the H200 by ``benchmarks/gather_gemv.py --sweep``); its block (weights
-    and bytes) is the quant format's. ``bits`` (q8_0): the weights and bf16 activations
-    become float32 by integer and add instructions instead of conversion instructions, which
-    a GPU runs at a quarter of its rate (the same values, the same sums)."""
+    and bytes) is the quant format's. ``bits`` (q8_0, mxfp4): the weights and bf16
+    activations become float32 by integer and add instructions instead of conversion
+    instructions, which a GPU runs at a quarter of its rate (the same values, the same
+    sums)."""
 
     fmt: str
     step: int = 1

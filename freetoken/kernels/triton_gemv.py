@@ -115,16 +115,24 @@ def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _e2m1_doubled(code):
+def _e2m1_doubled(code, BITS: tl.constexpr):
     """Twice an e2m1 code's value (``quant/mxfp4.py``'s table): the magnitudes of m = 7..0
-    (12, 8, 6, 4, 3, 2, 1, 0) are the nibbles of one word, the sign is bit 3."""
-    v = ((0x0123468C >> (((code & 7) ^ 7) * 4)) & 15).to(tl.float32)
-    return tl.where(code >= 8, -v, v)
+    (12, 8, 6, 4, 3, 2, 1, 0) are the nibbles of one word, the sign is bit 3. BITS: the
+    magnitude made float32 under 2**23's exponent and the sign bit set by integer
+    instructions, as q8_0's (the same values)."""
+    m = (0x0123468C >> (((code & 7) ^ 7) * 4)) & 15
+    if BITS:
+        v = (m | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        signed = v.to(tl.int32, bitcast=True) ^ ((code & 8) << 28)
+        return signed.to(tl.float32, bitcast=True)
+    else:
+        v = m.to(tl.float32)
+        return tl.where(code >= 8, -v, v)
 
 
 @triton.jit
 def _mxfp4_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                STEP: tl.constexpr):
+                STEP: tl.constexpr, BITS: tl.constexpr):
     # as q8_0's: products kept apart until the loop ends
     j = tl.arange(0, 16)  # qs[j]: weight j (low nibble) and j + 16 (high)
     acc = tl.zeros([BLOCK_R, STEP, 16], dtype=tl.float32)
@@ -138,9 +146,9 @@ def _mxfp4_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.conste
         qs = tl.load(w_ptr + at[:, :, None] + 1 + j[None, None, :], mask=ok[:, :, None],
                      other=0).to(tl.int32)
         xi = tl.broadcast_to(blocks[None, :, None] * 32 + j[None, None, :], (BLOCK_R, STEP, 16))
-        x_lo = tl.load(x_row + xi, mask=ok[:, :, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(x_row + xi + 16, mask=ok[:, :, None], other=0.0).to(tl.float32)
-        dot = _e2m1_doubled(qs & 15) * x_lo + _e2m1_doubled(qs >> 4) * x_hi
+        x_lo = _as_f32(x_row, xi, ok[:, :, None], BITS)
+        x_hi = _as_f32(x_row, xi + 16, ok[:, :, None], BITS)
+        dot = _e2m1_doubled(qs & 15, BITS) * x_lo + _e2m1_doubled(qs >> 4, BITS) * x_hi
         acc += dot * half[:, :, None]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -252,7 +260,7 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
     if FMT == "q8_0":
         acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "mxfp4":
-        acc = _mxfp4_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
+        acc = _mxfp4_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "q5_0":
         acc = _q5_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP)
     elif FMT == "q4_k":

@@ -125,24 +125,25 @@ def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_0_by_bit_operations_gives_the_same_bits(kernels, monkeypatch, device, dtype):
-    """q8_0's ``bits`` launch turns int8 weights (and bf16 activations) into float32 by bit
-    operations: the same values, so the same sums to the bit, masked blocks too."""
-    views = _pool(3, [("q8_0", 32, 96), ("q8_0", 32, 96), ("q8_0", 96, 32)], seed=9,
-                  device=device)
-    qts = [QuantTensor("q8_0", (3, v.shape[1], 96 if i < 2 else 32), v, {})
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
+def test_bit_operations_give_the_same_bits(kernels, monkeypatch, device, dtype, fmt):
+    """The ``bits`` launch turns q8_0's int8s or mxfp4's e2m1 codes (and bf16 activations)
+    into float32 by bit operations: the same values, so the same sums to the bit, masked
+    blocks too."""
+    views = _pool(3, [(fmt, 32, 96), (fmt, 32, 96), (fmt, 96, 32)], seed=9, device=device)
+    qts = [QuantTensor(fmt, (3, v.shape[1], 96 if i < 2 else 32), v, {})
            for i, v in enumerate(views)]
     g = torch.Generator().manual_seed(10)
     x = torch.randn(2, 96, generator=g).to(device, dtype)
     w, index = torch.rand(2, 2, generator=g).to(device), torch.tensor([0, 2, 1, 1]).to(device)
     act = torch.nn.functional.silu
     plain = kernels.gathered_fused(x, w, index, *qts, act)
-    monkeypatch.setitem(kernels.KERNELS, "q8_0",
-                        dataclasses.replace(kernels.KERNELS["q8_0"], bits=True, step=2))
+    monkeypatch.setitem(kernels.KERNELS, fmt,
+                        dataclasses.replace(kernels.KERNELS[fmt], bits=True, step=2))
     monkeypatch.setattr(kernels, "INTERPRETER_ROWS", 1)
     by_bits = kernels.gathered_fused(x, w, index, *qts, act)
-    monkeypatch.setitem(kernels.KERNELS, "q8_0",
-                        dataclasses.replace(kernels.KERNELS["q8_0"], bits=False, step=2))
+    monkeypatch.setitem(kernels.KERNELS, fmt,
+                        dataclasses.replace(kernels.KERNELS[fmt], bits=False, step=2))
     assert torch.equal(by_bits, kernels.gathered_fused(x, w, index, *qts, act))
     torch.testing.assert_close(by_bits.float(), plain.float(), rtol=1e-4, atol=1e-4)
 
@@ -171,7 +172,7 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
            "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
-                      "STEP": spec.step, "ACT": act, "BITS": fmt == "q8_0"})
+                      "STEP": spec.step, "ACT": act, "BITS": fmt in ("q8_0", "mxfp4")})
 
 
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():

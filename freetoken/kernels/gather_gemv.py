@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
 from freetoken.quant import QuantTensor, dequantize_as, get_format
 
 Act = Callable[[torch.Tensor], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,10 @@ def _launch_overrides() -> dict[str, FusedKernel]:
                               "say q8_0=4,16,2")
         found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps,
                                          bits=bool(bits))
+    if found:
+        log.info("fused gather-GEMV launch choices from FREETOKEN_GEMV_LAUNCH: %s",
+                 ", ".join(f"{k.fmt} rows {k.rows} step {k.step} warps {k.warps} bits "
+                           f"{int(k.bits)}" for k in found.values()))
     return found
 
 
@@ -161,8 +167,9 @@ def glu_code(act: Act) -> int:
 
 
 def fused(formats: tuple[str, ...]) -> bool:
-    """Whether every projection format has a fused kernel."""
-    return all(f in KERNELS for f in formats)
+    """Whether every projection format has a fused kernel (asked when a layer is built, so a
+    FREETOKEN_GEMV_LAUNCH that cannot be read fails there, at startup, not at a decode)."""
+    return all(f in KERNELS for f in formats) and all(launch(f) for f in formats)
 
 
 def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,

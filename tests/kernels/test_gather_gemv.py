@@ -244,3 +244,5 @@ def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
         monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", bad)
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
             gather_gemv.launch("q8_0")
+        with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
+            gather_gemv.fused(("q8_0", "q8_0", "q8_0"))  # what a layer asks when it is built

@@ -53,6 +53,8 @@ for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
     || tail -5 $L/$name.err
 done
 [[ $PARTS == *ours* ]] || exit 0
+# ours alone on a machine that has not run llama.cpp's half: nothing to merge with
+[ -f $L/gpu.json ] || { echo "no llama-bench results in $L: ours only"; exit 0; }
 python3 benchmarks/peer_gpu.py --llama ncmoe=$L/ncmoe.json ot_cpu=$L/ot_cpu.json gpu=$L/gpu.json \
   --ours "$(ls -t "$OUT"/decode_moe-$LABEL-*.json | head -1)" \
   --model $M --label $LABEL --out "$OUT" --git-sha "${GIT_SHA:-}"

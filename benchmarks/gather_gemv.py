@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,9 @@ def main() -> None:
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    if args.sweep and os.environ.get("FREETOKEN_GEMV_LAUNCH"):
+        p.error("FREETOKEN_GEMV_LAUNCH is set: its choices would replace every one the sweep "
+                "tries; unset it for --sweep")
     H, I_ = (int(v) for v in args.shape.split("x"))
     rows = []
     for spec in args.formats.split(","):

@@ -88,8 +88,7 @@ CPU_HOST_NODES = ("off", "on")
 def gemv_launch() -> str:
     """FREETOKEN_GEMV_LAUNCH: launch choices of the fused gather-GEMV kernels that replace
     ``kernels/gather_gemv.py``'s table, for tuning on another GPU: ``fmt=rows,step,warps``
-    entries, with ``,1`` or ``,0`` after them for bit-operation conversions or not (q8_0,
-    mxfp4),
+    entries (``,1`` or ``,0`` after them: bit-operation conversions or not, q8_0 and mxfp4)
     separated by spaces (``q8_0=4,16,2``), as ``benchmarks/gather_gemv.py --sweep`` prints
     them; unset means the table."""
     return os.environ.get("FREETOKEN_GEMV_LAUNCH", "").strip()

@@ -106,17 +106,14 @@ def _launch_overrides() -> dict[str, FusedKernel]:
         try:
             rows, step, warps, *more = (int(v) for v in values.split(","))
         except ValueError:
-            rows = step = warps = 0
-            more = []
-        bits = more[0] if more else int(KERNELS[fmt].bits) if fmt in KERNELS else 0
-        if min(rows, step, warps) < 1 or fmt not in KERNELS or len(more) > 1 \
-                or bits not in (0, 1):
+            rows, step, warps, more = 0, 0, 0, []
+        if min(rows, step, warps) < 1 or fmt not in KERNELS or more not in ([], [0], [1]):
             raise ConfigError(f"FREETOKEN_GEMV_LAUNCH entry {entry!r} is not "
                               f"fmt=rows,step,warps[,bits] with a format of "
                               f"{', '.join(KERNELS)}, positive integers and bits 0 or 1, "
                               "say q8_0=4,16,2")
         found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps,
-                                         bits=bool(bits))
+                                         bits=bool(more[0]) if more else KERNELS[fmt].bits)
     if found:
         log.info("fused gather-GEMV launch choices from FREETOKEN_GEMV_LAUNCH: %s",
                  ", ".join(f"{k.fmt} rows {k.rows} step {k.step} warps {k.warps} bits "
@@ -169,7 +166,8 @@ def glu_code(act: Act) -> int:
 def fused(formats: tuple[str, ...]) -> bool:
     """Whether every projection format has a fused kernel (asked when a layer is built, so a
     FREETOKEN_GEMV_LAUNCH that cannot be read fails there, at startup, not at a decode)."""
-    return all(f in KERNELS for f in formats) and all(launch(f) for f in formats)
+    _launch_overrides()
+    return all(f in KERNELS for f in formats)
 
 
 def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,

@@ -134,7 +134,7 @@ def hybrid_roofline_gbps(engine: Engine) -> float | None:
 def split_costs(engine: Engine) -> dict[str, dict[str, Any]]:
     """Per hybrid layer, the costs its online split uses (microseconds; layers of one kind
     share them), its fetched share and its kind's wall checks so far (each check's
-    microseconds a layer call all-fetch and split, and whether it benched the CPU)."""
+    microseconds a layer call under each arm, and the arm it chose)."""
     from freetoken.moe.hybrid import HybridExperts
 
     def us(v: float | None) -> float | None:
@@ -142,14 +142,15 @@ def split_costs(engine: Engine) -> dict[str, dict[str, Any]]:
 
     def checks(m: HybridExperts) -> list[dict[str, Any]]:
         c = m.policy.costs.check
-        return [] if c is None else [{"all_fetch_us": us(f), "split_us": us(s), "benched": b}
-                                     for f, s, b in c.verdicts]
+        return [] if c is None else [{**{f"{arm}_us": us(t) for arm, t in v.seconds.items()},
+                                      "choice": v.choice} for v in c.verdicts]
 
     return {str(m.shape.layer): {"cpu_per_expert": us(m.policy.costs.c_cpu),
                                  "cpu_per_job": us(m.policy.costs.l_cpu),
                                  "pcie_per_expert": us(m.policy.costs.c_pcie),
                                  "overhead": us(m.policy.costs.o),
                                  "fraction": m.policy.fraction,
+                                 "held": m.policy.held,
                                  "wall_checks": checks(m)}
             for m in engine.model.modules() if isinstance(m, HybridExperts)}
 

@@ -125,6 +125,8 @@ class HybridExperts(OffloadExperts):
             costs.check = WallCheck(kind_words(kind))
         if costs.check is not None:
             costs.check.layers = costs.layers
+            if plan.split_from and plan.online:  # the profile's split: an arm of the check
+                costs.check.profile = f
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5,
                                   costs=costs)
@@ -207,16 +209,17 @@ class HybridExperts(OffloadExperts):
         return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
 
     def prefetch_share(self, misses: int) -> int:
-        """The share of predicted misses the split would fetch (none before it has one; all
-        while the wall check runs all-fetch or benches the CPU)."""
+        """The share of predicted misses the split would fetch (none before it has one; the
+        wall check's share while it holds one: all while it runs all-fetch or benches the
+        CPU)."""
         if self.policy.all_fetch:
             return misses
-        return 0 if self.policy.fraction is None else self.policy.planned(misses)
+        return 0 if self.policy.share is None else self.policy.planned(misses)
 
     def fetches_all(self) -> bool:
         p = self.policy
-        return p.all_fetch or (p.fraction is not None and p.fraction >= 1.0
-                               and p.max_fetch is None)
+        return p.all_fetch or (p.held is None and p.fraction is not None
+                               and p.fraction >= 1.0 and p.max_fetch is None)
 
     def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
                 cpu_ids: torch.Tensor, job: HostJob | None = None,
@@ -273,7 +276,7 @@ class HybridExperts(OffloadExperts):
         rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
                         fetch=fetch, compute=compute, cpu_experts=on_cpu, cpu_s=t_cpu,
                         plan_s=plan_s)
-        rt.stats.set_fraction(layer, 1.0 if self.policy.all_fetch else self.policy.fraction)
+        rt.stats.set_fraction(layer, self.policy.share)
 
     def _observe_last(self) -> None:
         """Feed the previous call's times to the policy (its copy has finished by now: the

@@ -5,8 +5,8 @@ and of the layer's kind, not of the layer: hybrid layers of one kind share one
 :class:`SplitCosts`, so each call's times refine the costs every such layer splits by, and an
 idle side is probed once for all of them. A model can miss what a CPU share costs the step
 (the engine thread's time in the pool's job, the link shared with look-ahead, memory both sides
-read), so a :class:`WallCheck` now and then times the decode steps all-fetch against the
-split itself and benches the CPU where all-fetch is faster.
+read), so a :class:`WallCheck` now and then times the decode steps all-fetch, at the model's split
+and at the profile's, and holds the fastest until the next check.
 
 Threads: the engine's main thread only (one policy per hybrid layer, one cost model per kind).
 """
@@ -28,8 +28,8 @@ REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps 
 PROBE_CALLS = 2
 # the wall check, in decode calls of each layer (tokens at batch 1): the first after
 # CHECK_FIRST, each arm CHECK_SETTLE untimed then CHECK_ARM timed, the wait doubling up to
-# CHECK_LONGEST; all-fetch must be CHECK_MARGIN faster than the split to bench the CPU. The
-# untimed start keeps the switch's own cost out of the arm (the pool waking after an
+# CHECK_LONGEST; another arm must be CHECK_MARGIN faster than the model's split to replace it.
+# The untimed start keeps the switch's own cost out of the arm (the pool waking after an
 # all-fetch arm, the look-ahead's slots picked for the other arm)
 CHECK_FIRST = 16
 CHECK_SETTLE = 2
@@ -40,23 +40,37 @@ DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restart
 IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One wall check: seconds a layer call under each arm it timed, and the arm chosen."""
+
+    seconds: dict[str, float]
+    choice: str
+
+
 @dataclass
 class WallCheck:
-    """The split judged by the steps it makes: after ``wait`` decode calls of each of the
-    kind's ``layers``, CHECK_SETTLE + CHECK_ARM calls of each run all-fetch, then as many as
-    the split says, the last CHECK_ARM of each arm timed by the wall between calls (a call's
-    whole cycle: the GPU, the link, the CPU, the host). Where all-fetch was CHECK_MARGIN
-    faster the CPU is benched (no share, no probes) until the next check; either way the wait
-    doubles. What would time something else is left out: a prompt's call or an idle gap (no
-    request: IDLE_GAP times the arm's mean call) restarts the arm it falls in, and a change of
-    batch rows the whole check, so that both arms time the same batch. ``clock`` is for
-    tests."""
+    """The split judged by the steps it makes. Its arms are fetched shares: ``fetch`` (every
+    miss fetched), ``split`` (the online model's own) and, where the bandwidth profile gave
+    the kind a split, ``profile`` (that share, fixed). After ``wait`` decode calls of each of
+    the kind's ``layers``, each arm runs CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM
+    timed by the wall between calls (a call's whole cycle: the GPU, the link, the CPU, the
+    host). An arm CHECK_MARGIN faster than the model's split is *held*: the calls until the
+    next check use its share (all-fetch benches the CPU: no share, no probes), while the
+    model keeps learning from them; either way the wait doubles. The model's costs are
+    measured per half (the pool's time on a job, the copies'), which can miss what the step
+    pays (on the H100 box its CPU costs came out twice the cpu strategy's, and its split lost
+    to all-fetch where the profile's won); the wall does not. What would time something else
+    is left out: a prompt's call or an idle gap (no request: IDLE_GAP times the arm's mean
+    call) restarts the arm it falls in, and a change of batch rows the whole check, so that
+    every arm times the same batch. ``clock`` is for tests."""
 
     name: str = ""
     layers: int = 1
+    profile: float | None = None  # the profile's fetched share (an arm when 0 < share < 1)
     clock: Callable[[], float] = time.perf_counter
-    benched: bool = False
-    phase: str = "wait"  # "wait", then the "fetch" arm, then the "split" arm
+    choice: str = "split"  # the arm the calls between checks follow
+    phase: str = "wait"  # "wait", then each arm in turn (``arms``)
     _wait: int = CHECK_FIRST
     _calls: int = 0  # decode calls counted in the phase so far
     _t0: float = 0.0  # when the arm's first call started
@@ -64,14 +78,25 @@ class WallCheck:
     _settling: bool = False  # the arm's untimed start (CHECK_SETTLE calls) is under way
     _last: float = 0.0  # when the last call started
     _rows: int = 0  # the batch rows the check's arms time
-    _fetch_s: float = 0.0
-    # each check's (all-fetch, split) seconds a layer call and whether it benched the CPU
-    verdicts: list[tuple[float, float, bool]] = field(default_factory=list)
+    _seconds: dict[str, float] = field(default_factory=dict)  # this check's arms so far
+    verdicts: list[Verdict] = field(default_factory=list)  # the last 16 checks
 
     @property
-    def all_fetch(self) -> bool:
-        """Whether this call gives the CPU nothing: the fetch arm, or benched between checks."""
-        return self.phase == "fetch" or (self.phase == "wait" and self.benched)
+    def arms(self) -> tuple[str, ...]:
+        with_profile = self.profile is not None and 0 < self.profile < 1
+        return ("fetch", "split", "profile") if with_profile else ("fetch", "split")
+
+    @property
+    def benched(self) -> bool:
+        """Whether all-fetch is held: the CPU gets no experts until the next check."""
+        return self.choice == "fetch"
+
+    @property
+    def fraction(self) -> float | None:
+        """The fetched share this call uses: 1.0 for all-fetch, the profile's, or None for
+        the model's own (its arm, or held)."""
+        arm = self.choice if self.phase == "wait" else self.phase
+        return 1.0 if arm == "fetch" else self.profile if arm == "profile" else None
 
     def tick(self, rows: int) -> None:
         """A call of ``rows`` token rows starts (before its split is chosen)."""
@@ -80,18 +105,18 @@ class WallCheck:
         if rows > DECODE_ROWS:
             self._restart = self.phase != "wait"
             return
-        if self.phase != "wait" and rows != self._rows:  # another batch: both arms again
-            self.phase, self._restart, self._settling = "fetch", True, True
-            self._rows = rows
+        if self.phase != "wait" and rows != self._rows:  # another batch: every arm again
+            self.phase, self._restart, self._settling = self.arms[0], True, True
+            self._rows, self._seconds = rows, {}
         idle = self._calls > 0 and gap > IDLE_GAP * (now - gap - self._t0) / self._calls
         if self._restart or (self.phase != "wait" and idle):  # the arm's first call again
             self._restart, self._calls, self._t0 = False, 0, now
             return
         self._calls += 1
         if self.phase == "wait":
-            if self._calls > self._wait * self.layers:  # this call starts the fetch arm
-                self.phase, self._calls, self._t0, self._rows = "fetch", 0, now, rows
-                self._settling = True
+            if self._calls > self._wait * self.layers:  # this call starts the first arm
+                self._start(self.arms[0], now)
+                self._rows, self._seconds = rows, {}
             return
         if self._settling:  # the switch's cost is behind from this call: time from here
             if self._calls >= CHECK_SETTLE * self.layers:
@@ -99,25 +124,34 @@ class WallCheck:
             return
         if self._calls < CHECK_ARM * self.layers:
             return
-        per_call = (now - self._t0) / self._calls  # this call is the first after the arm
-        if self.phase == "fetch":
-            self._fetch_s = per_call
-            self.phase, self._calls, self._t0, self._settling = "split", 0, now, True
+        # this call is the first after the arm
+        self._seconds[self.phase] = (now - self._t0) / self._calls
+        arms = self.arms
+        if self.phase != arms[-1]:
+            self._start(arms[arms.index(self.phase) + 1], now)
             return
-        self._judge(self._fetch_s, per_call)
+        self._judge(self._seconds)
         self.phase, self._calls = "wait", 1
 
-    def _judge(self, fetch_s: float, split_s: float) -> None:
-        benched = fetch_s < (1 - CHECK_MARGIN) * split_s
-        if benched != self.benched:
-            log.info("hybrid %s: %s (all-fetch %.0f us a layer call, the split %.0f); next "
-                     "check in %d tokens", self.name or "layers",
-                     "the CPU's share costs the step, so it gets no experts" if benched
-                     else "the CPU's share pays again", 1e6 * fetch_s, 1e6 * split_s,
+    def _start(self, arm: str, now: float) -> None:
+        self.phase, self._calls, self._t0, self._settling = arm, 0, now, True
+
+    def _judge(self, seconds: dict[str, float]) -> None:
+        best = min(seconds, key=seconds.__getitem__)
+        choice = best if seconds[best] < (1 - CHECK_MARGIN) * seconds["split"] else "split"
+        if choice != self.choice:
+            log.info("hybrid %s: %s (us a layer call: %s); next check in %d tokens",
+                     self.name or "layers", _HELD[choice],
+                     ", ".join(f"{arm} {1e6 * t:.0f}" for arm, t in seconds.items()),
                      min(2 * self._wait, CHECK_LONGEST))
-        self.benched = benched
-        self.verdicts = [*self.verdicts[-15:], (fetch_s, split_s, benched)]
+        self.choice = choice
+        self.verdicts = [*self.verdicts[-15:], Verdict(dict(seconds), choice)]
         self._wait = min(2 * self._wait, CHECK_LONGEST)
+
+
+_HELD = {"fetch": "the CPU's share costs the step, so it gets no experts",
+         "split": "the online split pays again",
+         "profile": "the profile's split beats the online one, so it is held"}
 
 
 @dataclass
@@ -274,26 +308,42 @@ class SplitPolicy:
     probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it
     _seen_pcie: int = 0
 
-    def planned(self, misses: int) -> int:
-        """The split's fetch count for ``misses`` before any probe."""
-        n = misses if self.fraction is None else round(self.fraction * misses)
-        return n if self.max_fetch is None else min(n, self.max_fetch)
+    @property
+    def held(self) -> float | None:
+        """The fetched share the kind's wall check has calls use now (all-fetch's 1.0 or the
+        profile's), or None: the policy's own ``fraction``."""
+        check = self.costs.check
+        return check.fraction if self.online and check is not None else None
+
+    @property
+    def share(self) -> float | None:
+        """The fetched share calls use now: the wall check's held one, else ``fraction``."""
+        held = self.held
+        return self.fraction if held is None else held
 
     @property
     def all_fetch(self) -> bool:
-        """Whether the kind's wall check has calls fetch every miss now (its all-fetch arm,
-        or the CPU benched)."""
-        check = self.costs.check
-        return self.online and check is not None and check.all_fetch
+        """Whether calls fetch every miss now (the wall check's all-fetch arm, or the CPU
+        benched)."""
+        return self.held == 1.0
+
+    def planned(self, misses: int) -> int:
+        """The split's fetch count for ``misses`` before any probe (a held share is not
+        capped)."""
+        held = self.held
+        if held is not None:
+            return round(held * misses)
+        n = misses if self.fraction is None else round(self.fraction * misses)
+        return n if self.max_fetch is None else min(n, self.max_fetch)
 
     def n_fetch(self, misses: int, rows: int = 1) -> int:
         """Misses to fetch of a call's ``misses`` (``rows`` token rows)."""
         self.probing = ""
         if self.online and self.costs.check is not None:
             self.costs.check.tick(rows)
-        if self.all_fetch:
-            return misses
         n = self.planned(misses)
+        if self.held is not None:  # the wall check's share: both sides are timed by it
+            return n
         if self.online and misses >= 2:  # keep both sides measured, so f can move back
             costs = self.costs
             if n == 0 and costs.probe_due("pcie"):

@@ -188,16 +188,20 @@ class _Clock:
 
 def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
                  prefill_at: int = -1, idle_at: int = -1, rows_from: tuple[int, int] = (-1, 1),
-                 switch_s: float = 0.0) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
+                 switch_s: float = 0.0, profile: float | None = None,
+                 profile_s: float = 0.0, counts: list[list[int]] | None = None,
+                 ) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
     """``layers`` policies of one kind whose model gives the CPU half of 8 misses (a fixed
     0.5, nothing observed); each decode call takes ``split_s`` when the CPU had a share and
     ``fetch_s`` when all 8 were fetched, by a fake clock. Returns the policies, the check and
     each token's count of calls that gave the CPU nothing. ``idle_at``: the engine sits idle
     for a second before that token; ``rows_from``: (token, rows) the batch has from then on;
     ``switch_s``: what a layer's call costs more when it fetches all and its last call did not,
-    or the other way round."""
+    or the other way round. ``profile``: the profile's fetched share, a third arm, whose
+    calls (``profile * 8`` fetched) take ``profile_s``; ``counts`` gets each token's fetch
+    counts."""
     clock = _Clock()
-    check = WallCheck(layers=layers, clock=clock)
+    check = WallCheck(layers=layers, profile=profile, clock=clock)
     costs = SplitCosts(layers=layers, check=check)
     policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
     fetched_all, was_all = [], [False] * layers
@@ -205,14 +209,18 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
         rows = rows_from[1] if 0 <= rows_from[0] <= token else 1
         rows = DECODE_ROWS + 1 if token == prefill_at else rows
         clock.now += 1.0 if token == idle_at else 0.0
-        count = 0
+        count, ns = 0, []
         for i, policy in enumerate(policies):
             n = policy.n_fetch(8, rows)
             count += n == 8
-            clock.now += (fetch_s if n == 8 else split_s) * (50 if rows > 1 else 1)
+            ns.append(n)
+            took = fetch_s if n == 8 else split_s if n == 4 else profile_s
+            clock.now += took * (50 if rows > 1 else 1)
             clock.now += switch_s if (n == 8) != was_all[i] else 0.0
             was_all[i] = n == 8
         fetched_all.append(count)
+        if counts is not None:
+            counts.append(ns)
     return policies, check, fetched_all
 
 
@@ -230,8 +238,8 @@ def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
         2 * CHECK_FIRST)
     assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
-    assert [b for _, _, b in check.verdicts] == [True, True]
-    assert check.verdicts[0][:2] == pytest.approx((100e-6, 110e-6))
+    assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
+    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 110e-6})
 
 
 def test_the_wall_check_keeps_a_cpu_share_that_pays():
@@ -246,6 +254,38 @@ def test_the_wall_check_keeps_a_cpu_share_that_pays():
     assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
 
 
+def test_the_wall_check_holds_the_profiles_split_where_it_beats_the_models():
+    """The model's split (half of 8 misses fetched) loses to all-fetch, but the profile's
+    (a quarter) beats both, as on the H100 box (the model's CPU costs twice the cpu
+    strategy's): after the fetch and split arms a third arm runs the profile's share, and
+    its 2 fetched a call are held until the next check, which confirms it. The model's own
+    fraction is kept for its arm."""
+    layers, counts = 4, []
+    first = CHECK_FIRST + 3 * ARM
+    policies, check, _ = _checked_run(layers, first + 2 * CHECK_FIRST + 3 * ARM + 4,
+                                      split_s=110e-6, fetch_s=100e-6, profile=0.25,
+                                      profile_s=80e-6, counts=counts)
+    assert counts[:CHECK_FIRST] == [[4] * layers] * CHECK_FIRST
+    arms = counts[CHECK_FIRST:first]
+    assert arms == [[8] * layers] * ARM + [[4] * layers] * ARM + [[2] * layers] * ARM
+    assert counts[first:first + 2 * CHECK_FIRST] == [[2] * layers] * (2 * CHECK_FIRST)
+    assert [v.choice for v in check.verdicts] == ["profile", "profile"]
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 100e-6, "split": 110e-6, "profile": 80e-6})
+    assert all(p.fraction == 0.5 and p.share == 0.25 and not p.all_fetch for p in policies)
+
+
+def test_the_profiles_arm_must_beat_the_models_split_by_the_margin():
+    """The profile's split 1 % faster than the model's: within CHECK_MARGIN, so the model's
+    split stays; where all-fetch is fastest it is held, as without a profile."""
+    _, check, _ = _checked_run(4, CHECK_FIRST + 3 * ARM + 2, split_s=100e-6, fetch_s=120e-6,
+                               profile=0.25, profile_s=99e-6)
+    assert check.choice == "split" and check.fraction is None
+    _, check, _ = _checked_run(4, CHECK_FIRST + 3 * ARM + 2, split_s=100e-6, fetch_s=80e-6,
+                               profile=0.25, profile_s=90e-6)
+    assert check.benched and check.fraction == 1.0
+
+
 def test_the_switch_between_arms_is_not_timed():
     """The first call of a layer after a switch costs a millisecond (the pool woken after the
     all-fetch arm, slots picked for the other arm): over one 8-token arm that would make a
@@ -253,7 +293,7 @@ def test_the_switch_between_arms_is_not_timed():
     _, check, _ = _checked_run(4, CHECK_FIRST + 2 * ARM + 2, split_s=85e-6, fetch_s=100e-6,
                                switch_s=1e-3)
     assert not check.benched
-    assert check.verdicts[0][:2] == pytest.approx((100e-6, 85e-6))
+    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 85e-6})
 
 
 def test_a_prefill_call_restarts_the_arm_it_falls_in():
@@ -275,7 +315,8 @@ def test_an_idle_engine_inside_an_arm_restarts_it():
     first = CHECK_FIRST + 2 * ARM
     _, check, fetched_all = _checked_run(4, first + 6, split_s=85e-6, fetch_s=100e-6,
                                          idle_at=CHECK_FIRST + ARM + 3)
-    assert not check.benched and check.verdicts[0][:2] == pytest.approx((100e-6, 85e-6))
+    assert not check.benched
+    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 85e-6})
     assert fetched_all[first + 3:] == [0] * 3  # the arm ran 3 tokens more, then the split
 
 
@@ -395,6 +436,9 @@ def test_each_layer_finds_its_row(q8_gguf, tmp_path, monkeypatch, caplog):
     assert all(m.policy.fraction == pytest.approx(0.25) and m.policy.max_fetch is None
                for m in layers)
     assert f"hybrid on 2 q8_0 layers at 25.0 % (row {key})" in caplog.text
+    check = layers[0].policy.costs.check  # the row's split is the wall check's third arm
+    assert check is not None and check.profile == pytest.approx(0.25)
+    assert check.arms == ("fetch", "split", "profile")
     # the nearest thread count serves a server with another worker count
     profile.unlink()
     save_rows({key.replace(":t1", ":t4"): row}, profile)

@@ -155,6 +155,25 @@ def split_costs(engine: Engine) -> dict[str, dict[str, Any]]:
             for m in engine.model.modules() if isinstance(m, HybridExperts)}
 
 
+def pool_jobs(engine: Engine, workers: int) -> dict[str, float]:
+    """The timed jobs of every hybrid and cpu layer (``+timing``), in means (us): their
+    experts, the pool's time, the first item's start, each phase's end and busy time (see
+    ``cpu_moe.py``), and the pool's time per expert."""
+    from benchmarks.cpu_moe import breakdown
+    from freetoken.moe.hybrid import HybridExperts
+
+    jobs = [j for m in engine.model.modules()
+            for j in (m.calls.jobs.jobs if isinstance(m, HybridExperts)
+                      else m.jobs.jobs if isinstance(m, CpuExperts) else ())]
+    if not jobs:
+        return {}
+    experts = sum(e for _, _, e in jobs) / len(jobs)
+    pool_s = sum(s for _, s, _ in jobs) / len(jobs)
+    return {"jobs": len(jobs), "experts": round(experts, 2),
+            **breakdown([t for t, _, _ in jobs], pool_s, workers),
+            "pool_us_per_expert": round(1e6 * pool_s / experts, 1) if experts else 0.0}
+
+
 def host_step_times(layers: list[CpuExperts]) -> dict[str, float]:
     """The cpu layers' host steps between graph pieces so far, summed (see HostStepTimes)."""
     return {k: sum(getattr(m.host_times, k) for m in layers)
@@ -184,10 +203,11 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
     them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+nocheck`` leaves an
-    online split without its wall check (FREETOKEN_WALL_CHECK=off)."""
+    online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
+    CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "nojoin", "hostnode", "greedy", "nocheck"}
+                              "nojoin", "hostnode", "greedy", "nocheck", "timing"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -220,6 +240,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     engine.generate(ids, SamplingParams(max_tokens=16, **sampling))  # warm-up
     rt = engine.runner.offload
     cpu_layers = [m for m in engine.model.modules() if isinstance(m, CpuExperts)]
+    if "timing" in options and engine.runner.pool is not None:  # after the warm-up
+        engine.runner.pool.set_timing(True)
     runs = []
     for _ in range(args.repeats):
         before = rt.stats.snapshot() if rt else None
@@ -243,6 +265,9 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                      "us_per_cpu_job": 1e6 * steps["job_s"] / steps["calls"]}
     else:
         out_steps = {}
+    if "timing" in options:
+        out_steps["pool_jobs"] = pool_jobs(engine, engine.runner.pool.threads + 1
+                                           if engine.runner.pool is not None else 1)
     kernels = [m.gpu_kernel for m in engine.model.modules() if isinstance(m, OffloadExperts)]
     out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
                            "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,3 +73,17 @@ class CpuMoeFuture:
         # output, so those must outlive the job (and its slot must be handed back)
         if not getattr(self, "_done", True) and self._executor.is_open:
             self.wait()
+
+
+class JobLog:
+    """A layer's recent pool jobs as their timing records show them (only with the pool's
+    timing on, :meth:`CpuMoeExecutor.set_timing`: a profiling aid), each with its expert
+    count: where a job's time went (waking the workers, each phase) against its size."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.jobs: deque[tuple[JobTiming, float, int]] = deque(maxlen=keep)
+
+    def add(self, future: CpuMoeFuture, experts: int) -> None:
+        """A waited ``future``'s record (none without timing) and its ``experts``."""
+        if future.timing is not None:
+            self.jobs.append((future.timing, future.seconds, experts))

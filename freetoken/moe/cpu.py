@@ -24,6 +24,7 @@ import torch
 
 from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import host_nodes
+from freetoken.cpu.jobs import JobLog
 from freetoken.errors import ConfigError
 from freetoken.moe.host_banks import BankBuilder
 from freetoken.moe.host_job import HostJobs
@@ -64,6 +65,7 @@ class CpuExperts(Experts):
         self.registered = False  # the banks are on the pool (from attach)
         self.host_jobs = HostJobs(shape.layer)  # the pool's jobs between graph pieces
         self.host_times = HostStepTimes()
+        self.jobs = JobLog()  # the host steps' timed jobs, with the pool's timing on
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -110,6 +112,8 @@ class CpuExperts(Experts):
         t0 = time.perf_counter()
         future = self.host_jobs.get(self._pool, host).submit(all_pairs=True)
         out = future.wait()
+        if future.timing is not None:  # the pool's timing on: the job and its experts logged
+            self.jobs.add(future, int(host.ids.unique().numel()))
         times = self.host_times
         times.calls += 1
         times.step_s += time.perf_counter() - t0

@@ -26,7 +26,7 @@ import torch
 from freetoken import env
 from freetoken.cpu import executor as cx
 from freetoken.cpu.gpu_wait import to_host
-from freetoken.cpu.jobs import CpuMoeFuture
+from freetoken.cpu.jobs import CpuMoeFuture, JobLog
 from freetoken.errors import ConfigError
 from freetoken.moe.expert_cache import Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS
@@ -60,12 +60,14 @@ class _Pending:
 
 class _Calls:
     """A layer's state between its calls: the last call's times for the policy, the planned
-    call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA)."""
+    call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA), the
+    CPU share's timed jobs."""
 
     def __init__(self) -> None:
         self.last: tuple[int, float, int, Span | None, float] | None = None
         self.pending: _Pending | None = None
         self.staged: torch.Tensor | None = None
+        self.jobs = JobLog()  # the CPU share's jobs, with the pool's timing on
 
 
 class HybridExperts(OffloadExperts):
@@ -167,7 +169,8 @@ class HybridExperts(OffloadExperts):
         p, self.calls.pending = self.calls.pending, None
         if p is None:
             return None
-        cpu_out, t_cpu, overhead = self._collect(p.future, p.x, p.overhead, p.host)
+        cpu_out, t_cpu, overhead = self._collect(p.future, p.on_cpu, p.x, p.overhead,
+                                                  p.host)
         self._record(p.x, p.hits, p.fetched, p.on_cpu, p.fetch, None, t_cpu, overhead,
                      p.plan_s)
         return cpu_out
@@ -188,7 +191,7 @@ class HybridExperts(OffloadExperts):
         out = (self._compute(x, topk_ids, topk_weights, pool, slots) if slots
                else torch.zeros_like(x))
         compute.stop()
-        cpu_out, t_cpu, overhead = self._collect(future, x, overhead)
+        cpu_out, t_cpu, overhead = self._collect(future, split.cpu, x, overhead)
         self._record(x, routed.n_hits, split.fetched.size, split.cpu, fetch, compute, t_cpu,
                      overhead)
         return out if cpu_out is None else out + cpu_out
@@ -239,8 +242,9 @@ class HybridExperts(OffloadExperts):
         return (self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer),
                 time.perf_counter() - t0)
 
-    def _collect(self, future: CpuMoeFuture | None, x: torch.Tensor, overhead: float,
-                 host: HostCopies | None = None) -> tuple[torch.Tensor | None, float, float]:
+    def _collect(self, future: CpuMoeFuture | None, experts: int, x: torch.Tensor,
+                 overhead: float, host: HostCopies | None = None,
+                 ) -> tuple[torch.Tensor | None, float, float]:
         """The CPU's result on ``x``'s device (left in ``host.cpu_out`` with ``host``), the
         pool's time on it, and the host overhead. On CUDA the result goes through a pinned
         buffer without waiting for the stream (which may still be waiting for the copies): the
@@ -249,6 +253,7 @@ class HybridExperts(OffloadExperts):
         if future is None:
             return None, 0.0, overhead
         out = future.wait()
+        self.calls.jobs.add(future, experts)
         t0 = time.perf_counter()
         if host is None:  # else the pool wrote host.cpu_out, which the graph step copies in
             out = self._to_device(out, x)

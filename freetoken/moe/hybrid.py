@@ -127,8 +127,8 @@ class HybridExperts(OffloadExperts):
             costs.check = WallCheck(kind_words(kind))
         if costs.check is not None:
             costs.check.layers = costs.layers
-            if plan.split_from and plan.online:  # the profile's split: an arm of the check
-                costs.check.profile = f
+            if plan.split_from and plan.online:  # the profile's split: held until beaten
+                costs.check.use_profile(f)
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5,
                                   costs=costs)

@@ -5,8 +5,8 @@ and of the layer's kind, not of the layer: hybrid layers of one kind share one
 :class:`SplitCosts`, so each call's times refine the costs every such layer splits by, and an
 idle side is probed once for all of them. A model can miss what a CPU share costs the step
 (the engine thread's time in the pool's job, the link shared with look-ahead, memory both sides
-read), so a :class:`WallCheck` now and then times the decode steps all-fetch, at the model's split
-and at the profile's, and holds the fastest until the next check.
+read), so a :class:`WallCheck` now and then times the decode steps at a few fetched shares (all, the
+model's, none, the profile's) and holds the fastest until the next check.
 
 Threads: the engine's main thread only (one policy per hybrid layer, one cost model per kind).
 """
@@ -28,14 +28,16 @@ REMEASURE_EVERY = 256  # the longest such wait (it doubles while the side keeps 
 PROBE_CALLS = 2
 # the wall check, in decode calls of each layer (tokens at batch 1): the first after
 # CHECK_FIRST, each arm CHECK_SETTLE untimed then CHECK_ARM timed, the wait doubling up to
-# CHECK_LONGEST; another arm must be CHECK_MARGIN faster than the model's split to replace it.
-# The untimed start keeps the switch's own cost out of the arm (the pool waking after an
-# all-fetch arm, the look-ahead's slots picked for the other arm)
+# CHECK_LONGEST; another arm must be CHECK_MARGIN faster than the held one to replace it, and
+# an arm CHECK_DROP slower than the chosen one sits the next check out. The untimed start
+# keeps the switch's own cost out of the arm (the pool waking after an all-fetch arm, the
+# look-ahead's slots picked for the other arm)
 CHECK_FIRST = 16
 CHECK_SETTLE = 2
 CHECK_ARM = 8
 CHECK_LONGEST = 1024
 CHECK_MARGIN = 0.03
+CHECK_DROP = 0.2
 DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
 IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
 
@@ -51,26 +53,28 @@ class Verdict:
 @dataclass
 class WallCheck:
     """The split judged by the steps it makes. Its arms are fetched shares: ``fetch`` (every
-    miss fetched), ``split`` (the online model's own) and, where the bandwidth profile gave
-    the kind a split, ``profile`` (that share, fixed). After ``wait`` decode calls of each of
-    the kind's ``layers``, each arm runs CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM
-    timed by the wall between calls (a call's whole cycle: the GPU, the link, the CPU, the
-    host). An arm CHECK_MARGIN faster than the model's split is *held*: the calls until the
-    next check use its share (all-fetch benches the CPU: no share, no probes), while the
-    model keeps learning from them; either way the wait doubles. The model's costs are
-    measured per half (the pool's time on a job, the copies'), which can miss what the step
-    pays (on the H100 box its CPU costs came out twice the cpu strategy's, and its split lost
-    to all-fetch where the profile's won); the wall does not. What would time something else
-    is left out: a prompt's call or an idle gap (no request: IDLE_GAP times the arm's mean
-    call) restarts the arm it falls in, and a change of batch rows the whole check, so that
-    every arm times the same batch. ``clock`` is for tests."""
+    miss fetched), ``split`` (the online model's own), ``cpu`` (none: every miss on the CPU)
+    and, where the bandwidth profile gave the kind a split (:meth:`use_profile`), ``profile``
+    (that share, fixed; held from the start). After ``wait`` decode calls of each of the
+    kind's ``layers``, each arm runs CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed
+    by the wall between calls (a call's whole cycle: the GPU, the link, the CPU, the host).
+    An arm CHECK_MARGIN faster than the held one is held instead: the calls until the next
+    check use its share (all-fetch benches the CPU: no share, no probes), while the model
+    keeps learning from them; either way the wait doubles, and an arm CHECK_DROP slower than
+    the chosen one sits the next check out (the model's split never does). The model's costs
+    are measured per half (the pool's time on a job, the copies'), which can miss what the
+    step pays (on an H100 box its early split took 740 us a layer call where the profile's
+    took 440); the wall does not. What would time something else is left out: a prompt's
+    call or an idle gap (no request: IDLE_GAP times the arm's mean call) restarts the arm it
+    falls in, and a change of batch rows the whole check, so that every arm times the same
+    batch. ``clock`` is for tests."""
 
     name: str = ""
     layers: int = 1
-    profile: float | None = None  # the profile's fetched share (an arm when 0 < share < 1)
     clock: Callable[[], float] = time.perf_counter
+    profile: float | None = None  # the profile's fetched share (an arm when 0 < share < 1)
     choice: str = "split"  # the arm the calls between checks follow
-    phase: str = "wait"  # "wait", then each arm in turn (``arms``)
+    phase: str = "wait"  # "wait", then each arm in turn (``_arms``)
     _wait: int = CHECK_FIRST
     _calls: int = 0  # decode calls counted in the phase so far
     _t0: float = 0.0  # when the arm's first call started
@@ -78,13 +82,21 @@ class WallCheck:
     _settling: bool = False  # the arm's untimed start (CHECK_SETTLE calls) is under way
     _last: float = 0.0  # when the last call started
     _rows: int = 0  # the batch rows the check's arms time
+    _arms: tuple[str, ...] = ()  # this check's arms
+    _out: frozenset[str] = frozenset()  # arms that sit the next check out
     _seconds: dict[str, float] = field(default_factory=dict)  # this check's arms so far
     verdicts: list[Verdict] = field(default_factory=list)  # the last 16 checks
 
+    def use_profile(self, share: float | None) -> None:
+        """The profile's fetched share: an arm, and held until a check finds a faster one
+        (a share of 0 or 1 is the cpu or fetch arm already)."""
+        if share is not None and 0 < share < 1:
+            self.profile, self.choice = share, "profile"
+
     @property
     def arms(self) -> tuple[str, ...]:
-        with_profile = self.profile is not None and 0 < self.profile < 1
-        return ("fetch", "split", "profile") if with_profile else ("fetch", "split")
+        """Every arm a check may time (one that lost by CHECK_DROP sits the next one out)."""
+        return ("fetch", "split", "cpu") + (("profile",) if self.profile is not None else ())
 
     @property
     def benched(self) -> bool:
@@ -93,10 +105,10 @@ class WallCheck:
 
     @property
     def fraction(self) -> float | None:
-        """The fetched share this call uses: 1.0 for all-fetch, the profile's, or None for
-        the model's own (its arm, or held)."""
+        """The fetched share this call uses: 1.0 for all-fetch, 0.0 for the cpu arm, the
+        profile's, or None for the model's own (its arm, or held)."""
         arm = self.choice if self.phase == "wait" else self.phase
-        return 1.0 if arm == "fetch" else self.profile if arm == "profile" else None
+        return {"fetch": 1.0, "cpu": 0.0, "profile": self.profile}.get(arm)
 
     def tick(self, rows: int) -> None:
         """A call of ``rows`` token rows starts (before its split is chosen)."""
@@ -106,7 +118,7 @@ class WallCheck:
             self._restart = self.phase != "wait"
             return
         if self.phase != "wait" and rows != self._rows:  # another batch: every arm again
-            self.phase, self._restart, self._settling = self.arms[0], True, True
+            self.phase, self._restart, self._settling = self._arms[0], True, True
             self._rows, self._seconds = rows, {}
         idle = self._calls > 0 and gap > IDLE_GAP * (now - gap - self._t0) / self._calls
         if self._restart or (self.phase != "wait" and idle):  # the arm's first call again
@@ -115,7 +127,9 @@ class WallCheck:
         self._calls += 1
         if self.phase == "wait":
             if self._calls > self._wait * self.layers:  # this call starts the first arm
-                self._start(self.arms[0], now)
+                self._arms = tuple(a for a in self.arms if a not in self._out
+                                   or a in ("split", self.choice))
+                self._start(self._arms[0], now)
                 self._rows, self._seconds = rows, {}
             return
         if self._settling:  # the switch's cost is behind from this call: time from here
@@ -126,7 +140,7 @@ class WallCheck:
             return
         # this call is the first after the arm
         self._seconds[self.phase] = (now - self._t0) / self._calls
-        arms = self.arms
+        arms = self._arms
         if self.phase != arms[-1]:
             self._start(arms[arms.index(self.phase) + 1], now)
             return
@@ -137,21 +151,25 @@ class WallCheck:
         self.phase, self._calls, self._t0, self._settling = arm, 0, now, True
 
     def _judge(self, seconds: dict[str, float]) -> None:
+        held = seconds[self.choice]
         best = min(seconds, key=seconds.__getitem__)
-        choice = best if seconds[best] < (1 - CHECK_MARGIN) * seconds["split"] else "split"
+        choice = best if seconds[best] < (1 - CHECK_MARGIN) * held else self.choice
         if choice != self.choice:
             log.info("hybrid %s: %s (us a layer call: %s); next check in %d tokens",
                      self.name or "layers", _HELD[choice],
                      ", ".join(f"{arm} {1e6 * t:.0f}" for arm, t in seconds.items()),
                      min(2 * self._wait, CHECK_LONGEST))
         self.choice = choice
+        self._out = frozenset(a for a, t in seconds.items()
+                              if t > (1 + CHECK_DROP) * seconds[choice])
         self.verdicts = [*self.verdicts[-15:], Verdict(dict(seconds), choice)]
         self._wait = min(2 * self._wait, CHECK_LONGEST)
 
 
 _HELD = {"fetch": "the CPU's share costs the step, so it gets no experts",
-         "split": "the online split pays again",
-         "profile": "the profile's split beats the online one, so it is held"}
+         "split": "the online split is the fastest, so it is followed",
+         "profile": "the profile's split is the fastest, so it is held",
+         "cpu": "every miss on the CPU is the fastest, so nothing is fetched"}
 
 
 @dataclass

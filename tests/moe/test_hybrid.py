@@ -189,7 +189,8 @@ class _Clock:
 def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
                  prefill_at: int = -1, idle_at: int = -1, rows_from: tuple[int, int] = (-1, 1),
                  switch_s: float = 0.0, profile: float | None = None,
-                 profile_s: float = 0.0, counts: list[list[int]] | None = None,
+                 profile_s: float = 0.0, cpu_s: float = 200e-6,
+                 counts: list[list[int]] | None = None,
                  ) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
     """``layers`` policies of one kind whose model gives the CPU half of 8 misses (a fixed
     0.5, nothing observed); each decode call takes ``split_s`` when the CPU had a share and
@@ -197,11 +198,13 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
     each token's count of calls that gave the CPU nothing. ``idle_at``: the engine sits idle
     for a second before that token; ``rows_from``: (token, rows) the batch has from then on;
     ``switch_s``: what a layer's call costs more when it fetches all and its last call did not,
-    or the other way round. ``profile``: the profile's fetched share, a third arm, whose
-    calls (``profile * 8`` fetched) take ``profile_s``; ``counts`` gets each token's fetch
+    or the other way round. ``cpu_s``: a call with every miss on the CPU (the cpu arm);
+    ``profile``: the profile's fetched share, an arm held from the start, whose calls
+    (``profile * 8`` fetched) take ``profile_s``; ``counts`` gets each token's fetch
     counts."""
     clock = _Clock()
-    check = WallCheck(layers=layers, profile=profile, clock=clock)
+    check = WallCheck(layers=layers, clock=clock)
+    check.use_profile(profile)
     costs = SplitCosts(layers=layers, check=check)
     policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
     fetched_all, was_all = [], [False] * layers
@@ -214,7 +217,7 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
             n = policy.n_fetch(8, rows)
             count += n == 8
             ns.append(n)
-            took = fetch_s if n == 8 else split_s if n == 4 else profile_s
+            took = {8: fetch_s, 4: split_s, 0: cpu_s}.get(n, profile_s)
             clock.now += took * (50 if rows > 1 else 1)
             clock.now += switch_s if (n == 8) != was_all[i] else 0.0
             was_all[i] = n == 8
@@ -226,107 +229,130 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
 
 def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     """The model says the CPU pays, the steps say all-fetch is 10 % faster (the small box:
-    hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens all-fetch and as many
-    split, the CPU gets nothing; the next check comes twice as late and confirms it."""
+    hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens all-fetch, as many split
+    and as many all on the CPU, the CPU gets nothing; the next check comes twice as late
+    and confirms it (the cpu arm, twice as slow, sits it out)."""
     layers = 6
-    first = CHECK_FIRST + 2 * ARM
+    first = CHECK_FIRST + 3 * ARM
     _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 2 * ARM + 4,
                                          split_s=110e-6, fetch_s=100e-6)
     assert fetched_all[:CHECK_FIRST] == [0] * CHECK_FIRST  # the model's split
     assert fetched_all[CHECK_FIRST:CHECK_FIRST + ARM] == [layers] * ARM
-    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * ARM  # the split's arm
+    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * 2 * ARM  # the split's, the cpu's
     assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
         2 * CHECK_FIRST)
     assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
     assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
-    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 110e-6})
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
+    assert set(check.verdicts[1].seconds) == {"fetch", "split"}
 
 
 def test_the_wall_check_keeps_a_cpu_share_that_pays():
     """The steps agree with the model (the split 15 % faster): after each check the model's
-    split runs again, and the wait doubles up to CHECK_LONGEST tokens."""
+    split runs again, and the wait doubles up to CHECK_LONGEST tokens; the cpu arm (twice as
+    slow) sits every other check out."""
     _, check, fetched_all = _checked_run(4, 400, split_s=85e-6, fetch_s=100e-6)
     assert not check.benched
-    # four fetch arms, each wait twice the last (16, 32, 64, 128 tokens) and two arms between
+    # four fetch arms, each wait twice the last (16, 32, 64, 128 tokens); 3, 2, 3 arms between
     assert sum(1 for c in fetched_all if c) == 4 * ARM
-    last = 15 * CHECK_FIRST + 6 * ARM
+    last = 15 * CHECK_FIRST + 8 * ARM
     assert fetched_all[last:last + ARM] == [4] * ARM and not any(fetched_all[last + ARM:])
     assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
 
 
-def test_the_wall_check_holds_the_profiles_split_where_it_beats_the_models():
+def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
     """The model's split (half of 8 misses fetched) loses to all-fetch, but the profile's
-    (a quarter) beats both, as on the H100 box (the model's CPU costs twice the cpu
-    strategy's): after the fetch and split arms a third arm runs the profile's share, and
-    its 2 fetched a call are held until the next check, which confirms it. The model's own
-    fraction is kept for its arm."""
+    (a quarter) beats both, as on the H100 box (the model's early split took 740 us a layer
+    call, the profile's 440): the profile's 2 fetched a call are held from the start; the
+    first check times every arm and keeps it, and at the next only the model's split runs
+    beside it (the others lost by more than CHECK_DROP). The model's own fraction is kept
+    for its arm."""
     layers, counts = 4, []
-    first = CHECK_FIRST + 3 * ARM
-    policies, check, _ = _checked_run(layers, first + 2 * CHECK_FIRST + 3 * ARM + 4,
-                                      split_s=110e-6, fetch_s=100e-6, profile=0.25,
-                                      profile_s=80e-6, counts=counts)
-    assert counts[:CHECK_FIRST] == [[4] * layers] * CHECK_FIRST
-    arms = counts[CHECK_FIRST:first]
-    assert arms == [[8] * layers] * ARM + [[4] * layers] * ARM + [[2] * layers] * ARM
-    assert counts[first:first + 2 * CHECK_FIRST] == [[2] * layers] * (2 * CHECK_FIRST)
+    first = CHECK_FIRST + 4 * ARM
+    second = first + 2 * CHECK_FIRST
+    policies, check, _ = _checked_run(layers, second + 2 * ARM + 4, split_s=130e-6,
+                                      fetch_s=100e-6, profile=0.25, profile_s=80e-6,
+                                      counts=counts)
+    assert counts[:CHECK_FIRST] == [[2] * layers] * CHECK_FIRST
+    arms = [[n] * layers for n in (8, 4, 0, 2) for _ in range(ARM)]
+    assert counts[CHECK_FIRST:first] == arms
+    assert counts[first:second] == [[2] * layers] * (2 * CHECK_FIRST)
+    assert counts[second:] == [[4] * layers] * ARM + [[2] * layers] * (ARM + 4)
     assert [v.choice for v in check.verdicts] == ["profile", "profile"]
     assert check.verdicts[0].seconds == pytest.approx(
-        {"fetch": 100e-6, "split": 110e-6, "profile": 80e-6})
+        {"fetch": 100e-6, "split": 130e-6, "cpu": 200e-6, "profile": 80e-6})
     assert all(p.fraction == 0.5 and p.share == 0.25 and not p.all_fetch for p in policies)
 
 
-def test_the_profiles_arm_must_beat_the_models_split_by_the_margin():
-    """The profile's split 1 % faster than the model's: within CHECK_MARGIN, so the model's
-    split stays; where all-fetch is fastest it is held, as without a profile."""
-    _, check, _ = _checked_run(4, CHECK_FIRST + 3 * ARM + 2, split_s=100e-6, fetch_s=120e-6,
-                               profile=0.25, profile_s=99e-6)
+def test_an_arm_must_beat_the_held_one_by_the_margin():
+    """The profile's split is held from the start: the model's 1 % faster does not replace
+    it (CHECK_MARGIN), 10 % faster does; all-fetch fastest benches the CPU."""
+    tokens, profile = CHECK_FIRST + 4 * ARM + 2, dict(profile=0.25, profile_s=100e-6)
+    _, check, _ = _checked_run(4, tokens, split_s=99e-6, fetch_s=120e-6, **profile)
+    assert check.choice == "profile" and check.fraction == 0.25
+    _, check, _ = _checked_run(4, tokens, split_s=90e-6, fetch_s=120e-6, **profile)
     assert check.choice == "split" and check.fraction is None
-    _, check, _ = _checked_run(4, CHECK_FIRST + 3 * ARM + 2, split_s=100e-6, fetch_s=80e-6,
-                               profile=0.25, profile_s=90e-6)
+    _, check, _ = _checked_run(4, tokens, split_s=100e-6, fetch_s=80e-6, **profile)
     assert check.benched and check.fraction == 1.0
+
+
+def test_every_miss_on_the_cpu_is_held_where_that_is_fastest():
+    """The cpu arm (nothing fetched) 20 % faster than the model's split: it is held, and at
+    the next check all-fetch (50 % slower) sits out while the model's split runs again."""
+    layers, counts = 4, []
+    first = CHECK_FIRST + 3 * ARM
+    second = first + 2 * CHECK_FIRST
+    _, check, _ = _checked_run(layers, second + 2 * ARM + 4, split_s=100e-6, fetch_s=150e-6,
+                               cpu_s=80e-6, counts=counts)
+    assert counts[CHECK_FIRST + 2 * ARM:first] == [[0] * layers] * ARM  # the cpu arm
+    assert counts[first:second] == [[0] * layers] * (2 * CHECK_FIRST)  # held
+    assert counts[second:second + ARM] == [[4] * layers] * ARM  # the model's split
+    assert [v.choice for v in check.verdicts] == ["cpu", "cpu"]
+    assert set(check.verdicts[1].seconds) == {"split", "cpu"} and check.fraction == 0.0
 
 
 def test_the_switch_between_arms_is_not_timed():
     """The first call of a layer after a switch costs a millisecond (the pool woken after the
     all-fetch arm, slots picked for the other arm): over one 8-token arm that would make a
     split 15 % faster look slower than all-fetch. The arms' untimed starts leave it out."""
-    _, check, _ = _checked_run(4, CHECK_FIRST + 2 * ARM + 2, split_s=85e-6, fetch_s=100e-6,
+    _, check, _ = _checked_run(4, CHECK_FIRST + 3 * ARM + 2, split_s=85e-6, fetch_s=100e-6,
                                switch_s=1e-3)
     assert not check.benched
-    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 85e-6})
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 100e-6, "split": 85e-6, "cpu": 200e-6})
 
 
 def test_a_prefill_call_restarts_the_arm_it_falls_in():
     """A prompt's call (many rows) in the middle of an arm is not timed: the arm starts again,
     so a 50x longer call does not decide the verdict."""
-    first = CHECK_FIRST + 2 * ARM
-    tokens = first + ARM + 2
+    arm = CHECK_FIRST + 3 + ARM  # two tokens, the prompt's call, then the whole arm
+    tokens = arm + 2 * ARM + 2
     _, check, fetched_all = _checked_run(4, tokens, split_s=110e-6,
                                          fetch_s=100e-6, prefill_at=CHECK_FIRST + 2)
-    arm = CHECK_FIRST + 3 + ARM  # two tokens, the prompt's call, then the whole arm
     assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + ARM)
-    assert fetched_all[arm:arm + ARM] == [0] * ARM  # the split's arm
-    assert check.benched and fetched_all[arm + ARM:] == [4] * (tokens - arm - ARM)
+    assert fetched_all[arm:arm + 2 * ARM] == [0] * 2 * ARM  # the split's arm, the cpu's
+    assert check.benched and fetched_all[arm + 2 * ARM:] == [4] * (tokens - arm - 2 * ARM)
 
 
 def test_an_idle_engine_inside_an_arm_restarts_it():
     """A second without requests in the split's arm (the split 15 % faster) would make the
     split look slower than all-fetch and bench the CPU: the arm starts again instead."""
-    first = CHECK_FIRST + 2 * ARM
+    first = CHECK_FIRST + 3 * ARM
     _, check, fetched_all = _checked_run(4, first + 6, split_s=85e-6, fetch_s=100e-6,
                                          idle_at=CHECK_FIRST + ARM + 3)
     assert not check.benched
-    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 85e-6})
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 100e-6, "split": 85e-6, "cpu": 200e-6})
     assert fetched_all[first + 3:] == [0] * 3  # the arm ran 3 tokens more, then the split
 
 
 def test_a_batch_that_changes_inside_the_check_starts_both_arms_again():
     """A request joins in the split's arm (two rows a call from then on, which take longer):
     the fetch arm is timed again at two rows before the split's is compared with it."""
-    first = CHECK_FIRST + 2 * ARM
-    _, check, fetched_all = _checked_run(4, first + 2 * ARM + 6, split_s=85e-6,
-                                         fetch_s=100e-6, rows_from=(CHECK_FIRST + ARM + 3, 2))
     restart = CHECK_FIRST + ARM + 3
+    _, check, fetched_all = _checked_run(4, restart + 3 * ARM + 2, split_s=85e-6,
+                                         fetch_s=100e-6, rows_from=(restart, 2))
     assert fetched_all[restart:restart + ARM] == [4] * ARM
     assert len(check.verdicts) == 1 and not check.benched
 
@@ -436,9 +462,9 @@ def test_each_layer_finds_its_row(q8_gguf, tmp_path, monkeypatch, caplog):
     assert all(m.policy.fraction == pytest.approx(0.25) and m.policy.max_fetch is None
                for m in layers)
     assert f"hybrid on 2 q8_0 layers at 25.0 % (row {key})" in caplog.text
-    check = layers[0].policy.costs.check  # the row's split is the wall check's third arm
+    check = layers[0].policy.costs.check  # the row's split: an arm, held from the start
     assert check is not None and check.profile == pytest.approx(0.25)
-    assert check.arms == ("fetch", "split", "profile")
+    assert check.arms == ("fetch", "split", "cpu", "profile") and check.choice == "profile"
     # the nearest thread count serves a server with another worker count
     profile.unlink()
     save_rows({key.replace(":t1", ":t4"): row}, profile)

@@ -153,15 +153,37 @@ class HybridExperts(OffloadExperts):
         host job's ids."""
         assert self.executor is not None
         job = None if host is None else self.host_jobs.get(self.executor, host)
+        n = self._count(flat, routed)
+        if self.policy.all_cpu:
+            return self._plan_all_on_cpu(x, ids, w, flat, pool, job, t0)
         cpu_ids = torch.empty_like(flat) if job is None else job.ids
-        split = self._split(pool, flat, routed, cpu_ids)
-        future, overhead = self._submit(x, ids, w, split, cpu_ids, job)
+        split = pool.split(self.shape.layer, flat, routed, n, cpu_ids)
+        future, overhead = self._share(x, ids, w, split, cpu_ids, job)
         fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
         self._prefetch(x, routed, split, host)
         self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
                                       future, overhead, host, time.perf_counter() - t0)
         return None
+
+    def _plan_all_on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                         flat: torch.Tensor, pool: SlotPool, job: HostJob | None,
+                         t0: float) -> None:
+        """The wall check's cpu arm (held or timed) in a gathered call: every routed pair on
+        the pool, hits too, as the cpu strategy runs a layer: no split, no copies, an empty
+        slot table (the device's share is nothing). The call's times still reach the
+        policy (its model keeps learning the CPU's cost)."""
+        assert self.executor is not None
+        pool.publish(self.shape.layer, empty=True)
+        t_submit = time.perf_counter()
+        if job is not None:
+            future = job.submit(all_pairs=True)
+        else:
+            future = self._submit(x, ids, w, flat)
+        experts = int(flat.unique().numel())
+        self.calls.pending = _Pending(x, 0, 0, experts, None, future,
+                                      time.perf_counter() - t_submit, job and job.host,
+                                      time.perf_counter() - t0)
 
     def _finish(self) -> torch.Tensor | None:
         """The CPU's result of the last plan on the device (between graph pieces: in
@@ -183,7 +205,7 @@ class HybridExperts(OffloadExperts):
         assert rt is not None
         cpu_ids = torch.empty_like(flat)
         split = self._split(pool, flat, routed, cpu_ids)
-        future, overhead = self._submit(x, topk_ids, topk_weights, split, cpu_ids)
+        future, overhead = self._share(x, topk_ids, topk_weights, split, cpu_ids)
         fetch = self._fetch(pool, split)
         self._prefetch(x, routed, split)
         compute = rt.stats.span()
@@ -199,8 +221,13 @@ class HybridExperts(OffloadExperts):
     def _split(self, pool: SlotPool, flat: torch.Tensor, routed: Routed,
                cpu_ids: torch.Tensor) -> Split:
         """The policy's count of misses fetched (the most used; :meth:`SlotPool.split` gives
-        them slots), the rest the CPU's (their pairs written to ``cpu_ids``). The last call's
-        times reach the policy first (n_fetch's probe flag is this call's)."""
+        them slots), the rest the CPU's (their pairs written to ``cpu_ids``)."""
+        n = self._count(flat, routed)
+        return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
+
+    def _count(self, flat: torch.Tensor, routed: Routed) -> int:
+        """The policy's count of misses to fetch for this call. The last call's times reach
+        the policy first (n_fetch's probe flag is this call's)."""
         self._observe_last()
         misses, arrived = routed.misses, self.incoming.arrived
         # experts look-ahead fetched count as fetched: the split is over the misses there
@@ -208,8 +235,7 @@ class HybridExperts(OffloadExperts):
         n = self.policy.n_fetch(misses + arrived, flat.numel() // self.shape.top_k) - arrived
         if self.policy.probing == "pcie":  # a probe still times one fetch
             n = max(n, 1)
-        n = max(0, min(n, misses))
-        return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
+        return max(0, min(n, misses))
 
     def prefetch_share(self, misses: int) -> int:
         """The share of predicted misses the split would fetch (none before it has one; the
@@ -224,23 +250,28 @@ class HybridExperts(OffloadExperts):
         return p.all_fetch or (p.held is None and p.fraction is not None
                                and p.fraction >= 1.0 and p.max_fetch is None)
 
-    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
-                cpu_ids: torch.Tensor, job: HostJob | None = None,
-                ) -> tuple[CpuMoeFuture | None, float]:
-        """The CPU's share on the pool (``cpu_ids``: the pairs of other experts as -1);
-        returns at once. With a host ``job`` (whose ids ``cpu_ids`` are), it reads the host
-        copies and writes into their ``cpu_out``."""
+    def _share(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
+               cpu_ids: torch.Tensor, job: HostJob | None = None,
+               ) -> tuple[CpuMoeFuture | None, float]:
+        """The CPU's share on the pool (``cpu_ids``: the pairs of other experts as -1), if it
+        has one, and the seconds its submit took; returns at once. With a host ``job`` (whose
+        ids ``cpu_ids`` are), it reads the host copies and writes into their ``cpu_out``."""
         if not split.cpu:
             return None, 0.0
-        assert self.executor is not None
         t0 = time.perf_counter()
         if job is not None:
             return job.submit(all_pairs=False), time.perf_counter() - t0
+        return self._submit(x, ids, w, cpu_ids), time.perf_counter() - t0
+
+    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                cpu_ids: torch.Tensor) -> CpuMoeFuture:
+        """The pairs ``cpu_ids`` (of ``ids``' shape once viewed; -1: not the CPU's) on the
+        pool, from x and w on any device."""
+        assert self.executor is not None
         if x.is_cuda:  # one transfer (one sync) for both
             both = to_host(torch.cat([x.float(), w.float()], dim=1))
             x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
-        return (self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer),
-                time.perf_counter() - t0)
+        return self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer)
 
     def _collect(self, future: CpuMoeFuture | None, experts: int, x: torch.Tensor,
                  overhead: float, host: HostCopies | None = None,

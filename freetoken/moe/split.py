@@ -345,6 +345,12 @@ class SplitPolicy:
         benched)."""
         return self.held == 1.0
 
+    @property
+    def all_cpu(self) -> bool:
+        """Whether calls put every routed pair on the CPU now, hits too (the wall check's cpu
+        arm, timed or held)."""
+        return self.held == 0.0
+
     def planned(self, misses: int) -> int:
         """The split's fetch count for ``misses`` before any probe (a held share is not
         capped)."""

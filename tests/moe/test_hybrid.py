@@ -513,6 +513,26 @@ def test_hybrid_logits_close_to_resident(tiny_qwen3_moe, q8_gguf, tmp_path, monk
     assert isinstance(layers[0], HybridExperts)
 
 
+def test_the_cpu_arm_runs_every_pair_on_the_pool(q8_gguf, tmp_path, monkeypatch,
+                                                 gather_on_cpu):
+    """The wall check holding its cpu arm: a gathered call puts every routed pair on the CPU
+    pool (hits too, as the cpu strategy does), fetches nothing and publishes an empty slot
+    table; the logits stay resident's."""
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    resident = our_logits(load_ours(q8_gguf), IDS, prefill=1)  # decode calls only
+    model, layers = _hybrid(q8_gguf)
+    check = layers[0].policy.costs.check
+    assert check is not None
+    check.choice, check._wait = "cpu", 10**6  # held, and no check comes during the test
+    assert all(m.policy.all_cpu and not m.policy.all_fetch for m in layers)
+    hybrid = our_logits(model, IDS, prefill=1)
+    torch.testing.assert_close(hybrid, resident, atol=3e-3, rtol=3e-3)
+    assert torch.equal(hybrid.argmax(-1), resident.argmax(-1))
+    stats = offload_stats(model)
+    assert stats is not None
+    assert stats["cpu_experts"] > 0 and stats["bytes_fetched"] == 0 and stats["hits"] == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monkeypatch,
                                                         gather_on_cpu, dtype):

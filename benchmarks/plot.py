@@ -265,4 +265,6 @@ if __name__ == "__main__":
     peer_sitting_plot()
     peer_sitting_plot("99ab718")
     peer_sitting_plot("eca228c")
+    peer_sitting_plot("43d3cf3")
+    peer_sitting_plot("d4e7cd0")
     split_runs_plot()

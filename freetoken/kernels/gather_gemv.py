@@ -76,12 +76,13 @@ def unavailable() -> str | None:
 # q8_0 77 -> 45 us, q4_k/q4_k/q6_k 59 -> 48 us against the first choice (rows 16, warps 4).
 # H100, eca228c (q8_0's products summed after the loop): q8_0 37.0 us at rows 2, step 8,
 # warps 2 (the kernel before it: 46.8). mxfp4, gpt-oss-20b's 4 pairs of 2880 x 2880: 91.9 us
-# at rows 2, step 32, warps 1 (dequantise + matmul 1,912). q5_0 keeps the first choice (not
-# swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
+# at rows 2, step 32, warps 1 (dequantise + matmul 1,912); H100, 43d3cf3's sweep: 85.6 with
+# bits at rows 1 (91.5 at the old choice; q8_0 with bits 42.7 against 38.0, so off). q5_0
+# keeps the first choice (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
 KERNELS: dict[str, FusedKernel] = {
     "q8_0": FusedKernel("q8_0", step=8, rows=2, warps=2),
     "q5_0": FusedKernel("q5_0", step=4),
-    "mxfp4": FusedKernel("mxfp4", step=32, rows=2, warps=1),
+    "mxfp4": FusedKernel("mxfp4", step=32, rows=1, warps=1, bits=True),
     "q4_k": FusedKernel("q4_k", rows=8, warps=2),
     "q5_k": FusedKernel("q5_k", rows=8, warps=2),
     "q6_k": FusedKernel("q6_k", rows=8, warps=2),

@@ -155,7 +155,7 @@ class HybridExperts(OffloadExperts):
         job = None if host is None else self.host_jobs.get(self.executor, host)
         n = self._count(flat, routed)
         if self.policy.all_cpu:
-            return self._plan_all_on_cpu(x, ids, w, flat, pool, job, t0)
+            return self._plan_all_on_cpu(x, ids, w, flat, routed, pool, job, t0)
         cpu_ids = torch.empty_like(flat) if job is None else job.ids
         split = pool.split(self.shape.layer, flat, routed, n, cpu_ids)
         future, overhead = self._share(x, ids, w, split, cpu_ids, job)
@@ -167,8 +167,8 @@ class HybridExperts(OffloadExperts):
         return None
 
     def _plan_all_on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                         flat: torch.Tensor, pool: SlotPool, job: HostJob | None,
-                         t0: float) -> None:
+                         flat: torch.Tensor, routed: Routed, pool: SlotPool,
+                         job: HostJob | None, t0: float) -> None:
         """The wall check's cpu arm (held or timed) in a gathered call: every routed pair on
         the pool, hits too, as the cpu strategy runs a layer: no split, no copies, an empty
         slot table (the device's share is nothing). The call's times still reach the
@@ -180,8 +180,7 @@ class HybridExperts(OffloadExperts):
             future = job.submit(all_pairs=True)
         else:
             future = self._submit(x, ids, w, flat)
-        experts = int(flat.unique().numel())
-        self.calls.pending = _Pending(x, 0, 0, experts, None, future,
+        self.calls.pending = _Pending(x, 0, 0, routed.needed.size, None, future,
                                       time.perf_counter() - t_submit, job and job.host,
                                       time.perf_counter() - t0)
 

@@ -7,7 +7,8 @@ memcpys; on a GPU they are queued, not waited for), the hybrid split is held at
 its own process; the figure is the best of five rounds of ``--calls`` calls per layer, for the
 plan and for the late step after the device's share (hybrid: the CPU share collected). With
 ``--lookahead on`` each layer also prefetches for the next one, from router picks given with
-its copies (a decode graph's piece makes them on the device).
+its copies (a decode graph's piece makes them on the device). Strategy ``hybrid-cpuarm`` holds
+the wall check's cpu arm instead of a split (every routed pair on the pool, no routing).
 
     python benchmarks/plan_host.py --model q3-4layers.gguf --strategies hybrid,offload
 """
@@ -43,14 +44,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from freetoken.moe.split import SplitPolicy
 
     cfg = EngineConfig(model=args.model, device="cpu", dtype="bfloat16",
-                       moe_strategy=args.strategy, max_seq_len=256, cuda_graph_max_bs=0,
+                       moe_strategy=args.strategy.split("-")[0], max_seq_len=256,
+                       cuda_graph_max_bs=0,
                        moe_cpu_threads=1, moe_lookahead=args.lookahead,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)))
     engine = Engine(cfg)
     RowCopier.copy = lambda self, *a, **k: None  # type: ignore[method-assign]
     layers = [m for m in engine.model.modules() if isinstance(m, OffloadExperts)]
     for m in layers:
-        if isinstance(m, HybridExperts):
+        check = m.policy.costs.check if isinstance(m, HybridExperts) else None
+        if args.strategy == "hybrid-cpuarm" and check is not None:
+            check.choice, check._wait = "cpu", 10**9  # held, no check comes
+        elif isinstance(m, HybridExperts):
             m.policy = SplitPolicy(args.fetch_fraction, None, online=False)
     shape = layers[0].shape
     g = torch.Generator().manual_seed(0)
@@ -96,7 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="an MoE GGUF (ft synth --layers 4)")
-    p.add_argument("--strategies", default="hybrid,offload")
+    p.add_argument("--strategies", default="hybrid,offload",
+                   help="of hybrid, hybrid-cpuarm, offload")
     p.add_argument("--slots", default="python,native", help="FREETOKEN_EXPERT_SLOTS values")
     p.add_argument("--calls", type=int, default=200, help="calls per layer in each round")
     p.add_argument("--moe-cache-mem", default="500MB")

@@ -61,13 +61,14 @@ class _Pending:
 class _Calls:
     """A layer's state between its calls: the last call's times for the policy, the planned
     call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA), the
-    CPU share's timed jobs."""
+    CPU share's timed jobs, whether the slot table on the device is empty."""
 
     def __init__(self) -> None:
         self.last: tuple[int, float, int, Span | None, float] | None = None
         self.pending: _Pending | None = None
         self.staged: torch.Tensor | None = None
         self.jobs = JobLog()  # the CPU share's jobs, with the pool's timing on
+        self.table_empty = False  # the device's slot table was last published empty
 
 
 class HybridExperts(OffloadExperts):
@@ -142,6 +143,15 @@ class HybridExperts(OffloadExperts):
                                "attach() gave them the CPU pool")
         return super()._runtime()
 
+    def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+              host: HostCopies | None = None) -> torch.Tensor | None:
+        """Offload's plan with the CPU's share (:meth:`_plan_misses`), or, while the wall
+        check runs or holds its cpu arm, :meth:`_plan_all_on_cpu` without routing."""
+        self.policy.start(x.shape[0])
+        if self.policy.all_cpu:
+            return self._plan_all_on_cpu(x, ids, w, host)
+        return super()._plan(x, ids, w, host)
+
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                      flat: torch.Tensor, pool: SlotPool, routed: Routed,
                      host: HostCopies | None,
@@ -154,35 +164,41 @@ class HybridExperts(OffloadExperts):
         assert self.executor is not None
         job = None if host is None else self.host_jobs.get(self.executor, host)
         n = self._count(flat, routed)
-        if self.policy.all_cpu:
-            return self._plan_all_on_cpu(x, ids, w, flat, routed, pool, job, t0)
         cpu_ids = torch.empty_like(flat) if job is None else job.ids
         split = pool.split(self.shape.layer, flat, routed, n, cpu_ids)
         future, overhead = self._share(x, ids, w, split, cpu_ids, job)
         fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
+        self.calls.table_empty = False
         self._prefetch(x, routed, split, host)
         self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
                                       future, overhead, host, time.perf_counter() - t0)
         return None
 
     def _plan_all_on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                         flat: torch.Tensor, routed: Routed, pool: SlotPool,
-                         job: HostJob | None, t0: float) -> None:
-        """The wall check's cpu arm (held or timed) in a gathered call: every routed pair on
-        the pool, hits too, as the cpu strategy runs a layer: no split, no copies, an empty
-        slot table (the device's share is nothing). The call's times still reach the
-        policy (its model keeps learning the CPU's cost)."""
-        assert self.executor is not None
-        pool.publish(self.shape.layer, empty=True)
-        t_submit = time.perf_counter()
-        if job is not None:
-            future = job.submit(all_pairs=True)
+                         host: HostCopies | None) -> None:
+        """The wall check's cpu arm (timed or held) in a gathered call: every routed pair on
+        the pool, hits too, as the cpu strategy runs a layer: no routing through the cache,
+        no split, no copies, an empty slot table (the device's share is nothing). Its times
+        do not reach the split's model (its jobs are not the split's)."""
+        assert self.executor is not None and self.runtime is not None
+        t0 = time.perf_counter()
+        self.calls.last = None
+        came = self.incoming  # nothing the layer before fetched is read
+        came.predicted, came.prefetched, came.arrived = None, set(), 0
+        if not self.calls.table_empty:  # an empty table stays so until a split publishes
+            layer = self.shape.layer
+            self.runtime.cache.pool(layer).publish(layer, empty=True)
+            self.calls.table_empty = True
+        if host is not None:
+            future = self.host_jobs.get(self.executor, host).submit(all_pairs=True)
+            flat = host.ids
         else:
+            flat = (to_host(ids.reshape(-1)) if ids.is_cuda else ids.reshape(-1)).long()
             future = self._submit(x, ids, w, flat)
-        self.calls.pending = _Pending(x, 0, 0, routed.needed.size, None, future,
-                                      time.perf_counter() - t_submit, job and job.host,
-                                      time.perf_counter() - t0)
+        experts = flat.numel() if x.shape[0] == 1 else len(set(flat.reshape(-1).tolist()))
+        self.calls.pending = _Pending(x, 0, 0, experts, None, future,
+                                      time.perf_counter() - t0, host, time.perf_counter() - t0)
 
     def _finish(self) -> torch.Tensor | None:
         """The CPU's result of the last plan on the device (between graph pieces: in
@@ -203,6 +219,7 @@ class HybridExperts(OffloadExperts):
         rt = self.runtime
         assert rt is not None
         cpu_ids = torch.empty_like(flat)
+        self.policy.start(x.shape[0])
         split = self._split(pool, flat, routed, cpu_ids)
         future, overhead = self._share(x, topk_ids, topk_weights, split, cpu_ids)
         fetch = self._fetch(pool, split)
@@ -225,13 +242,13 @@ class HybridExperts(OffloadExperts):
         return pool.split(self.shape.layer, flat, routed, n, cpu_ids)
 
     def _count(self, flat: torch.Tensor, routed: Routed) -> int:
-        """The policy's count of misses to fetch for this call. The last call's times reach
-        the policy first (n_fetch's probe flag is this call's)."""
+        """The policy's count of misses to fetch for the call it started. The last call's
+        times reach the policy first (the probe flag is this call's)."""
         self._observe_last()
         misses, arrived = routed.misses, self.incoming.arrived
         # experts look-ahead fetched count as fetched: the split is over the misses there
         # would have been without it
-        n = self.policy.n_fetch(misses + arrived, flat.numel() // self.shape.top_k) - arrived
+        n = self.policy.count(misses + arrived) - arrived
         if self.policy.probing == "pcie":  # a probe still times one fetch
             n = max(n, 1)
         return max(0, min(n, misses))

@@ -360,11 +360,21 @@ class SplitPolicy:
         n = misses if self.fraction is None else round(self.fraction * misses)
         return n if self.max_fetch is None else min(n, self.max_fetch)
 
-    def n_fetch(self, misses: int, rows: int = 1) -> int:
-        """Misses to fetch of a call's ``misses`` (``rows`` token rows)."""
-        self.probing = ""
+    def start(self, rows: int) -> None:
+        """A call of ``rows`` token rows starts: the kind's wall check counts it (before the
+        call reads :attr:`held`, which the check may change)."""
         if self.online and self.costs.check is not None:
             self.costs.check.tick(rows)
+
+    def n_fetch(self, misses: int, rows: int = 1) -> int:
+        """Misses to fetch of a call's ``misses`` (``rows`` token rows): :meth:`start` and
+        :meth:`count`."""
+        self.start(rows)
+        return self.count(misses)
+
+    def count(self, misses: int) -> int:
+        """Misses to fetch of the call :meth:`start` began."""
+        self.probing = ""
         n = self.planned(misses)
         if self.held is not None:  # the wall check's share: both sides are timed by it
             return n

@@ -583,10 +583,10 @@ def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatc
     layer = _hybrid(q8_gguf)[1][0]
     policy = layer.policy = SplitPolicy(1.0, None, online=True)
     made, seen = [], []
-    n_fetch, observe = policy.n_fetch, policy.observe
+    count, observe = policy.count, policy.observe
 
-    def counting(misses: int, rows: int = 1) -> int:
-        n = n_fetch(misses, rows)
+    def counting(misses: int) -> int:
+        n = count(misses)
         made.append(policy.probing)
         return n
 
@@ -594,7 +594,7 @@ def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatc
         seen.append(policy.probing)
         observe(*args, **kwargs)
 
-    monkeypatch.setattr(policy, "n_fetch", counting)
+    monkeypatch.setattr(policy, "count", counting)
     monkeypatch.setattr(policy, "observe", watching)
     g = torch.Generator().manual_seed(2)
     for _ in range(40):

@@ -29,7 +29,8 @@ PROBE_CALLS = 2
 # the wall check, in decode calls of each layer (tokens at batch 1): the first after
 # CHECK_FIRST, each arm CHECK_SETTLE untimed then CHECK_ARM timed, the wait doubling up to
 # CHECK_LONGEST; another arm must be CHECK_MARGIN faster than the held one to replace it, and
-# an arm CHECK_DROP slower than the chosen one sits the next check out. The untimed start
+# an arm CHECK_DROP slower than the chosen one sits the next check out, twice as many each
+# time it loses again, up to CHECK_SITOUT. The untimed start
 # keeps the switch's own cost out of the arm (the pool waking after an all-fetch arm, the
 # look-ahead's slots picked for the other arm)
 CHECK_FIRST = 16
@@ -38,6 +39,7 @@ CHECK_ARM = 8
 CHECK_LONGEST = 1024
 CHECK_MARGIN = 0.03
 CHECK_DROP = 0.2
+CHECK_SITOUT = 8
 DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
 IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
 
@@ -61,7 +63,9 @@ class WallCheck:
     An arm CHECK_MARGIN faster than the held one is held instead: the calls until the next
     check use its share (all-fetch benches the CPU: no share, no probes), while the model
     keeps learning from them; either way the wait doubles, and an arm CHECK_DROP slower than
-    the chosen one sits the next check out (the model's split never does). The model's costs
+    the chosen one sits the next check out, twice as many each time it loses again (the
+    model's split never does: on a box where an arm never pays, it costs one check in
+    CHECK_SITOUT + 1 once the waits are long). The model's costs
     are measured per half (the pool's time on a job, the copies'), which can miss what the
     step pays (on an H100 box its early split took 740 us a layer call where the profile's
     took 440); the wall does not. What would time something else is left out: a prompt's
@@ -83,7 +87,8 @@ class WallCheck:
     _last: float = 0.0  # when the last call started
     _rows: int = 0  # the batch rows the check's arms time
     _arms: tuple[str, ...] = ()  # this check's arms
-    _out: frozenset[str] = frozenset()  # arms that sit the next check out
+    _sitout: dict[str, int] = field(default_factory=dict)  # checks an arm still sits out
+    _lost: dict[str, int] = field(default_factory=dict)  # an arm's losses in a row
     _seconds: dict[str, float] = field(default_factory=dict)  # this check's arms so far
     verdicts: list[Verdict] = field(default_factory=list)  # the last 16 checks
 
@@ -127,8 +132,7 @@ class WallCheck:
         self._calls += 1
         if self.phase == "wait":
             if self._calls > self._wait * self.layers:  # this call starts the first arm
-                self._arms = tuple(a for a in self.arms if a not in self._out
-                                   or a in ("split", self.choice))
+                self._arms = tuple(a for a in self.arms if not self._sits(a))
                 self._start(self._arms[0], now)
                 self._rows, self._seconds = rows, {}
             return
@@ -147,6 +151,14 @@ class WallCheck:
         self._judge(self._seconds)
         self.phase, self._calls = "wait", 1
 
+    def _sits(self, arm: str) -> bool:
+        """Whether ``arm`` sits this check out (counting it off)."""
+        left = self._sitout.get(arm, 0)
+        if left == 0 or arm in ("split", self.choice):
+            return False
+        self._sitout[arm] = left - 1
+        return True
+
     def _start(self, arm: str, now: float) -> None:
         self.phase, self._calls, self._t0, self._settling = arm, 0, now, True
 
@@ -160,8 +172,10 @@ class WallCheck:
                      ", ".join(f"{arm} {1e6 * t:.0f}" for arm, t in seconds.items()),
                      min(2 * self._wait, CHECK_LONGEST))
         self.choice = choice
-        self._out = frozenset(a for a, t in seconds.items()
-                              if t > (1 + CHECK_DROP) * seconds[choice])
+        for arm, t in seconds.items():
+            lost = self._lost[arm] = (self._lost.get(arm, 0) + 1
+                                      if t > (1 + CHECK_DROP) * seconds[choice] else 0)
+            self._sitout[arm] = min(2 ** (lost - 1), CHECK_SITOUT) if lost else 0
         self.verdicts = [*self.verdicts[-15:], Verdict(dict(seconds), choice)]
         self._wait = min(2 * self._wait, CHECK_LONGEST)
 

@@ -312,6 +312,16 @@ def test_every_miss_on_the_cpu_is_held_where_that_is_fastest():
     assert set(check.verdicts[1].seconds) == {"split", "cpu"} and check.fraction == 0.0
 
 
+def test_an_arm_that_keeps_losing_sits_out_twice_as_many_checks():
+    """All on the CPU twice as slow as the model's split (a small box): it is timed at the
+    first check, then sits out one check, then two, then four, so on a box where it never
+    pays it costs ever fewer checks."""
+    _, check, _ = _checked_run(4, 1200, split_s=85e-6, fetch_s=100e-6)
+    ran = ["cpu" in v.seconds for v in check.verdicts]
+    assert ran == [True, False, True, False, False, True]
+    assert check.choice == "split"
+
+
 def test_the_switch_between_arms_is_not_timed():
     """The first call of a layer after a switch costs a millisecond (the pool woken after the
     all-fetch arm, slots picked for the other arm): over one 8-token arm that would make a

@@ -5,8 +5,8 @@ and of the layer's kind, not of the layer: hybrid layers of one kind share one
 :class:`SplitCosts`, so each call's times refine the costs every such layer splits by, and an
 idle side is probed once for all of them. A model can miss what a CPU share costs the step
 (the engine thread's time in the pool's job, the link shared with look-ahead, memory both sides
-read), so a :class:`WallCheck` now and then times the decode steps at a few fetched shares (all, the
-model's, none, the profile's) and holds the fastest until the next check.
+read), so a :class:`WallCheck` now and then times the decode steps at a few fetched shares
+(all, the model's, none, the profile's) and holds the fastest until the next check.
 
 Threads: the engine's main thread only (one policy per hybrid layer, one cost model per kind).
 """
@@ -30,9 +30,9 @@ PROBE_CALLS = 2
 # CHECK_FIRST, each arm CHECK_SETTLE untimed then CHECK_ARM timed, the wait doubling up to
 # CHECK_LONGEST; another arm must be CHECK_MARGIN faster than the held one to replace it, and
 # an arm CHECK_DROP slower than the chosen one sits the next check out, twice as many each
-# time it loses again, up to CHECK_SITOUT. The untimed start
-# keeps the switch's own cost out of the arm (the pool waking after an all-fetch arm, the
-# look-ahead's slots picked for the other arm)
+# time it loses again, up to CHECK_SITOUT. The untimed start keeps the switch's own cost out
+# of the arm (the pool waking after an all-fetch arm, the look-ahead's slots picked for the
+# other arm)
 CHECK_FIRST = 16
 CHECK_SETTLE = 2
 CHECK_ARM = 8
@@ -55,19 +55,18 @@ class Verdict:
 @dataclass
 class WallCheck:
     """The split judged by the steps it makes. Its arms are fetched shares: ``fetch`` (every
-    miss fetched), ``split`` (the online model's own), ``cpu`` (none: every miss on the CPU)
-    and, where the bandwidth profile gave the kind a split (:meth:`use_profile`), ``profile``
+    miss fetched), ``split`` (the online model's own), ``cpu`` (none: in a gathered call every
+    routed pair on the CPU, hits too, as the cpu strategy runs a layer) and, where the bandwidth profile gave the kind a split (:meth:`use_profile`), ``profile``
     (that share, fixed; held from the start). After ``wait`` decode calls of each of the
     kind's ``layers``, each arm runs CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed
     by the wall between calls (a call's whole cycle: the GPU, the link, the CPU, the host).
     An arm CHECK_MARGIN faster than the held one is held instead: the calls until the next
     check use its share (all-fetch benches the CPU: no share, no probes), while the model
-    keeps learning from them; either way the wait doubles, and an arm CHECK_DROP slower than
-    the chosen one sits the next check out, twice as many each time it loses again (the
-    model's split never does: on a box where an arm never pays, it costs one check in
-    CHECK_SITOUT + 1 once the waits are long). The model's costs
-    are measured per half (the pool's time on a job, the copies'), which can miss what the
-    step pays (on an H100 box its early split took 740 us a layer call where the profile's
+    keeps learning from the split's calls; either way the wait doubles, and an arm
+    CHECK_DROP slower than the chosen one sits the next check out, twice as many each time
+    it loses again (the model's split never does: on a box where an arm never pays, it costs
+    one check in CHECK_SITOUT + 1 once the waits are long). The model's costs are measured
+    per half (the pool's time on a job, the copies'), which can miss what the step pays (on an H100 box its early split took 740 us a layer call where the profile's
     took 440); the wall does not. What would time something else is left out: a prompt's
     call or an idle gap (no request: IDLE_GAP times the arm's mean call) restarts the arm it
     falls in, and a change of batch rows the whole check, so that every arm times the same

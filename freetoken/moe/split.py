@@ -54,23 +54,24 @@ class Verdict:
 
 @dataclass
 class WallCheck:
-    """The split judged by the steps it makes. Its arms are fetched shares: ``fetch`` (every
-    miss fetched), ``split`` (the online model's own), ``cpu`` (none: in a gathered call every
-    routed pair on the CPU, hits too, as the cpu strategy runs a layer) and, where the bandwidth profile gave the kind a split (:meth:`use_profile`), ``profile``
-    (that share, fixed; held from the start). After ``wait`` decode calls of each of the
-    kind's ``layers``, each arm runs CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed
-    by the wall between calls (a call's whole cycle: the GPU, the link, the CPU, the host).
-    An arm CHECK_MARGIN faster than the held one is held instead: the calls until the next
-    check use its share (all-fetch benches the CPU: no share, no probes), while the model
-    keeps learning from the split's calls; either way the wait doubles, and an arm
-    CHECK_DROP slower than the chosen one sits the next check out, twice as many each time
-    it loses again (the model's split never does: on a box where an arm never pays, it costs
-    one check in CHECK_SITOUT + 1 once the waits are long). The model's costs are measured
-    per half (the pool's time on a job, the copies'), which can miss what the step pays (on an H100 box its early split took 740 us a layer call where the profile's
-    took 440); the wall does not. What would time something else is left out: a prompt's
-    call or an idle gap (no request: IDLE_GAP times the arm's mean call) restarts the arm it
-    falls in, and a change of batch rows the whole check, so that every arm times the same
-    batch. ``clock`` is for tests."""
+    """The split judged by the steps it makes. Its arms are fetched shares: ``fetch`` (every miss
+    fetched), ``split`` (the online model's own), ``cpu`` (none: in a gathered call every routed
+    pair on the CPU, hits too, as the cpu strategy runs a layer) and, where the bandwidth
+    profile gave the kind a split (:meth:`use_profile`), ``profile`` (that share, fixed; held
+    from the start). After ``wait`` decode calls of each of the kind's ``layers``, each arm runs
+    CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed by the wall between calls (a call's
+    whole cycle: the GPU, the link, the CPU, the host). An arm CHECK_MARGIN faster than the held
+    one is held instead: the calls until the next check use its share (all-fetch benches the
+    CPU: no share, no probes), while the model keeps learning from the split's calls; either way
+    the wait doubles, and an arm CHECK_DROP slower than the chosen one sits the next check out,
+    twice as many each time it loses again (the model's split never does: on a box where an arm
+    never pays, it costs one check in CHECK_SITOUT + 1 once the waits are long). The model's
+    costs are measured per half (the pool's time on a job, the copies'), which can miss what the
+    step pays (on an H100 box its early split took 740 us a layer call where the profile's took
+    440); the wall does not. What would time something else is left out: a prompt's call or an
+    idle gap (no request: IDLE_GAP times the arm's mean call) restarts the arm it falls in, and
+    a change of batch rows the whole check, so that every arm times the same batch. ``clock`` is
+    for tests."""
 
     name: str = ""
     layers: int = 1

@@ -583,6 +583,41 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
         assert stats["cpu_experts"] > 0 and stats["misses"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_arm_between_graph_pieces_equals_its_eager_call(q8_gguf, tmp_path, monkeypatch,
+                                                               gather_on_cpu, dtype):
+    """Held on the wall check's cpu arm, a plan between graph pieces submits every routed pair
+    from the host copies: the pool's result is the eager call's to the bit, the device's share
+    (an empty slot table) is zero, and nothing is fetched or counted a hit."""
+    from freetoken.moe.pieces import HostCopies
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
+    for m in layers:
+        check = m.policy.costs.check
+        assert check is not None
+        check.choice, check._wait = "cpu", 10**6  # held, and no check comes during the test
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(1, layers[0].shape.hidden, generator=g).to(dtype).float()
+        ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
+        w = torch.rand(1, 2, generator=g).to(dtype).float()
+        assert layers[0]._plan(x, ids, w) is None
+        eager = layers[0]._finish()
+        host = HostCopies(x.to(dtype), ids.clone(), w.to(dtype),
+                          torch.full(x.shape, float("nan")))
+        nan = float("nan")  # what the plan reads must be the host copies
+        assert layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan),
+                               host) is None
+        planned = layers[1]._finish()
+        assert planned is host.cpu_out and eager is not None
+        torch.testing.assert_close(planned, eager, rtol=0, atol=0)
+        assert not layers[1]._from_table(x, ids, w).any()
+    for m in layers:
+        stats = m.runtime.stats.snapshot()
+        assert stats["cpu_experts"] == 8 and stats["hits"] == 0 and stats["bytes_fetched"] == 0
+
+
 def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatch,
                                                    gather_on_cpu):
     """The policy learns whether the call it observes was a probe (to back off while probes

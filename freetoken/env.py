@@ -95,9 +95,9 @@ def gemv_launch() -> str:
 
 
 def wall_check() -> str:
-    """FREETOKEN_WALL_CHECK: whether an online hybrid split is checked against all-fetch by
-    the decode steps' own wall time (``moe/split.py WallCheck``): ``on`` (default) or ``off``
-    (the online cost model alone decides the split)."""
+    """FREETOKEN_WALL_CHECK: whether an online hybrid split is checked against other fetched
+    shares by the decode steps' own wall time (``moe/wall_check.py``): ``on`` (default) or
+    ``off`` (the online cost model alone decides the split)."""
     value = os.environ.get("FREETOKEN_WALL_CHECK", "on").strip().lower() or "on"
     if value not in ("on", "off"):
         from freetoken.errors import ConfigError

@@ -35,9 +35,10 @@ from freetoken.moe.layer_kind import LayerKind, cpu_format, kind_words
 from freetoken.moe.offload import OffloadExperts, slot_of
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
-from freetoken.moe.split import SplitCosts, SplitPolicy, WallCheck
+from freetoken.moe.split import SplitCosts, SplitPolicy
 from freetoken.moe.stats import Span
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Needs, Shared
+from freetoken.moe.wall_check import WallCheck
 from freetoken.quant import QuantTensor, get_format
 
 log = logging.getLogger(__name__)

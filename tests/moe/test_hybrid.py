@@ -17,16 +17,18 @@ from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.profile import VERSION, Row, save_rows
 from freetoken.moe.split import (
-    CHECK_ARM,
-    CHECK_FIRST,
-    CHECK_LONGEST,
-    CHECK_SETTLE,
-    DECODE_ROWS,
     PROBE_CALLS,
     PROBE_FIRST,
     REMEASURE_EVERY,
     SplitCosts,
     SplitPolicy,
+)
+from freetoken.moe.wall_check import (
+    CHECK_ARM,
+    CHECK_FIRST,
+    CHECK_LONGEST,
+    CHECK_SETTLE,
+    DECODE_ROWS,
     WallCheck,
 )
 from tests.models.helpers import load_ours, our_logits
@@ -533,7 +535,7 @@ def test_the_cpu_arm_runs_every_pair_on_the_pool(q8_gguf, tmp_path, monkeypatch,
     model, layers = _hybrid(q8_gguf)
     check = layers[0].policy.costs.check
     assert check is not None
-    check.choice, check._wait = "cpu", 10**6  # held, and no check comes during the test
+    check.hold("cpu")
     assert all(m.policy.all_cpu and not m.policy.all_fetch for m in layers)
     hybrid = our_logits(model, IDS, prefill=1)
     torch.testing.assert_close(hybrid, resident, atol=3e-3, rtol=3e-3)
@@ -543,6 +545,27 @@ def test_the_cpu_arm_runs_every_pair_on_the_pool(q8_gguf, tmp_path, monkeypatch,
     assert stats["cpu_experts"] > 0 and stats["bytes_fetched"] == 0 and stats["hits"] == 0
 
 
+def _eager_and_between_pieces(layers: list[HybridExperts], g: torch.Generator,
+                              dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One call of 2 experts planned eagerly on ``layers[0]`` and between graph pieces on
+    ``layers[1]`` (from host copies of ``dtype``; its own inputs NaN, so it must read the
+    copies): (x, ids, w, the eager CPU result, the piece's, the host copies' cpu_out)."""
+    from freetoken.moe.pieces import HostCopies
+
+    # 2 experts: within 3 slots; values the host copies' dtype holds exactly
+    x = torch.randn(1, layers[0].shape.hidden, generator=g).to(dtype).float()
+    ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
+    w = torch.rand(1, 2, generator=g).to(dtype).float()
+    assert layers[0]._plan(x, ids, w) is None  # the CPU's share is left running
+    eager = layers[0]._finish()
+    host = HostCopies(x.to(dtype), ids.clone(), w.to(dtype), torch.full(x.shape, float("nan")))
+    nan = float("nan")
+    assert layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan), host) is None
+    planned = layers[1]._finish()
+    assert layers[1]._finish() is None  # collected once
+    return x, ids, w, eager, planned, host.cpu_out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monkeypatch,
                                                         gather_on_cpu, dtype):
@@ -550,32 +573,17 @@ def test_plan_between_graph_pieces_equals_the_eager_plan(q8_gguf, tmp_path, monk
     CPU's job, checked once per set of copies, reads them as float32) and the CPU pool writes
     its share into the pinned buffer the next piece copies in: the same numbers as the eager
     plan, with the same fetches."""
-    from freetoken.moe.pieces import HostCopies
-    from freetoken.moe.split import SplitPolicy
-
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
     for m in layers:
         m.policy = SplitPolicy(0.5, None, online=False)
     g = torch.Generator().manual_seed(1)
     for _ in range(6):  # evictions and CPU shares all along
-        # 2 experts: within 3 slots; values the host copies' dtype holds exactly
-        x = torch.randn(1, layers[0].shape.hidden, generator=g).to(dtype).float()
-        ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
-        w = torch.rand(1, 2, generator=g).to(dtype).float()
-        assert layers[0]._plan(x, ids, w) is None  # the CPU's share is left running
-        eager = layers[0]._finish()
-        host = HostCopies(x.to(dtype), ids.clone(), w.to(dtype),
-                          torch.full(x.shape, float("nan")))
-        nan = float("nan")  # what the plan reads must be the host copies
-        assert layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan),
-                               host) is None
-        planned = layers[1]._finish()
-        assert layers[1]._finish() is None  # collected once
+        x, ids, w, eager, planned, cpu_out = _eager_and_between_pieces(layers, g, dtype)
         if eager is None:
             assert planned is None
             continue
-        assert planned is host.cpu_out
+        assert planned is cpu_out
         torch.testing.assert_close(planned, eager, rtol=0, atol=0)
         assert torch.equal(layers[1]._from_table(x, ids, w), layers[0]._from_table(x, ids, w))
     for m in layers:
@@ -589,28 +597,16 @@ def test_the_cpu_arm_between_graph_pieces_equals_its_eager_call(q8_gguf, tmp_pat
     """Held on the wall check's cpu arm, a plan between graph pieces submits every routed pair
     from the host copies: the pool's result is the eager call's to the bit, the device's share
     (an empty slot table) is zero, and nothing is fetched or counted a hit."""
-    from freetoken.moe.pieces import HostCopies
-
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
     for m in layers:
         check = m.policy.costs.check
         assert check is not None
-        check.choice, check._wait = "cpu", 10**6  # held, and no check comes during the test
+        check.hold("cpu")
     g = torch.Generator().manual_seed(3)
     for _ in range(4):
-        x = torch.randn(1, layers[0].shape.hidden, generator=g).to(dtype).float()
-        ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
-        w = torch.rand(1, 2, generator=g).to(dtype).float()
-        assert layers[0]._plan(x, ids, w) is None
-        eager = layers[0]._finish()
-        host = HostCopies(x.to(dtype), ids.clone(), w.to(dtype),
-                          torch.full(x.shape, float("nan")))
-        nan = float("nan")  # what the plan reads must be the host copies
-        assert layers[1]._plan(torch.full_like(x, nan), ids, torch.full_like(w, nan),
-                               host) is None
-        planned = layers[1]._finish()
-        assert planned is host.cpu_out and eager is not None
+        x, ids, w, eager, planned, cpu_out = _eager_and_between_pieces(layers, g, dtype)
+        assert planned is cpu_out and eager is not None
         torch.testing.assert_close(planned, eager, rtol=0, atol=0)
         assert not layers[1]._from_table(x, ids, w).any()
     for m in layers:

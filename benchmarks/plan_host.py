@@ -39,6 +39,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from freetoken.engine.engine import Engine
     from freetoken.engine.resolve import parse_bytes
     from freetoken.moe.hybrid import HybridExperts
+    from freetoken.moe.layer_call import LayerCall
     from freetoken.moe.offload import OffloadExperts
     from freetoken.moe.pieces import HostCopies
     from freetoken.moe.split import SplitPolicy
@@ -50,6 +51,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)))
     engine = Engine(cfg)
     RowCopier.copy = lambda self, *a, **k: None  # type: ignore[method-assign]
+    made = LayerCall.__init__
+
+    def without_copies(self: LayerCall, *a: Any, **k: Any) -> None:
+        made(self, *a, **k)
+        self.c.copy.row_bytes = 0  # the library's plan copies no bytes either
+
+    LayerCall.__init__ = without_copies  # type: ignore[method-assign]
     layers = [m for m in engine.model.modules() if isinstance(m, OffloadExperts)]
     for m in layers:
         check = m.policy.costs.check if isinstance(m, HybridExperts) else None
@@ -92,6 +100,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rounds(50)  # warm-up: the first calls fill the cache and make the CPU jobs
     best, late = min(rounds(args.calls) for _ in range(5))
     return {"strategy": args.strategy, "slots": os.environ.get("FREETOKEN_EXPERT_SLOTS"),
+            "layer_call": os.environ.get("FREETOKEN_LAYER_CALL"),
             "pool": type(layers[0].runtime.cache.pool(shape.layer)).__name__,
             "us_per_layer_call": 1e6 * best / (args.calls * len(layers)),
             "late_us_per_layer_call": 1e6 * late / (args.calls * len(layers))}
@@ -104,6 +113,8 @@ def main() -> None:
     p.add_argument("--strategies", default="hybrid,offload",
                    help="of hybrid, hybrid-cpuarm, offload")
     p.add_argument("--slots", default="python,native", help="FREETOKEN_EXPERT_SLOTS values")
+    p.add_argument("--layer-calls", default="native,python",
+                   help="FREETOKEN_LAYER_CALL values, each run with the library's slots")
     p.add_argument("--calls", type=int, default=200, help="calls per layer in each round")
     p.add_argument("--moe-cache-mem", default="500MB")
     p.add_argument("--fetch-fraction", type=float, default=0.5)
@@ -122,13 +133,16 @@ def main() -> None:
         print(json.dumps(measure(args)))
         return
     rows = []
+    runs = [(slots, call) for slots in args.slots.split(",")
+            for call in (args.layer_calls.split(",") if slots == "native" else ["python"])]
     for strategy in args.strategies.split(","):
-        for slots in args.slots.split(","):
+        for slots, call in runs:
             cmd = [sys.executable, __file__, "--one", "--model", args.model, "--strategy",
                    strategy, "--calls", str(args.calls), "--moe-cache-mem", args.moe_cache_mem,
                    "--fetch-fraction", str(args.fetch_fraction), "--lookahead", args.lookahead,
                    "--host-dtype", args.host_dtype]
-            env = os.environ | {"FREETOKEN_EXPERT_SLOTS": slots, "FREETOKEN_LOG_LEVEL": "error"}
+            env = os.environ | {"FREETOKEN_EXPERT_SLOTS": slots, "FREETOKEN_LAYER_CALL": call,
+                                "FREETOKEN_LOG_LEVEL": "error"}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)

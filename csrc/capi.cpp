@@ -11,6 +11,7 @@
 #include "expert_op.h"
 #include "expert_slots.h"
 #include "host_node.h"
+#include "layer_call.h"
 #include "panels.h"
 #include "row_copy.h"
 
@@ -110,6 +111,8 @@ FT_API int64_t ft_struct_size(const char* name) {
   if (n == "RowCopy") return sizeof(ft::RowCopy);
   if (n == "HostNodeStep") return sizeof(ft::HostNodeStep);
   if (n == "HostNodeJob") return sizeof(ft::HostNodeJob);
+  if (n == "FetchRule") return sizeof(ft::FetchRule);
+  if (n == "LayerCall") return sizeof(ft::LayerCall);
   return -1;
 }
 
@@ -378,6 +381,15 @@ FT_API void ft_slots_state(void* h, int64_t* order, int64_t* owner_layer,
                            int64_t* owner_expert) {
   ((ft::SlotLru*)h)->order(order);
   ((ft::SlotLru*)h)->owners(owner_layer, owner_expert);
+}
+
+// An offloaded layer's decode call planned in one call (layer_call.h): 0, 1 (it streams) or
+// a negative error.
+FT_API int ft_plan_layer_call(ft::LayerCall* c) { return ft::plan_layer_call(c); }
+
+// How many of m misses a fetch rule fetches, and which probe it made (layer_call.h).
+FT_API int ft_fetch_count(const ft::FetchRule* r, int m, int* probing) {
+  return ft::fetch_count(*r, m, probing);
 }
 
 // Expert rows into cache slots in one call (row_copy.h): 0, or the CUDA driver's error.

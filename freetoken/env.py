@@ -39,6 +39,20 @@ ROW_COPIES = ("native", "torch")
 EXPERT_SLOTS = ("native", "python")
 
 
+def layer_call() -> str:
+    """FREETOKEN_LAYER_CALL: who plans an offloaded layer's decode call between graph pieces
+    (route, split, the CPU's job, the copies, the slot table): ``native`` (default, one
+    library call, where the library makes the slot decisions) or ``python`` (the slow twin:
+    a call into the library per step)."""
+    value = os.environ.get("FREETOKEN_LAYER_CALL", "native").strip().lower() or "native"
+    if value not in EXPERT_SLOTS:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_LAYER_CALL={value!r} is not one of "
+                          f"{', '.join(EXPERT_SLOTS)}; unset it for native")
+    return value
+
+
 def expert_slots() -> str:
     """FREETOKEN_EXPERT_SLOTS: who makes the expert cache's slot decisions (LRU, hits and
     misses, the hybrid split's fetched and CPU experts): ``native`` (default, the library,

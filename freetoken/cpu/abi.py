@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 12  # csrc/common.h ABI_VERSION
+ABI_VERSION = 13  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")
@@ -117,8 +117,43 @@ class HostNodeJob(c.Structure):
     ]
 
 
+class FetchRule(c.Structure):
+    """csrc/layer_call.h FetchRule: how many of a call's misses to fetch (the split policy's
+    count)."""
+
+    _fields_ = [
+        ("held", c.c_int32), ("online", c.c_int32), ("pcie_due", c.c_int32),
+        ("cpu_due", c.c_int32), ("share", c.c_double), ("probe_share", c.c_double),
+        ("max_fetch", c.c_int32), ("arrived", c.c_int32),
+    ]
+
+
+PROBINGS = ("", "pcie", "cpu")  # csrc/layer_call.h Probing, by value
+
+
+class LayerCall(c.Structure):
+    """csrc/layer_call.h LayerCall: an offloaded layer's decode call, planned in one call."""
+
+    _fields_ = [
+        ("slots", c.c_void_p), ("executor", c.c_void_p), ("api", c.POINTER(RowCopyApi)),
+        ("copy", RowCopy), ("ids", c.c_void_p), ("layer", c.c_int32), ("rows", c.c_int32),
+        ("top_k", c.c_int32), ("num_slots", c.c_int32), ("stream_above", c.c_int32),
+        ("pad0", c.c_int32), ("x", c.c_void_p), ("w", c.c_void_p), ("cpu_out", c.c_void_p),
+        ("cpu_ids", c.c_void_p), ("needed", c.c_void_p), ("uses", c.c_void_p),
+        ("slot", c.c_void_p), ("fetched", c.c_void_p), ("fetched_slots", c.c_void_p),
+        ("dst_rows", c.c_void_p), ("src_rows", c.c_void_p), ("table", c.c_void_p),
+        ("staged", c.c_void_p), ("device_table", c.c_uint64), ("table_bytes", c.c_int64),
+        ("rule", FetchRule), ("wait_first", c.c_void_p), ("ev_start", c.c_void_p),
+        ("ev_end", c.c_void_p), ("n_needed", c.c_int32), ("misses", c.c_int32),
+        ("n_fetched", c.c_int32), ("n_cpu", c.c_int32), ("probing", c.c_int32),
+        ("pad1", c.c_int32), ("ticket", c.c_int64), ("submit_ns", c.c_int64),
+        ("copy_ns", c.c_int64),
+    ]
+
+
 STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, GluDesc, DecodeLayer, DecodeStep,
-                                          RowCopyApi, RowCopy, HostNodeStep, HostNodeJob)
+                                          RowCopyApi, RowCopy, HostNodeStep, HostNodeJob,
+                                          FetchRule, LayerCall)
 # The functions that describe the ABI, declared before anything else is looked up.
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_abi_version": (c.c_int, []),

@@ -284,6 +284,18 @@ class CpuMoeExecutor:
                              f"{self.layers[job.layer].experts}")
         return CpuMoeFuture(self, ticket, job.out, job.keep)
 
+    @property
+    def has_room(self) -> bool:
+        """Whether one more job may be in flight now."""
+        return self._in_flight < MAX_IN_FLIGHT
+
+    def adopt(self, ticket: int, job: PreparedJob) -> CpuMoeFuture:
+        """The future of prepared ``job``, which the library submitted under ``ticket`` (a
+        layer call planned there: ``moe/layer_call.py``, after :attr:`has_room`)."""
+        with self._lock:
+            self._in_flight += 1
+        return CpuMoeFuture(self, ticket, job.out, job.keep)
+
     def run(
         self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer: int
     ) -> torch.Tensor:

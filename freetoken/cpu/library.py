@@ -157,6 +157,9 @@ def native() -> ctypes.CDLL:
             c.c_int64, [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_int],
         ),
         "ft_copy_rows": (c.c_int, [c.POINTER(abi.RowCopyApi), c.POINTER(abi.RowCopy)]),
+        "ft_plan_layer_call": (c.c_int, [c.POINTER(abi.LayerCall)]),
+        "ft_fetch_count": (c.c_int, [c.POINTER(abi.FetchRule), c.c_int,
+                                     c.POINTER(c.c_int)]),
         "ft_copy_spans": (
             c.c_int, [c.POINTER(abi.RowCopyApi), c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
                       c.c_void_p, c.c_void_p, c.c_int],

@@ -243,6 +243,19 @@ class NativeSlotPool(SlotPool):
         self._pre = np.empty((4, 0), dtype=np.int64)  # prefetch's outputs, reused
         self._pre_at: tuple[int, ...] = ()  # their rows' addresses
 
+    @property
+    def handle(self) -> int:
+        """The library's pool, for a library call that plans on it (``moe/layer_call.py``)."""
+        return self._handle
+
+    def table_buffers(self, layer: int) -> tuple[int, int, int, int]:
+        """``layer``'s table as :meth:`publish` copies it: its address, the pinned staging
+        copy's, the device table's, and its bytes."""
+        table = self.tables[layer]
+        assert isinstance(table, np.ndarray)
+        return (int(table.ctypes.data), self._staged[layer].data_ptr(),
+                self.device_tables[layer].data_ptr(), table.nbytes)
+
     def _outputs(self, n: int) -> tuple[int, ...]:
         """Room for ``n`` experts in the output rows; their addresses."""
         if self._out.shape[1] < n:

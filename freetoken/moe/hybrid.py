@@ -25,12 +25,14 @@ import torch
 
 from freetoken import env
 from freetoken.cpu import executor as cx
+from freetoken.cpu.abi import PROBINGS, FetchRule
 from freetoken.cpu.gpu_wait import to_host
 from freetoken.cpu.jobs import CpuMoeFuture, JobLog
 from freetoken.errors import ConfigError
-from freetoken.moe.expert_cache import Routed, SlotPool, Split
+from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS
 from freetoken.moe.host_job import HostJob, HostJobs
+from freetoken.moe.layer_call import LayerCall
 from freetoken.moe.layer_kind import LayerKind, cpu_format, kind_words
 from freetoken.moe.offload import OffloadExperts, slot_of
 from freetoken.moe.pieces import HostCopies
@@ -174,6 +176,47 @@ class HybridExperts(OffloadExperts):
         self._prefetch(x, routed, split, host)
         self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
                                       future, overhead, host, time.perf_counter() - t0)
+        return None
+
+    def _layer_call(self, host: HostCopies) -> LayerCall | None:
+        """Offload's, with the CPU's job; the Python plan while the pool has no room."""
+        assert self.executor is not None
+        return super()._layer_call(host) if self.executor.has_room else None
+
+    def _make_call(self, host: HostCopies) -> LayerCall | None:
+        """Offload's, submitting the CPU's job on the host copies (None where the job reads
+        float32 copies of copies of another dtype: the Python plan converts them)."""
+        assert self.executor is not None and self.runtime is not None
+        job = self.host_jobs.get(self.executor, host)
+        if job.x is not host.x or job.w is not host.w:
+            return None
+        pool = self.runtime.cache.pool(self.shape.layer)
+        assert isinstance(pool, NativeSlotPool) and self.bank is not None
+        return LayerCall(pool, self.runtime, self.bank, self.shape.layer, host,
+                         self._stream_above(), job)
+
+    def _rule(self, rule: FetchRule, host: HostCopies) -> None:
+        """The split's count for this call (the last call's times observed first), over the
+        misses there would have been without look-ahead (as :meth:`_count`)."""
+        self._observe_last()
+        self.policy.rule(rule)
+        came = self.incoming.prefetched
+        rule.arrived = len(came & set(host.ids.view(-1).tolist())) if came else 0
+
+    def _planned(self, x: torch.Tensor, call: LayerCall, host: HostCopies,
+                 t0: float) -> torch.Tensor | None:
+        """What follows the library's plan: the probe it made, the CPU job's future, look-ahead
+        and the pending call for :meth:`_finish` (as :meth:`_plan_misses` ends)."""
+        assert self.executor is not None and call.job is not None
+        c = call.c
+        self.policy.probed(PROBINGS[c.probing])
+        future = self.executor.adopt(c.ticket, call.job.job) if c.n_cpu else None
+        self.calls.table_empty = False
+        if self.lookahead is not None:
+            self._prefetch(x, call.routed(), call.split(), host)
+        self.calls.pending = _Pending(x, c.n_needed - c.misses, c.n_fetched, c.n_cpu,
+                                      call.fetch, future, c.submit_ns / 1e9, host,
+                                      time.perf_counter() - t0)
         return None
 
     def _plan_all_on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

@@ -31,13 +31,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from freetoken.cpu.abi import FetchRule
 from freetoken.cpu.gpu_wait import to_host
 from freetoken.kernels.activation import expert_activation
 from freetoken.kernels.build import raised_by_triton
 from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
-from freetoken.moe.expert_cache import Routed, SlotPool, Split
+from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
+from freetoken.moe.layer_call import LayerCall, LayerCalls, library_plans
 from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.prefill_stream import PrefillStream
@@ -84,6 +86,7 @@ class OffloadExperts(Experts):
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
         self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
         self.incoming = Incoming()  # what the layer before's look-ahead did for us
+        self.layer_calls: LayerCalls | None = None  # None: the Python plan runs
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep a checkpoint tensor; the bank is built once the layer's last one arrives."""
@@ -104,6 +107,9 @@ class OffloadExperts(Experts):
             raise RuntimeError(f"layer {self.shape.layer}: {plan.strategy} experts need the "
                                "device expert cache, and none was made")
         self.runtime, self._pool_views = shared.runtime, {}
+        pool = shared.runtime.cache.pool(self.shape.layer)
+        self.layer_calls = (LayerCalls(self._make_call) if library_plans(pool, shared.runtime)
+                            else None)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -156,16 +162,22 @@ class OffloadExperts(Experts):
             flat = flat.to(torch.int64)
         flat = flat.contiguous()
         routed = pool.route(self.shape.layer, flat)
+        self._score(routed)
+        return flat, pool, routed
+
+    def _score(self, routed: Routed) -> None:
+        """The layer before's look-ahead for this call: its prediction scored, and how many of
+        the call's experts it fetched (``incoming.arrived``)."""
         came = self.incoming
         came.arrived = 0
         if came.predicted is not None or came.prefetched:
+            assert self.runtime is not None
             needed = set(routed.needed.tolist())
-            if came.predicted is not None:  # the layer before's look-ahead, scored
+            if came.predicted is not None:
                 self.runtime.stats.record_lookahead(self.shape.layer, len(came.predicted),
                                                     len(came.predicted & needed), len(needed))
             came.arrived = len(came.prefetched & needed)
             came.predicted, came.prefetched = None, set()
-        return flat, pool, routed
 
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
         return needed > pool.num_slots or misses > STREAM_ABOVE * self.shape.num_experts
@@ -177,11 +189,56 @@ class OffloadExperts(Experts):
         experts here, the CPU's share in hybrid), or None. Between graph pieces, ``host`` holds
         the inputs already copied to the host."""
         t0 = time.perf_counter()
+        call = None if host is None else self._layer_call(host)
+        if call is not None:
+            self._rule(call.c.rule, host)
+            if call.run() == 0:
+                self._score(call.routed())
+                return self._planned(x, call, host, t0)
+            routed, pool = call.routed(), call.pool
+            self._score(routed)
+            pool.publish(self.shape.layer, empty=True)
+            return self._streamed(x, ids, w, pool, routed.hits(), routed.missed())
         flat, pool, routed = self._route(ids if host is None else host.ids)
         if self._must_stream(routed.needed.size, routed.misses, pool):
             pool.publish(self.shape.layer, empty=True)
             return self._streamed(x, ids, w, pool, routed.hits(), routed.missed())
         return self._plan_misses(x, ids, w, flat, pool, routed, host, t0)
+
+    def _layer_call(self, host: HostCopies) -> LayerCall | None:
+        """The library's plan of a call between graph pieces (:mod:`.layer_call`), or None
+        where the Python plan runs."""
+        calls = self.layer_calls
+        return None if calls is None else calls.get(host)
+
+    def _make_call(self, host: HostCopies) -> LayerCall | None:
+        """The library's plan on ``host`` (its first call)."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        pool = rt.cache.pool(self.shape.layer)
+        assert isinstance(pool, NativeSlotPool)
+        return LayerCall(pool, rt, bank, self.shape.layer, host, self._stream_above(), None)
+
+    def _stream_above(self) -> int:
+        """The most misses a call fetches into the cache; more are streamed."""
+        return int(STREAM_ABOVE * self.shape.num_experts)
+
+    def _rule(self, rule: FetchRule, host: HostCopies) -> None:
+        """The call's fetch rule for the library's plan: every miss (set when it was made)."""
+
+    def _planned(self, x: torch.Tensor, call: LayerCall, host: HostCopies,
+                 t0: float) -> torch.Tensor | None:
+        """What follows the library's plan: look-ahead and the call's stats (as
+        :meth:`_plan_misses` ends)."""
+        rt, bank = self.runtime, self.bank
+        assert rt is not None and bank is not None
+        c = call.c
+        if self.lookahead is not None:
+            self._prefetch(x, call.routed(), call.split(), host)
+        rt.stats.record(self.shape.layer, x.shape[0], c.n_needed - c.misses, c.n_fetched,
+                        c.n_fetched * bank.expert_bytes, fetch=call.fetch,
+                        plan_s=time.perf_counter() - t0)
+        return None
 
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                      flat: torch.Tensor, pool: SlotPool, routed: Routed, host: HostCopies | None,

@@ -41,7 +41,7 @@ class OffloadRuntime(Recorder):
         self._staging: dict[int, list[torch.Tensor]] = {}
         self.copied: torch.cuda.Event | None = None  # the end of the last copy not waited for
         self.events = EventPool()  # the library's copy spans (CUDA)
-        self._ready = self.events.take() if self.rows is not None and self.cuda else None
+        self.ready = self.events.take() if self.rows is not None and self.cuda else None
         self.index = torch.device(device).index or 0 if self.cuda else -1
         for pool in cache.pools:  # slot tables published through the library too
             pool.copier = self.rows
@@ -90,11 +90,11 @@ class OffloadRuntime(Recorder):
             span = self.stats.span()
             self.rows.copy(dst, dst_rows, bank.rows, experts)
             return span.stop()
-        assert self._ready is not None
+        assert self.ready is not None
         span = Span(self.copy_stream, self.events)
         self.rows.copy(dst, dst_rows, bank.rows, experts,
                        current_stream(self.index), self.copy_stream.cuda_stream,
-                       self._ready.cuda_event, span.start.cuda_event, span.end.cuda_event,
+                       self.ready.cuda_event, span.start.cuda_event, span.end.cuda_event,
                        compute_waits=wait)
         # the copy stream runs in order: this span's end covers every copy before it
         self.copied = None if wait else span.end

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from freetoken.cpu.abi import FetchRule
 from freetoken.moe.wall_check import WallCheck
 
 PROBE_FIRST = 8  # one layer's calls after which a side left idle first gets work again
@@ -243,6 +244,30 @@ class SplitPolicy:
             if self.probing:
                 costs.probed(self.probing)
         return n
+
+    def rule(self, into: FetchRule) -> None:
+        """:meth:`count`'s decision for a call :meth:`start` began, written ``into`` the
+        library's rule (``csrc/layer_call.cpp`` counts the misses once it has routed; the
+        probe it made goes to :meth:`probed`)."""
+        held = self.held
+        into.held = held is not None
+        if held is not None:
+            into.share = held
+            return
+        into.share = -1.0 if self.fraction is None else self.fraction
+        into.max_fetch = -1 if self.max_fetch is None else self.max_fetch
+        into.online = self.online
+        into.probe_share = self.probe_fraction
+        costs = self.costs
+        into.pcie_due = self.online and costs.probe_due("pcie")
+        into.cpu_due = self.online and costs.probe_due("cpu")
+
+    def probed(self, probing: str) -> None:
+        """The probe the library's count made for the call (as :meth:`count` records its
+        own)."""
+        self.probing = probing
+        if probing:
+            self.costs.probed(probing)
 
     def observe(self, n_cpu: int, t_cpu: float, n_fetch: int, t_pcie: float,
                 overhead: float = 0.0) -> None:

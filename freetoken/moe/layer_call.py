@@ -1,0 +1,155 @@
+"""An offloaded layer's decode call between graph pieces, planned in one library call
+(``csrc/layer_call.cpp``): the routed ids -> hits and misses, how many misses to fetch (the
+split's rule, :meth:`SplitPolicy.rule`), victims and the CPU's pairs, the CPU's job submitted,
+the misses' copies queued and the slot table published.
+
+The steps are those of the Python plan (:meth:`OffloadExperts._plan`,
+:meth:`HybridExperts._plan_misses`), which stays as the slow twin
+(``FREETOKEN_LAYER_CALL=python``, and wherever the library does not make the slot decisions
+or the copies). The Python plan calls the library once per step and spends its time in the
+interpreter between the calls; right after the engine thread has joined a CPU job its caches
+hold expert weights, and each of those steps runs cold.
+
+A :class:`LayerCall` is laid out once per layer and set of host copies (a decode graph's, per
+batch size), on buffers that do not move; a call sets the rule, the stream and the copy
+span's events.
+
+Threads: the engine's main thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from freetoken import env
+from freetoken.cpu import abi
+from freetoken.cpu.library import native
+from freetoken.cpu.row_copy import RowCopyError, current_stream
+from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
+from freetoken.moe.host_banks import HostBank
+from freetoken.moe.host_job import HostJob
+from freetoken.moe.pieces import HostCopies
+from freetoken.moe.runtime import OffloadRuntime
+from freetoken.moe.stats import Span
+
+STREAMS = 1  # plan_layer_call's answer for a call that streams its misses instead
+
+
+class LayerCall:
+    """One layer's call on one set of host copies, as the library plans it."""
+
+    def __init__(self, pool: NativeSlotPool, rt: OffloadRuntime, bank: HostBank, layer: int,
+                 host: HostCopies, stream_above: int, job: HostJob | None) -> None:
+        assert rt.rows is not None
+        self.pool, self.rt, self.host = pool, rt, host
+        T, A = host.ids.shape
+        if host.ids.dtype is not torch.int64 or not host.ids.is_contiguous():
+            raise ValueError("a layer call reads int64 routed ids, contiguous")
+        self.out = np.empty((5, T * A), dtype=np.int64)  # needed, uses, slot, fetched, slots
+        self.rows = np.empty((2, T * A), dtype=np.int32)  # the copies' rows
+        self._plan = native().ft_plan_layer_call
+        c = self.c = abi.LayerCall()
+        c.slots = pool.handle
+        c.api = ctypes.pointer(rt.rows.api)
+        dst, src = pool.data, bank.rows
+        if dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
+            raise ValueError("a layer call copies contiguous rows of one size")
+        c.copy.dst, c.copy.dst_stride = dst.data_ptr(), dst.stride(0)
+        c.copy.src, c.copy.src_stride = src.data_ptr(), src.stride(0)
+        c.copy.row_bytes = dst.shape[1]
+        if rt.cuda:
+            assert rt.copy_stream is not None and rt.ready is not None
+            c.copy.copy_stream = rt.copy_stream.cuda_stream
+            c.copy.ev_ready = rt.ready.cuda_event
+        c.ids = host.ids.data_ptr()
+        c.layer, c.rows, c.top_k = layer, T, A
+        c.num_slots, c.stream_above = pool.num_slots, stream_above
+        if job is not None:  # the prepared job's buffers: x, ids, w, out
+            x, ids, w, out, _, _ = job.job.args
+            c.executor = job.executor.handle
+            c.x, c.cpu_ids, c.w, c.cpu_out = x, ids, w, out
+        self.job = job
+        (c.needed, c.uses, c.slot, c.fetched, c.fetched_slots) = (
+            int(self.out[r].ctypes.data) for r in range(5))
+        c.dst_rows, c.src_rows = (int(self.rows[r].ctypes.data) for r in range(2))
+        c.table, c.staged, c.device_table, c.table_bytes = pool.table_buffers(layer)
+        c.rule.held, c.rule.share = True, 1.0  # every miss fetched, unless a split's rule
+        self._ref = ctypes.byref(c)
+
+    def run(self) -> int:
+        """Plan the call: 0 (planned: :attr:`fetch` is its copies' span, or None) or
+        :data:`STREAMS` (routed only, nothing fetched: the caller streams)."""
+        c, rt = self.c, self.rt
+        span = None
+        if rt.cuda:
+            c.copy.compute_stream = current_stream(rt.index)
+            span = Span(rt.copy_stream, rt.events)
+            c.ev_start, c.ev_end = span.start.cuda_event, span.end.cuda_event
+            c.wait_first = None if rt.copied is None else rt.copied.cuda_event
+        code = self._plan(self._ref)
+        if code < 0:
+            if span is not None:
+                rt.events.give(span.start, span.end)
+            self._raise(code)
+        if code == 0 and rt.cuda:
+            rt.copied = None  # the compute stream waits for every copy queued so far
+        if code == 0 and c.n_fetched:
+            if span is None:
+                span = Span(None)
+                span.seconds = c.copy_ns / 1e9
+            self.fetch: Span | None = span
+        else:
+            if span is not None:
+                rt.events.give(span.start, span.end)
+            self.fetch = None
+        return code
+
+    def _raise(self, code: int) -> None:
+        c = self.c
+        if code == -1:
+            ids = self.host.ids.reshape(-1).tolist()
+            raise ValueError(f"expert cache: layer {c.layer} was routed to an expert it lacks "
+                             f"({ids})")
+        if code == -2:
+            raise RuntimeError(f"expert cache: {c.num_slots} slots, none left to evict")
+        if code == -3:
+            raise ValueError(f"layer {c.layer}: the CPU pool refused the call's job")
+        raise RowCopyError(f"layer {c.layer}: copying {c.n_fetched} expert rows failed: CUDA "
+                           f"driver error {-4 - code}")
+
+    def routed(self) -> Routed:
+        """The call's experts, their uses and slots (before the split), as the pool's route
+        gives them (views of this call's buffers)."""
+        k, out = self.c.n_needed, self.out
+        return Routed(out[0, :k], out[1, :k], out[2, :k], self.c.misses)
+
+    def split(self) -> Split:
+        """The fetched misses and their slots (views), and how many went to the CPU."""
+        n, out = self.c.n_fetched, self.out
+        return Split(out[3, :n], out[4, :n], self.c.n_cpu)
+
+
+class LayerCalls:
+    """One layer's :class:`LayerCall` per set of host copies (a decode graph's, per batch
+    size), made at its first call by ``make`` (None: those copies take the Python plan)."""
+
+    def __init__(self, make: Callable[[HostCopies], LayerCall | None]) -> None:
+        self._make = make
+        self._calls: dict[int, tuple[HostCopies, LayerCall | None]] = {}  # by id(host)
+
+    def get(self, host: HostCopies) -> LayerCall | None:
+        found = self._calls.get(id(host))
+        if found is None:  # the copies are kept with their call: their id stays theirs
+            found = self._calls[id(host)] = (host, self._make(host))
+        return found[1]
+
+
+def library_plans(pool: SlotPool, rt: OffloadRuntime) -> bool:
+    """Whether the library plans a layer's calls on ``pool``: it makes the pool's slot
+    decisions and the runtime's copies, and FREETOKEN_LAYER_CALL allows."""
+    return (isinstance(pool, NativeSlotPool) and rt.rows is not None
+            and env.layer_call() == "native")

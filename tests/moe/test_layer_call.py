@@ -1,0 +1,142 @@
+"""The library's plan of a layer call between graph pieces (``csrc/layer_call.cpp``) against
+its slow twin, the Python plan: the same fetch counts as the split policy, and on random
+traces the same slot decisions, CPU pairs, results and stats."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.config import CacheSizing
+from freetoken.cpu import abi
+from freetoken.cpu.library import native
+from freetoken.moe.hybrid import HybridExperts
+from freetoken.moe.layer_call import STREAMS, LayerCall
+from freetoken.moe.offload import OffloadExperts
+from freetoken.moe.pieces import HostCopies
+from freetoken.moe.split import SplitCosts, SplitPolicy
+from freetoken.moe.wall_check import WallCheck
+from tests.models.helpers import load_ours
+
+
+def test_the_librarys_fetch_count_is_the_policys():
+    """:meth:`SplitPolicy.rule` in the library gives :meth:`SplitPolicy.count`'s number and
+    probe for every share, cap, probe due and held arm, Python's rounding (ties to even)
+    included."""
+    lib = native()
+    rng = random.Random(0)
+    probing = ctypes.c_int()
+    seen = set()
+    for _ in range(3000):
+        costs = SplitCosts()
+        due = {"cpu": rng.random() < 0.5, "pcie": rng.random() < 0.5}
+        costs.probe_due = due.__getitem__  # type: ignore[method-assign]
+        policy = SplitPolicy(rng.choice([None, 0.0, 0.25, 0.5, 0.3, 1.0]),
+                             rng.choice([None, 0, 1, 2, 5]), rng.random() < 0.7,
+                             probe_fraction=rng.choice([0.2, 0.5, 0.75, 1.0]), costs=costs)
+        if rng.random() < 0.3:
+            costs.check = WallCheck("test")
+            costs.check.use_profile(rng.choice([0.25, 0.5, 0.7]))
+            costs.check.hold(rng.choice(["fetch", "cpu", "profile", "split"]))
+        m = rng.randint(0, 12)
+        rule = abi.FetchRule()
+        policy.rule(rule)
+        n = lib.ft_fetch_count(ctypes.byref(rule), m, ctypes.byref(probing))
+        assert (n, abi.PROBINGS[probing.value]) == (policy.count(m), policy.probing), (
+            policy, due, m)
+        seen.add(policy.probing)
+    assert seen == {"", "cpu", "pcie"}
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layer_call") / "q8.gguf"
+    return convert_to_gguf(open_checkpoint(tiny_qwen3_moe), out,
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+
+
+def _twins(path, strategy: str, lookahead: str, monkeypatch) -> list[list[OffloadExperts]]:
+    """The MoE layers of two models, planned by the library and in Python."""
+    twins = []
+    for how in ("native", "python"):
+        monkeypatch.setenv("FREETOKEN_LAYER_CALL", how)
+        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 3),
+                          lookahead=lookahead)
+        layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
+        assert len(layers) > 1
+        assert all((m.layer_calls is not None) == (how == "native") for m in layers)
+        twins.append(layers)
+    return twins
+
+
+@pytest.mark.parametrize("lookahead", ["off", "on"])
+@pytest.mark.parametrize("strategy", ["hybrid", "offload"])
+def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, monkeypatch,
+                                                         gather_on_cpu, strategy, lookahead):
+    """Random calls of 1 and 2 tokens (evictions, CPU shares, calls that stream; with
+    look-ahead, the next layer's picks fetched) through both plans, layer after layer: every
+    call's result (the device's share through the table, the CPU's in the host copies, or the
+    streamed result), the cache's LRU order and owners, the tables and the stats are the
+    same."""
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    twins = _twins(q8_gguf, strategy, lookahead, monkeypatch)
+    planned = []  # the library's answers
+    run = LayerCall.run
+    monkeypatch.setattr(LayerCall, "run", lambda self: planned.append(run(self)) or planned[-1])
+    g, rng = torch.Generator().manual_seed(3), random.Random(3)
+    s = twins[0][0].shape
+    copies: dict[tuple[int, int, int], HostCopies] = {}  # fixed buffers, as a graph's
+    kinds = set()
+    calls = 0
+    for _ in range(40):
+        T = rng.choice([1, 1, 2])
+        fraction, cap = rng.choice([None, 0.0, 0.5, 1.0]), rng.choice([None, 1])
+        for j in range(len(twins[0])):
+            x = torch.randn(T, s.hidden, generator=g)
+            ids = torch.stack([torch.randperm(s.num_experts, generator=g)[:s.top_k]
+                               for _ in range(T)])
+            w = torch.rand(T, s.top_k, generator=g)
+            outs = []
+            for i, layers in enumerate(twins):
+                m, la = layers[j], layers[j].lookahead
+                picks = None if la is None else la.route(x)
+                host = copies.setdefault((T, i, j), HostCopies(
+                    torch.zeros_like(x), torch.zeros_like(ids), torch.zeros_like(w),
+                    torch.zeros_like(x), None if picks is None else torch.zeros_like(picks)))
+                host.x.copy_(x), host.ids.copy_(ids), host.w.copy_(w)
+                if picks is not None:
+                    host.predicted.copy_(picks)
+                if isinstance(m, HybridExperts):
+                    m.policy = SplitPolicy(fraction, cap, online=False)
+                early = m._plan(x, ids, w, host)
+                late = m._finish()
+                if early is not None:  # streamed
+                    outs.append(("streamed", early))
+                else:
+                    outs.append(("planned", m._from_table(x, ids, w),
+                                 None if late is None else late.clone()))
+            calls += 1
+            kinds.add(outs[0][0] if outs[0][0] == "streamed" or outs[0][2] is None else "cpu")
+            assert outs[0][0] == outs[1][0]
+            for a, b in zip(outs[0][1:], outs[1][1:], strict=True):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    assert torch.equal(a, b)
+            pools = [layers[j].runtime.cache.pool(s.layer) for layers in twins]
+            assert pools[0].state() == pools[1].state()
+            for layer in pools[0].tables:
+                assert list(pools[0].tables[layer]) == list(pools[1].tables[layer])
+                assert torch.equal(pools[0].device_tables[layer], pools[1].device_tables[layer])
+    stats = [layers[0].runtime.stats.snapshot() for layers in twins]
+    for key in ("calls", "hits", "misses", "bytes_fetched", "cpu_experts", "streamed",
+                "prefetched", "lookahead_predicted", "lookahead_used", "lookahead_needed"):
+        assert stats[0].get(key) == stats[1].get(key), key
+    assert sorted(set(planned)) == [0, STREAMS] and len(planned) == calls
+    assert (stats[0]["prefetched"] > 0) == (lookahead == "on"), stats[0]["prefetched"]
+    assert kinds >= ({"planned", "cpu", "streamed"} if strategy == "hybrid"
+                     else {"planned", "streamed"}), kinds

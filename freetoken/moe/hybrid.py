@@ -51,14 +51,12 @@ class _Pending:
     needs to collect it and record the call."""
 
     x: torch.Tensor
-    hits: int
     fetched: int
     on_cpu: int
     fetch: Span | None
     future: CpuMoeFuture | None
     overhead: float
     host: HostCopies | None
-    plan_s: float
 
 
 class _Calls:
@@ -174,9 +172,22 @@ class HybridExperts(OffloadExperts):
         pool.publish(self.shape.layer)
         self.calls.table_empty = False
         self._prefetch(x, routed, split, host)
-        self.calls.pending = _Pending(x, routed.n_hits, split.fetched.size, split.cpu, fetch,
-                                      future, overhead, host, time.perf_counter() - t0)
+        self._pend(x, routed.n_hits, split.fetched.size, split.cpu, fetch, future, overhead,
+                   host, t0)
         return None
+
+    def _pend(self, x: torch.Tensor, hits: int, fetched: int, on_cpu: int, fetch: Span | None,
+              future: CpuMoeFuture | None, overhead: float, host: HostCopies | None,
+              t0: float) -> None:
+        """A planned call whose CPU share runs on, left for :meth:`_finish`: its counts
+        recorded now, while the engine thread's caches are its own (after its wait for the
+        CPU they hold expert weights), its CPU time by :meth:`_finish`."""
+        rt, bank, layer = self.runtime, self.bank, self.shape.layer
+        assert rt is not None and bank is not None
+        rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
+                        fetch=fetch, cpu_experts=on_cpu, plan_s=time.perf_counter() - t0)
+        rt.stats.set_fraction(layer, self.policy.share)
+        self.calls.pending = _Pending(x, fetched, on_cpu, fetch, future, overhead, host)
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
         """Offload's, with the CPU's job; the Python plan while the pool has no room."""
@@ -214,9 +225,8 @@ class HybridExperts(OffloadExperts):
         self.calls.table_empty = False
         if self.lookahead is not None:
             self._prefetch(x, call.routed(), call.split(), host)
-        self.calls.pending = _Pending(x, c.n_needed - c.misses, c.n_fetched, c.n_cpu,
-                                      call.fetch, future, c.submit_ns / 1e9, host,
-                                      time.perf_counter() - t0)
+        self._pend(x, c.n_needed - c.misses, c.n_fetched, c.n_cpu, call.fetch, future,
+                   c.submit_ns / 1e9, host, t0)
         return None
 
     def _plan_all_on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -241,8 +251,7 @@ class HybridExperts(OffloadExperts):
             flat = (to_host(ids.reshape(-1)) if ids.is_cuda else ids.reshape(-1)).long()
             future = self._submit(x, ids, w, flat)
         experts = flat.numel() if x.shape[0] == 1 else len(set(flat.reshape(-1).tolist()))
-        self.calls.pending = _Pending(x, 0, 0, experts, None, future,
-                                      time.perf_counter() - t0, host, time.perf_counter() - t0)
+        self._pend(x, 0, 0, experts, None, future, time.perf_counter() - t0, host, t0)
 
     def _finish(self) -> torch.Tensor | None:
         """The CPU's result of the last plan on the device (between graph pieces: in
@@ -252,8 +261,10 @@ class HybridExperts(OffloadExperts):
             return None
         cpu_out, t_cpu, overhead = self._collect(p.future, p.on_cpu, p.x, p.overhead,
                                                   p.host)
-        self._record(p.x, p.hits, p.fetched, p.on_cpu, p.fetch, None, t_cpu, overhead,
-                     p.plan_s)
+        self.calls.last = (p.on_cpu, t_cpu, p.fetched, p.fetch, overhead)
+        if t_cpu:
+            assert self.runtime is not None
+            self.runtime.stats.record_cpu(self.shape.layer, t_cpu)
         return cpu_out
 
     def _serve(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

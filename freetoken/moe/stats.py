@@ -134,6 +134,10 @@ class MoEStats:
         if len(self._pending) > 4096:
             self._collect(block=True)
 
+    def record_cpu(self, layer: int, seconds: float) -> None:
+        """The CPU pool's time on a call :meth:`record` counted before its job was done."""
+        self.layers[layer].cpu_s += seconds
+
     def record_prefetch(self, layer: int, experts: int, nbytes: int, fetch: Span) -> None:
         """Look-ahead fetched ``experts`` for ``layer``'s next call."""
         s = self.layers[layer]

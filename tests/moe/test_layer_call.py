@@ -60,13 +60,14 @@ def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
                            lambda n, s: "q8_0" if ".experts." in n else "f32")
 
 
-def _twins(path, strategy: str, lookahead: str, monkeypatch) -> list[list[OffloadExperts]]:
+def _twins(path, strategy: str, lookahead: str, device: str,
+           monkeypatch) -> list[list[OffloadExperts]]:
     """The MoE layers of two models, planned by the library and in Python."""
     twins = []
     for how in ("native", "python"):
         monkeypatch.setenv("FREETOKEN_LAYER_CALL", how)
-        model = load_ours(path, strategy=strategy, cache=CacheSizing("size", 3),
-                          lookahead=lookahead)
+        model = load_ours(path, device=device, strategy=strategy,
+                          cache=CacheSizing("size", 3), lookahead=lookahead)
         layers = [m for m in model.modules() if isinstance(m, OffloadExperts)]
         assert len(layers) > 1
         assert all((m.layer_calls is not None) == (how == "native") for m in layers)
@@ -74,17 +75,20 @@ def _twins(path, strategy: str, lookahead: str, monkeypatch) -> list[list[Offloa
     return twins
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("lookahead", ["off", "on"])
 @pytest.mark.parametrize("strategy", ["hybrid", "offload"])
 def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, monkeypatch,
-                                                         gather_on_cpu, strategy, lookahead):
+                                                         gather_on_cpu, strategy, lookahead,
+                                                         device):
     """Random calls of 1 and 2 tokens (evictions, CPU shares, calls that stream; with
-    look-ahead, the next layer's picks fetched) through both plans, layer after layer: every
-    call's result (the device's share through the table, the CPU's in the host copies, or the
-    streamed result), the cache's LRU order and owners, the tables and the stats are the
-    same."""
+    look-ahead, the next layer's picks fetched) through both plans, layer after layer, on
+    host copies as a graph step makes them (on CUDA pinned, the copies and the table on the
+    driver's streams): every call's result (the device's share through the table, the CPU's
+    in the host copies, or the streamed result), the cache's LRU order and owners, the tables
+    and the stats are the same."""
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
-    twins = _twins(q8_gguf, strategy, lookahead, monkeypatch)
+    twins = _twins(q8_gguf, strategy, lookahead, device, monkeypatch)
     planned = []  # the library's answers
     run = LayerCall.run
     monkeypatch.setattr(LayerCall, "run", lambda self: planned.append(run(self)) or planned[-1])
@@ -93,6 +97,10 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
     copies: dict[tuple[int, int, int], HostCopies] = {}  # fixed buffers, as a graph's
     kinds = set()
     calls = 0
+
+    def buffer(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, pin_memory=device == "cuda")
+
     for _ in range(40):
         T = rng.choice([1, 1, 2])
         fraction, cap = rng.choice([None, 0.0, 0.5, 1.0]), rng.choice([None, 1])
@@ -101,14 +109,16 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
             ids = torch.stack([torch.randperm(s.num_experts, generator=g)[:s.top_k]
                                for _ in range(T)])
             w = torch.rand(T, s.top_k, generator=g)
+            hx, hids, hw = x, ids, w
+            x, ids, w = x.to(device), ids.to(device), w.to(device)
             outs = []
             for i, layers in enumerate(twins):
                 m, la = layers[j], layers[j].lookahead
-                picks = None if la is None else la.route(x)
+                picks = None if la is None else la.route(x).cpu()
                 host = copies.setdefault((T, i, j), HostCopies(
-                    torch.zeros_like(x), torch.zeros_like(ids), torch.zeros_like(w),
-                    torch.zeros_like(x), None if picks is None else torch.zeros_like(picks)))
-                host.x.copy_(x), host.ids.copy_(ids), host.w.copy_(w)
+                    buffer(hx), buffer(hids), buffer(hw), buffer(hx),
+                    None if picks is None else buffer(picks)))
+                host.x.copy_(hx), host.ids.copy_(hids), host.w.copy_(hw)
                 if picks is not None:
                     host.predicted.copy_(picks)
                 if isinstance(m, HybridExperts):

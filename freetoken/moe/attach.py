@@ -13,12 +13,15 @@ import logging
 import torch
 from torch import nn
 
+from freetoken import env
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.errors import ConfigError
+from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
 from freetoken.moe import lookahead
 from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.expert_cache import ExpertCache
-from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
+from freetoken.moe.offload import OffloadExperts
 from freetoken.moe.pieces import Recorder
 from freetoken.moe.plan import ExpertGroup, MoEPlan, plan_moe_cache
 from freetoken.moe.resident import ResidentExperts, keeps_blocks
@@ -107,3 +110,32 @@ def _expert_cache(layers: list[Experts], sizing: CacheSizing) -> OffloadRuntime:
         log.info("expert cache: %d slots of %s shared by %d %s layer%s", pool.num_slots,
                  human_bytes(size), len(ms), kind, "" if len(ms) == 1 else "s")
     return OffloadRuntime(cache, stats, device)
+
+
+def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:
+    """Each layer's GPU compute of cached experts (FREETOKEN_GPU_EXPERT_KERNEL): the fused
+    kernels where every projection's format has one and triton imports, else dequantise +
+    matmul; logged, with a warning when a layer that could be fused is not for want of
+    triton."""
+    want = env.gpu_expert_kernel()
+    if device.type != "cuda":
+        return
+    able = [m for m in layers if m.bank is not None and fused(m.bank.layout.formats)]
+    reason = unavailable()
+    if want == "fused" and (reason or not able):
+        why = reason or f"no layer's experts are all in {', '.join(KERNELS)}"
+        raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL=fused, but {why}; unset it for auto")
+    if want == "auto" and able and reason:
+        log.warning("GPU expert kernel: %d layers take the slow path (dequantise + matmul) "
+                    "because %s; install triton for the fused kernels", len(able), reason)
+    chosen = able if want != "dequant" and reason is None else []
+    for m in chosen:
+        m.gpu_kernel = "fused"
+    kinds = sorted({m.bank.layout.kind for m in chosen if m.bank is not None})
+    slow = sorted({"/".join(m.bank.layout.formats) for m in layers
+                   if m.bank is not None and m not in chosen})
+    log.info("GPU expert kernel: fused gather-GEMV on %d layer%s%s, dequantise + matmul on "
+             "%d%s", len(chosen), "" if len(chosen) == 1 else "s",
+             f" ({'; '.join(kinds)})" if kinds else "", len(layers) - len(chosen),
+             f" ({'; '.join(slow)}: no fused kernel)" if slow and reason is None
+             and want != "dequant" else "")

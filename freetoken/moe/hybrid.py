@@ -29,7 +29,7 @@ from freetoken.cpu.abi import PROBINGS, FetchRule
 from freetoken.cpu.gpu_wait import to_host
 from freetoken.cpu.jobs import CpuMoeFuture, JobLog
 from freetoken.errors import ConfigError
-from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
+from freetoken.moe.expert_cache import Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS
 from freetoken.moe.host_job import HostJob, HostJobs
 from freetoken.moe.layer_call import LayerCall
@@ -194,17 +194,14 @@ class HybridExperts(OffloadExperts):
         assert self.executor is not None
         return super()._layer_call(host) if self.executor.has_room else None
 
-    def _make_call(self, host: HostCopies) -> LayerCall | None:
+    def _make_call(self, host: HostCopies, job: HostJob | None = None) -> LayerCall | None:
         """Offload's, submitting the CPU's job on the host copies (None where the job reads
         float32 copies of copies of another dtype: the Python plan converts them)."""
-        assert self.executor is not None and self.runtime is not None
+        assert self.executor is not None
         job = self.host_jobs.get(self.executor, host)
         if job.x is not host.x or job.w is not host.w:
             return None
-        pool = self.runtime.cache.pool(self.shape.layer)
-        assert isinstance(pool, NativeSlotPool) and self.bank is not None
-        return LayerCall(pool, self.runtime, self.bank, self.shape.layer, host,
-                         self._stream_above(), job)
+        return super()._make_call(host, job)
 
     def _rule(self, rule: FetchRule, host: HostCopies) -> None:
         """The split's count for this call (the last call's times observed first), over the

@@ -39,7 +39,8 @@ from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
 from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
-from freetoken.moe.layer_call import LayerCall, LayerCalls, library_plans
+from freetoken.moe.host_job import HostJob
+from freetoken.moe.layer_call import STREAMS, LayerCall, LayerCalls, library_plans
 from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.prefill_stream import PrefillStream
@@ -180,7 +181,7 @@ class OffloadExperts(Experts):
             came.predicted, came.prefetched = None, set()
 
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
-        return needed > pool.num_slots or misses > STREAM_ABOVE * self.shape.num_experts
+        return needed > pool.num_slots or misses > self._stream_above()
 
     def _plan(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
               host: HostCopies | None = None) -> torch.Tensor | None:
@@ -192,13 +193,14 @@ class OffloadExperts(Experts):
         call = None if host is None else self._layer_call(host)
         if call is not None:
             self._rule(call.c.rule, host)
-            if call.run() == 0:
+            if call.run() == STREAMS:
+                routed = call.routed()
+                self._score(routed)
+                call.pool.publish(self.shape.layer, empty=True)
+                return self._streamed(x, ids, w, call.pool, routed.hits(), routed.missed())
+            if self.incoming.predicted is not None or self.incoming.prefetched:
                 self._score(call.routed())
-                return self._planned(x, call, host, t0)
-            routed, pool = call.routed(), call.pool
-            self._score(routed)
-            pool.publish(self.shape.layer, empty=True)
-            return self._streamed(x, ids, w, pool, routed.hits(), routed.missed())
+            return self._planned(x, call, host, t0)
         flat, pool, routed = self._route(ids if host is None else host.ids)
         if self._must_stream(routed.needed.size, routed.misses, pool):
             pool.publish(self.shape.layer, empty=True)
@@ -211,13 +213,14 @@ class OffloadExperts(Experts):
         calls = self.layer_calls
         return None if calls is None else calls.get(host)
 
-    def _make_call(self, host: HostCopies) -> LayerCall | None:
-        """The library's plan on ``host`` (its first call)."""
+    def _make_call(self, host: HostCopies, job: HostJob | None = None) -> LayerCall | None:
+        """The library's plan on ``host`` (at its first call), submitting ``job`` for the
+        CPU's pairs if given."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         pool = rt.cache.pool(self.shape.layer)
         assert isinstance(pool, NativeSlotPool)
-        return LayerCall(pool, rt, bank, self.shape.layer, host, self._stream_above(), None)
+        return LayerCall(pool, rt, bank, self.shape.layer, host, self._stream_above(), job)
 
     def _stream_above(self) -> int:
         """The most misses a call fetches into the cache; more are streamed."""
@@ -404,39 +407,6 @@ class OffloadExperts(Experts):
 def slot_of(routed: Routed, split: Split) -> dict[int, int]:
     """Expert -> slot of a call's hits and of the misses ``split`` fetched."""
     return routed.hits() | dict(zip(split.fetched.tolist(), split.slots.tolist(), strict=True))
-
-
-def choose_gpu_kernels(layers: list[OffloadExperts], device: torch.device) -> None:
-    """Each layer's GPU compute of cached experts (FREETOKEN_GPU_EXPERT_KERNEL): the fused
-    kernels where every projection's format has one and triton imports, else dequantise +
-    matmul; logged, with a warning when a layer that could be fused is not for want of
-    triton."""
-    from freetoken import env
-    from freetoken.errors import ConfigError
-    from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
-
-    want = env.gpu_expert_kernel()
-    if device.type != "cuda":
-        return
-    able = [m for m in layers if m.bank is not None and fused(m.bank.layout.formats)]
-    reason = unavailable()
-    if want == "fused" and (reason or not able):
-        why = reason or f"no layer's experts are all in {', '.join(KERNELS)}"
-        raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL=fused, but {why}; unset it for auto")
-    if want == "auto" and able and reason:
-        log.warning("GPU expert kernel: %d layers take the slow path (dequantise + matmul) "
-                    "because %s; install triton for the fused kernels", len(able), reason)
-    chosen = able if want != "dequant" and reason is None else []
-    for m in chosen:
-        m.gpu_kernel = "fused"
-    kinds = sorted({m.bank.layout.kind for m in chosen if m.bank is not None})
-    slow = sorted({"/".join(m.bank.layout.formats) for m in layers
-                   if m.bank is not None and m not in chosen})
-    log.info("GPU expert kernel: fused gather-GEMV on %d layer%s%s, dequantise + matmul on "
-             "%d%s", len(chosen), "" if len(chosen) == 1 else "s",
-             f" ({'; '.join(kinds)})" if kinds else "", len(layers) - len(chosen),
-             f" ({'; '.join(slow)}: no fused kernel)" if slow and reason is None
-             and want != "dequant" else "")
 
 
 def offload_stats(model: nn.Module, per_layer: bool = True) -> dict[str, Any] | None:

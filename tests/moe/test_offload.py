@@ -321,7 +321,8 @@ def test_a_fused_kernel_that_fails_to_build_falls_back(tiny_qwen3_moe, tmp_path,
 
 
 def test_gpu_expert_kernel_choice(tiny_qwen3_moe, monkeypatch):
-    from freetoken.moe.offload import OffloadExperts, choose_gpu_kernels
+    from freetoken.moe.attach import choose_gpu_kernels
+    from freetoken.moe.offload import OffloadExperts
 
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", "fast")
     with pytest.raises(ConfigError, match="FREETOKEN_GPU_EXPERT_KERNEL='fast' is not one of"):

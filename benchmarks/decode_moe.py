@@ -202,17 +202,20 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
     them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
-    whatever --temperature says (sampled against greedy in one run), ``+nocheck`` leaves an
+    whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
+    layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
+    one-call plan's twin), ``+nocheck`` leaves an
     online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
     CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "nojoin", "hostnode", "greedy", "nocheck", "timing"}
+                              "pycall", "nojoin", "hostnode", "greedy", "nocheck", "timing"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
+    os.environ["FREETOKEN_LAYER_CALL"] = "python" if "pycall" in options else "native"
     os.environ["FREETOKEN_CPU_HOST_NODE"] = "on" if "hostnode" in options else "off"
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))

@@ -80,12 +80,12 @@ int plan_layer_call(LayerCall* c) {
   } else if (c->wait_first != nullptr && stream_wait != nullptr) {
     err = stream_wait(c->copy.compute_stream, c->wait_first, 0);
   }
-  if (err) return -4 - err;
+  if (err) return err == -1 ? -4 : kDriverError - err;
   std::memcpy(c->staged, c->table, (size_t)c->table_bytes);
   uint64_t src = (uint64_t)(uintptr_t)c->staged;
   err = copy_spans(*c->api, c->copy.compute_stream, 1, &c->device_table, &src,
                    &c->table_bytes, nullptr, 0);
-  return err ? -4 - err : 0;
+  return err == -1 ? -4 : err ? kDriverError - err : 0;
 }
 
 }  // namespace ft

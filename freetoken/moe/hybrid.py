@@ -57,6 +57,7 @@ class _Pending:
     future: CpuMoeFuture | None
     overhead: float
     host: HostCopies | None
+    split: bool  # a split's call, whose times the split's model learns from
 
 
 class _Calls:
@@ -178,7 +179,7 @@ class HybridExperts(OffloadExperts):
 
     def _pend(self, x: torch.Tensor, hits: int, fetched: int, on_cpu: int, fetch: Span | None,
               future: CpuMoeFuture | None, overhead: float, host: HostCopies | None,
-              t0: float) -> None:
+              t0: float, split: bool = True) -> None:
         """A planned call whose CPU share runs on, left for :meth:`_finish`: its counts
         recorded now, while the engine thread's caches are its own (after its wait for the
         CPU they hold expert weights), its CPU time by :meth:`_finish`."""
@@ -187,7 +188,7 @@ class HybridExperts(OffloadExperts):
         rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
                         fetch=fetch, cpu_experts=on_cpu, plan_s=time.perf_counter() - t0)
         rt.stats.set_fraction(layer, self.policy.share)
-        self.calls.pending = _Pending(x, fetched, on_cpu, fetch, future, overhead, host)
+        self.calls.pending = _Pending(x, fetched, on_cpu, fetch, future, overhead, host, split)
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
         """Offload's, with the CPU's job; the Python plan while the pool has no room."""
@@ -236,7 +237,8 @@ class HybridExperts(OffloadExperts):
         t0 = time.perf_counter()
         self.calls.last = None
         came = self.incoming  # nothing the layer before fetched is read
-        came.predicted, came.prefetched, came.arrived = None, set(), 0
+        came.clear()
+        came.arrived = 0
         if not self.calls.table_empty:  # an empty table stays so until a split publishes
             layer = self.shape.layer
             self.runtime.cache.pool(layer).publish(layer, empty=True)
@@ -248,7 +250,8 @@ class HybridExperts(OffloadExperts):
             flat = (to_host(ids.reshape(-1)) if ids.is_cuda else ids.reshape(-1)).long()
             future = self._submit(x, ids, w, flat)
         experts = flat.numel() if x.shape[0] == 1 else len(set(flat.reshape(-1).tolist()))
-        self._pend(x, 0, 0, experts, None, future, time.perf_counter() - t0, host, t0)
+        self._pend(x, 0, 0, experts, None, future, time.perf_counter() - t0, host, t0,
+                   split=False)
 
     def _finish(self) -> torch.Tensor | None:
         """The CPU's result of the last plan on the device (between graph pieces: in
@@ -258,7 +261,8 @@ class HybridExperts(OffloadExperts):
             return None
         cpu_out, t_cpu, overhead = self._collect(p.future, p.on_cpu, p.x, p.overhead,
                                                   p.host)
-        self.calls.last = (p.on_cpu, t_cpu, p.fetched, p.fetch, overhead)
+        if p.split:
+            self.calls.last = (p.on_cpu, t_cpu, p.fetched, p.fetch, overhead)
         if t_cpu:
             assert self.runtime is not None
             self.runtime.stats.record_cpu(self.shape.layer, t_cpu)

@@ -37,6 +37,7 @@ from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.stats import Span
 
 STREAMS = 1  # plan_layer_call's answer for a call that streams its misses instead
+DRIVER_ERROR = -1000  # csrc/layer_call.h kDriverError: its answer less the driver's error
 
 
 class LayerCall:
@@ -118,8 +119,10 @@ class LayerCall:
             raise RuntimeError(f"expert cache: {c.num_slots} slots, none left to evict")
         if code == -3:
             raise ValueError(f"layer {c.layer}: the CPU pool refused the call's job")
+        if code == -4:
+            raise RowCopyError("the CUDA driver's entry points for the copies are incomplete")
         raise RowCopyError(f"layer {c.layer}: copying {c.n_fetched} expert rows failed: CUDA "
-                           f"driver error {-4 - code}")
+                           f"driver error {DRIVER_ERROR - code}")
 
     def routed(self) -> Routed:
         """The call's experts, their uses and slots (before the split), as the pool's route

@@ -63,6 +63,10 @@ class Incoming:
     prefetched: set[int] = field(default_factory=set)  # of those, the misses it fetched
     arrived: int = 0  # experts of the last call that it had fetched
 
+    def clear(self) -> None:
+        """Read by the call it was for (what was fetched stays in the cache)."""
+        self.predicted, self.prefetched = None, set()
+
 
 class OffloadExperts(Experts):
     """One MoE layer's experts in a host bank, computed from cache slots on the model's device."""
@@ -178,7 +182,7 @@ class OffloadExperts(Experts):
                 self.runtime.stats.record_lookahead(self.shape.layer, len(came.predicted),
                                                     len(came.predicted & needed), len(needed))
             came.arrived = len(came.prefetched & needed)
-            came.predicted, came.prefetched = None, set()
+            came.clear()
 
     def _must_stream(self, needed: int, misses: int, pool: SlotPool) -> bool:
         return needed > pool.num_slots or misses > self._stream_above()

@@ -545,6 +545,35 @@ def test_the_cpu_arm_runs_every_pair_on_the_pool(q8_gguf, tmp_path, monkeypatch,
     assert stats["cpu_experts"] > 0 and stats["bytes_fetched"] == 0 and stats["hits"] == 0
 
 
+def test_the_cpu_arms_times_do_not_reach_the_splits_model(q8_gguf, tmp_path, monkeypatch,
+                                                         gather_on_cpu):
+    """Calls the cpu arm ran (every pair on the pool) are not the split's: when the check
+    moves on to the split, the model learns nothing from them, only from the split's own
+    calls."""
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    m = _hybrid(q8_gguf)[1][0]
+    seen: list[tuple] = []
+    monkeypatch.setattr(m.policy, "observe", lambda *a: seen.append(a))
+    check = m.policy.costs.check
+    assert check is not None
+    g = torch.Generator().manual_seed(0)
+
+    def call() -> None:
+        x = torch.randn(1, m.shape.hidden, generator=g)
+        ids = torch.randperm(m.shape.num_experts, generator=g)[:m.shape.top_k].view(1, -1)
+        m._plan(x, ids, torch.rand(1, m.shape.top_k, generator=g))
+        m._finish()
+
+    check.hold("cpu")
+    for _ in range(3):
+        call()
+    check.hold("split")
+    call()
+    assert seen == []
+    call()
+    assert len(seen) == 1  # the split's first call
+
+
 def _eager_and_between_pieces(layers: list[HybridExperts], g: torch.Generator,
                               dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """One call of 2 experts planned eagerly on ``layers[0]`` and between graph pieces on

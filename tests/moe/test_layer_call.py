@@ -150,3 +150,26 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
     assert (stats[0]["prefetched"] > 0) == (lookahead == "on"), stats[0]["prefetched"]
     assert kinds >= ({"planned", "cpu", "streamed"} if strategy == "hybrid"
                      else {"planned", "streamed"}), kinds
+
+
+@pytest.mark.parametrize("strategy", ["hybrid", "offload"])
+def test_an_expert_id_out_of_range_is_refused_as_the_python_plan_refuses_it(
+        q8_gguf, tmp_path, monkeypatch, strategy):
+    """Routed ids the layer does not have: both plans raise the same error, and the library's
+    leaves the cache as it was."""
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    twins = _twins(q8_gguf, strategy, "off", "cpu", monkeypatch)
+    s = twins[0][0].shape
+    errors = []
+    for layers in twins:
+        m = layers[0]
+        bad = torch.tensor([[0, s.num_experts]])
+        host = HostCopies(torch.zeros(1, s.hidden), bad, torch.zeros(1, s.top_k),
+                          torch.zeros(1, s.hidden))
+        pool = m.runtime.cache.pool(s.layer)
+        before = pool.state()
+        with pytest.raises(ValueError, match="routed to an expert it lacks") as e:
+            m._plan(host.x, bad, host.w, host)
+        assert pool.state() == before
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]

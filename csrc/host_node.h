@@ -14,6 +14,7 @@ struct HostNodeStep {
   int64_t rows;
   int64_t failures;
   int64_t last_error;  // the last refused job's code (Executor::submit's)
+  int64_t core;        // the core a thread running the jobs is pinned to first (-1: none)
 };
 
 // One layer's job: pinned float32 x (T, H), int64 ids and float32 w (T, A), float32 out
@@ -29,7 +30,9 @@ struct HostNodeJob {
 };
 
 // The job on the step's live rows, submitted and waited on the calling thread; a refusal is
-// counted in the step (a host function has no caller to return it to).
+// counted in the step (a host function has no caller to return it to). With the step's core
+// set, the calling thread is pinned to it first (once per thread): the driver's host thread,
+// unpinned, would otherwise share a pool worker's core while it joins the job.
 void run_host_node(HostNodeJob& job);
 
 }  // namespace ft

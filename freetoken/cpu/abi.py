@@ -104,7 +104,8 @@ class RowCopy(c.Structure):
 class HostNodeStep(c.Structure):
     """csrc/host_node.h HostNodeStep: what one decode graph's host nodes share."""
 
-    _fields_ = [("rows", c.c_int64), ("failures", c.c_int64), ("last_error", c.c_int64)]
+    _fields_ = [("rows", c.c_int64), ("failures", c.c_int64), ("last_error", c.c_int64),
+                ("core", c.c_int64)]
 
 
 class HostNodeJob(c.Structure):

@@ -5,7 +5,9 @@ host thread runs the pool's job on them (``ft_host_node_run``, queued with the d
 ``cuLaunchHostFunc``; it calls no CUDA API) and the graph copies the result back: the device
 waits for the CPU in the stream, and no Python runs between the layers. :meth:`HostNodes.run`
 calls the same function on the calling thread, the twin the CPU tests compare with the pool's
-own job.
+own job. The driver's host thread is pinned to the engine thread's core at its first job:
+unpinned, it may share a pool worker's core while it joins the job (the workers have the
+others), and a worker that loses its core stalls the job.
 
 One :class:`HostNodes` per decode graph: its jobs share a :class:`~abi.HostNodeStep` whose
 ``rows`` the graph runner sets before each replay (padded rows are not computed), and count
@@ -24,6 +26,7 @@ import torch
 
 from freetoken import env
 from freetoken.cpu import abi
+from freetoken.cpu.cores import core_plan, usable_cores
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.cpu.gpu_wait import GpuWait
 from freetoken.cpu.library import native
@@ -51,7 +54,7 @@ class HostNodes:
 
     def __init__(self) -> None:
         self.lib = native()
-        self.step = abi.HostNodeStep()
+        self.step = abi.HostNodeStep(core=-1)
         self.jobs: list[tuple[abi.HostNodeJob, tuple[torch.Tensor, ...]]] = []
         self._run = ctypes.cast(self.lib.ft_host_node_run, ctypes.c_void_p).value
         self._done: GpuWait | None = None  # made by the first wait()
@@ -73,6 +76,9 @@ class HostNodes:
         launch = launch_host_func()
         if isinstance(launch, str):
             raise HostNodeError(launch)
+        # the driver's host thread runs the jobs on the engine thread's core, which is free
+        # while the engine thread waits for the replay asleep (see wait)
+        self.step.core = core_plan(usable_cores(), True).engine
         err = launch(stream, self._run, ctypes.addressof(job))
         if err:
             raise HostNodeError(f"cuLaunchHostFunc failed: CUDA driver error {err}")

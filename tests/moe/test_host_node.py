@@ -42,6 +42,32 @@ def _inputs(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return x, ids, torch.softmax(torch.randn(T, 2, generator=g), -1)
 
 
+def test_a_thread_running_the_jobs_is_pinned_to_the_steps_core_first(pool) -> None:
+    """The driver's host thread runs a graph's jobs pinned to the step's core (the engine
+    thread's); without a core the caller stays as it was (the CPU twin's calls)."""
+    import os
+    import threading
+
+    x, ids, w = _inputs(1, 1)
+    nodes = HostNodes()
+    job = nodes.job(pool, SHAPE.layer, x, ids, w, torch.zeros(1, SHAPE.hidden))
+    nodes.set_rows(1)
+    core = max(os.sched_getaffinity(0))
+    masks = {}
+
+    def runs(name: str, pin: int) -> None:
+        nodes.step.core = pin
+        nodes.run(job)
+        masks[name] = os.sched_getaffinity(0)  # this thread's
+
+    for name, pin in (("unpinned", -1), ("pinned", core)):
+        t = threading.Thread(target=runs, args=(name, pin))
+        t.start()
+        t.join()
+    assert masks == {"unpinned": os.sched_getaffinity(0), "pinned": {core}}
+    assert nodes.step.failures == 0
+
+
 def test_the_host_function_gives_the_pools_job_on_the_live_rows(pool) -> None:
     T = 4
     x, ids, w = (t.clone() for t in _inputs(T, 1))

@@ -1,6 +1,7 @@
 """Which cores this process may use (affinity mask and cgroup CPU quota, not the machine's
 count), and who runs on them: the engine thread, torch's intra-op threads and the CPU pool's
-pinned workers never share a core by accident (:class:`CorePlan`)."""
+pinned workers never share a core by accident (:class:`CorePlan`; :func:`pin_beside_pool`
+keeps the process's other threads off the workers' cores)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+_BEFORE_PIN: list[int] | None = None  # usable_cores() before pin_beside_pool narrowed the mask
+
+
 def usable_cores() -> list[int]:
-    """Cores in the affinity mask, cut to the cgroup quota (cpu.max) when one is set."""
+    """Cores in the affinity mask, cut to the cgroup quota (cpu.max) when one is set (the
+    process's, as it was before :func:`pin_beside_pool`)."""
+    if _BEFORE_PIN is not None:
+        return list(_BEFORE_PIN)
     cores = sorted(os.sched_getaffinity(0))
     quota = _cgroup_quota()
     if quota is not None and quota < len(cores):
@@ -84,12 +91,16 @@ class CorePlan:
     def engine(self) -> int:
         return self.usable[0]
 
+    @property
+    def spare(self) -> list[int]:
+        """The cores the pool's workers leave (the engine thread's, torch's)."""
+        return [c for c in self.usable if c not in self.workers] or [self.engine]
+
     def line(self) -> str:
         """The startup line: every thread of the engine process and its cores."""
-        spare = [c for c in self.usable if c not in self.workers] or [self.engine]
         text = (f"core plan: {len(self.usable)} usable ({describe_cores(list(self.usable))}); "
                 f"engine thread on core {self.engine}, torch {self.torch_threads} intra-op "
-                f"thread{'s' * (self.torch_threads != 1)} on {describe_cores(spare)}")
+                f"thread{'s' * (self.torch_threads != 1)} on {describe_cores(self.spare)}")
         if not self.workers:
             return text + "; no CPU pool"
         pinned = describe_cores(list(self.workers))
@@ -127,3 +138,25 @@ def core_plan(usable: list[int], pool: bool, threads: int | None = None) -> Core
     asked = n if n > len(free) else None
     n = min(n, len(free))
     return CorePlan(tuple(usable), tuple(free[:n]), len(usable) - n, asked)
+
+
+def pin_beside_pool(plan: CorePlan) -> list[int] | None:
+    """Keep every thread of this process off the pool's cores but the workers: the threads
+    there now (the caller, the engine thread to be, and its helpers) and those they start
+    later (torch's intra-op threads, the CUDA driver's; the workers pin themselves) get the
+    cores the plan leaves, so none of them takes a worker's core by accident. Call it before
+    the pool starts. Returns those cores, or None where nothing was pinned (no pool, the one
+    usable core shared, no affinity masks). :func:`usable_cores` answers as before, so a later
+    plan is the same plan."""
+    global _BEFORE_PIN
+    spare = plan.spare
+    if not plan.workers or set(spare) & set(plan.workers) or not hasattr(os, "sched_setaffinity"):
+        return None
+    if _BEFORE_PIN is None:
+        _BEFORE_PIN = usable_cores()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), spare)
+        except OSError:  # a thread that has exited meanwhile
+            pass
+    return spare

@@ -16,7 +16,7 @@ import torch
 from freetoken.config import EngineConfig
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.engine.detok import Detokenizer
-from freetoken.engine.resolve import resolve_engine
+from freetoken.engine.resolve import configure_threads, resolve_engine
 from freetoken.engine.runner import ModelRunner
 from freetoken.engine.sample import SamplingParams, generator, sample
 from freetoken.errors import FreeTokenError
@@ -116,7 +116,9 @@ def generate_main(args: argparse.Namespace) -> int:
         params.validate()
     except ValueError as e:
         raise FreeTokenError(str(e)) from e
-    engine = Engine(resolve_engine(args), progress=sys.stderr.isatty())
+    cfg = resolve_engine(args)
+    configure_threads(cfg, pin=True)  # this process runs one engine: off the pool's cores
+    engine = Engine(cfg, progress=sys.stderr.isatty())
     ids = engine.encode(args.prompt)
     detok = Detokenizer(engine.tokenizer)
     stats = GenerationStats()

@@ -11,7 +11,7 @@ import torch
 
 from freetoken.checkpoint import default_model_path, open_checkpoint
 from freetoken.config import KV_RESERVE_TOKENS, MOE_CPU_SPIN_US, CacheSizing, EngineConfig
-from freetoken.cpu.cores import core_plan, usable_cores
+from freetoken.cpu.cores import core_plan, pin_beside_pool, usable_cores
 from freetoken.cpu.library import available as native_available
 from freetoken.errors import ConfigError
 from freetoken.moe.plan import wants_pool
@@ -23,12 +23,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def configure_threads(cfg: EngineConfig | None = None) -> int:
+def configure_threads(cfg: EngineConfig | None = None, pin: bool = False) -> int:
     """torch's intra-op threads: one per usable core (affinity mask and cgroup quota), less the
-    cores the CPU expert pool takes when the strategy (or one ``auto`` may pick) needs it."""
+    cores the CPU expert pool takes when the strategy (or one ``auto`` may pick) needs it.
+    ``pin`` (a process that runs one engine, before its pool starts): the process's threads
+    are kept off the pool's cores (:func:`pin_beside_pool`)."""
     pool = cfg is not None and wants_pool(cfg)
     plan = core_plan(usable_cores(), pool, (cfg.moe_cpu_threads or None) if cfg else None)
     torch.set_num_threads(plan.torch_threads)
+    if pin:
+        pin_beside_pool(plan)
     return plan.torch_threads
 
 

@@ -110,7 +110,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
             outbox.send(message)
 
     try:
-        configure_threads(cfg.engine)
+        configure_threads(cfg.engine, pin=True)
         runner = ModelRunner(cfg.engine, kv_tokens=cfg.kv_tokens, page_size=cfg.page_size,
                              progress=False)
         watch = (Watchdog(cfg.watchdog_s, interval_s=min(1.0, cfg.watchdog_s / 2),

@@ -3,6 +3,7 @@ what the flags asked for beyond the usable cores is cut and said."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -72,6 +73,59 @@ def test_an_affinity_mask_of_one_core_is_what_the_engine_plans_for():
                          check=True).stdout.splitlines()
     assert out[0] == f"({core},)"
     assert "1 usable" in out[1] and "shared with the engine thread" in out[1]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(usable_cores()) < 2,
+                    reason="needs Linux affinity masks and two usable cores")
+def test_the_processs_threads_stay_off_the_pools_cores():
+    """In a process that runs one engine, every thread but the pool's workers runs on the
+    cores the plan leaves them, as the kernel reports each thread's mask: threads started
+    before the pin and after it (torch's, the driver's would be); each worker on its own core;
+    and a later plan sees the cores it saw before."""
+    from freetoken.cpu.library import available
+
+    if available() is not None:
+        pytest.skip(str(available()))
+    code = """
+import json, os, threading, time
+from freetoken.cpu.cores import core_plan, pin_beside_pool, usable_cores
+from freetoken.cpu.executor import CpuMoeExecutor
+before = usable_cores()
+plan = core_plan(before, True)
+done = threading.Event()
+threading.Thread(target=done.wait).start()
+spare = pin_beside_pool(plan)
+threading.Thread(target=done.wait).start()
+pool = CpuMoeExecutor(threads=len(plan.workers))
+for _ in range(200):  # the workers pin themselves once they run
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        for line in open(f"/proc/self/task/{tid}/status"):
+            if line.startswith("Cpus_allowed_list"):
+                masks[tid] = line.split(":")[1].strip()
+    if all(str(c) in masks.values() for c in plan.workers):
+        break
+    time.sleep(0.01)
+done.set()
+print(json.dumps({"spare": spare, "workers": list(plan.workers), "masks": masks,
+                  "same": usable_cores() == before}))
+"""
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                    check=True, timeout=120).stdout.splitlines()[-1])
+
+    def cores(text: str) -> set[int]:
+        got: set[int] = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            got |= set(range(int(lo), int(hi or lo) + 1))
+        return got
+
+    masks = [cores(m) for m in out["masks"].values()]
+    workers = [m for m in masks if len(m) == 1 and m <= set(out["workers"])]
+    assert sorted(next(iter(m)) for m in workers) == sorted(out["workers"])
+    assert all(m == set(out["spare"]) for m in masks if m not in workers)
+    assert len(masks) - len(workers) >= 3  # this thread, the two started around the pin
+    assert out["same"]
 
 
 @pytest.fixture(scope="module")

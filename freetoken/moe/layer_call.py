@@ -80,6 +80,7 @@ class LayerCall:
         c.table, c.staged, c.device_table, c.table_bytes = pool.table_buffers(layer)
         c.rule.held, c.rule.share = True, 1.0  # every miss fetched, unless a split's rule
         self._ref = ctypes.byref(c)
+        self.fetch: Span | None = None  # the last call's copies
 
     def run(self) -> int:
         """Plan the call: 0 (planned: :attr:`fetch` is its copies' span, or None) or
@@ -102,7 +103,7 @@ class LayerCall:
             if span is None:
                 span = Span(None)
                 span.seconds = c.copy_ns / 1e9
-            self.fetch: Span | None = span
+            self.fetch = span
         else:
             if span is not None:
                 rt.events.give(span.start, span.end)

@@ -17,9 +17,10 @@ from freetoken.moe.pieces import HostCopies
 
 class HostJob:
     """The pool's job on one set of host copies: its ids buffer, float32 copies of x and w
-    where the host copies are of another dtype, and the executor's prepared job, whose result
-    the pool writes into ``host.cpu_out``. The ids are its own: the host copies keep the
-    routed ids the plan read."""
+    where the host copies are of another dtype, and the executor's prepared jobs, whose result
+    the pool writes into ``host.cpu_out``: one on its own ids (a caller's choice of pairs; the
+    host copies keep the routed ids the plan read), one on the routed ids in place (every
+    pair: nothing copied)."""
 
     def __init__(self, executor: cx.CpuMoeExecutor, layer: int, host: HostCopies) -> None:
         self.host = host
@@ -29,6 +30,9 @@ class HostJob:
             host.w.shape, dtype=torch.float32)
         self.ids = torch.empty(host.ids.shape, dtype=torch.int64)  # a caller may fill them
         self.job = executor.prepare(self.x, self.ids, self.w, layer, host.cpu_out)
+        self.every_pair = (executor.prepare(self.x, host.ids, self.w, layer, host.cpu_out)
+                           if host.ids.dtype is torch.int64 and host.ids.is_contiguous()
+                           else None)
         self.executor = executor
 
     def submit(self, all_pairs: bool) -> CpuMoeFuture:
@@ -38,6 +42,8 @@ class HostJob:
             self.x.copy_(self.host.x)
         if self.w is not self.host.w:
             self.w.copy_(self.host.w)
+        if all_pairs and self.every_pair is not None:
+            return self.executor.submit_prepared(self.every_pair)
         if all_pairs:
             self.ids.copy_(self.host.ids)
         return self.executor.submit_prepared(self.job)

@@ -284,6 +284,15 @@ class CpuMoeExecutor:
                              f"{self.layers[job.layer].experts}")
         return CpuMoeFuture(self, ticket, job.out, job.keep)
 
+    def run_prepared(self, job: PreparedJob) -> float:
+        """:meth:`submit_prepared` and the wait in one call into the library (the calling
+        thread joins the job); returns the pool's seconds on it."""
+        ns = ctypes.c_int64(0)
+        if self._run_in_slot(self._lib.ft_run, job.layer, *job.args, ctypes.byref(ns)) < 0:
+            raise ValueError(f"layer {job.layer}: expert ids must be < "
+                             f"{self.layers[job.layer].experts}")
+        return ns.value / 1e9
+
     @property
     def has_room(self) -> bool:
         """Whether one more job may be in flight now."""

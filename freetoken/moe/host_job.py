@@ -49,6 +49,19 @@ class HostJob:
         return self.executor.submit_prepared(self.job)
 
 
+    def run(self) -> float:
+        """Every routed pair, submitted and waited for in one call into the library (the
+        calling thread joins the job); the pool's seconds on it. The result is in
+        ``host.cpu_out``."""
+        if self.x is not self.host.x:
+            self.x.copy_(self.host.x)
+        if self.w is not self.host.w:
+            self.w.copy_(self.host.w)
+        if self.every_pair is None:
+            self.ids.copy_(self.host.ids)
+        return self.executor.run_prepared(self.every_pair or self.job)
+
+
 class HostJobs:
     """One layer's :class:`HostJob` per set of host copies (a decode graph per batch size,
     each with its own pinned buffers and row counts)."""

@@ -35,6 +35,17 @@ def git_sha() -> str | None:
     return os.environ.get("FREETOKEN_GIT_SHA", "").strip() or None
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str:
+    """Variable ``name``, one of ``choices`` (unset or empty: the first), or a clear error."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}; unset it for "
+                          f"{choices[0]}")
+    return value
+
+
 ROW_COPIES = ("native", "torch")
 EXPERT_SLOTS = ("native", "python")
 
@@ -44,39 +55,21 @@ def layer_call() -> str:
     (route, split, the CPU's job, the copies, the slot table): ``native`` (default, one
     library call, where the library makes the slot decisions) or ``python`` (the slow twin:
     a call into the library per step)."""
-    value = os.environ.get("FREETOKEN_LAYER_CALL", "native").strip().lower() or "native"
-    if value not in EXPERT_SLOTS:
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_LAYER_CALL={value!r} is not one of "
-                          f"{', '.join(EXPERT_SLOTS)}; unset it for native")
-    return value
+    return _choice("FREETOKEN_LAYER_CALL", EXPERT_SLOTS)
 
 
 def expert_slots() -> str:
     """FREETOKEN_EXPERT_SLOTS: who makes the expert cache's slot decisions (LRU, hits and
     misses, the hybrid split's fetched and CPU experts): ``native`` (default, the library,
     where it loads) or ``python`` (the slow twin)."""
-    value = os.environ.get("FREETOKEN_EXPERT_SLOTS", "native").strip().lower() or "native"
-    if value not in EXPERT_SLOTS:
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_EXPERT_SLOTS={value!r} is not one of "
-                          f"{', '.join(EXPERT_SLOTS)}; unset it for native")
-    return value
+    return _choice("FREETOKEN_EXPERT_SLOTS", EXPERT_SLOTS)
 
 
 def row_copy() -> str:
     """FREETOKEN_ROW_COPY: how an offloaded layer's misses are copied into the expert cache:
     ``native`` (default: one library call queues a call's copies and their stream ordering)
     or ``torch`` (a torch copy per expert: the slow twin)."""
-    value = os.environ.get("FREETOKEN_ROW_COPY", "native").strip().lower() or "native"
-    if value not in ROW_COPIES:
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_ROW_COPY={value!r} is not one of "
-                          f"{', '.join(ROW_COPIES)}; unset it for native")
-    return value
+    return _choice("FREETOKEN_ROW_COPY", ROW_COPIES)
 
 
 GPU_EXPERT_KERNELS = ("auto", "fused", "dequant")
@@ -87,16 +80,11 @@ def gpu_expert_kernel() -> str:
     ``fused`` (slots read in place by Triton kernels: Q8_0, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4),
     ``dequant`` (slots copied out, dequantised, batched matmuls: resident's bits) or ``auto``
     (default: fused where every projection's format has a kernel and triton imports)."""
-    value = os.environ.get("FREETOKEN_GPU_EXPERT_KERNEL", "auto").strip().lower() or "auto"
-    if value not in GPU_EXPERT_KERNELS:
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_GPU_EXPERT_KERNEL={value!r} is not one of "
-                          f"{', '.join(GPU_EXPERT_KERNELS)}; unset it for auto")
-    return value
+    return _choice("FREETOKEN_GPU_EXPERT_KERNEL", GPU_EXPERT_KERNELS)
 
 
 CPU_HOST_NODES = ("off", "on")
+WALL_CHECKS = ("on", "off")
 
 
 def gemv_launch() -> str:
@@ -112,22 +100,11 @@ def wall_check() -> str:
     """FREETOKEN_WALL_CHECK: whether an online hybrid split is checked against other fetched
     shares by the decode steps' own wall time (``moe/wall_check.py``): ``on`` (default) or
     ``off`` (the online cost model alone decides the split)."""
-    value = os.environ.get("FREETOKEN_WALL_CHECK", "on").strip().lower() or "on"
-    if value not in ("on", "off"):
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_WALL_CHECK={value!r} is not on or off; unset it for on")
-    return value
+    return _choice("FREETOKEN_WALL_CHECK", WALL_CHECKS)
 
 
 def cpu_host_node() -> str:
     """FREETOKEN_CPU_HOST_NODE: how decode CUDA graphs run the cpu strategy's pool jobs:
     ``off`` (default: a host step between two graph pieces per layer) or ``on`` (each job a
     host node inside the graph, run by the CUDA driver's thread: one replay a step)."""
-    value = os.environ.get("FREETOKEN_CPU_HOST_NODE", "off").strip().lower() or "off"
-    if value not in CPU_HOST_NODES:
-        from freetoken.errors import ConfigError
-
-        raise ConfigError(f"FREETOKEN_CPU_HOST_NODE={value!r} is not one of "
-                          f"{', '.join(CPU_HOST_NODES)}; unset it for off")
-    return value
+    return _choice("FREETOKEN_CPU_HOST_NODE", CPU_HOST_NODES)

@@ -38,28 +38,26 @@ class HostJob:
     def submit(self, all_pairs: bool) -> CpuMoeFuture:
         """The job on the host copies' current values: every routed pair (``all_pairs``), or
         the pairs a caller wrote into :attr:`ids` (-1: a pair that is not the CPU's)."""
-        if self.x is not self.host.x:
-            self.x.copy_(self.host.x)
-        if self.w is not self.host.w:
-            self.w.copy_(self.host.w)
-        if all_pairs and self.every_pair is not None:
-            return self.executor.submit_prepared(self.every_pair)
-        if all_pairs:
-            self.ids.copy_(self.host.ids)
-        return self.executor.submit_prepared(self.job)
-
+        return self.executor.submit_prepared(self._filled(all_pairs))
 
     def run(self) -> float:
         """Every routed pair, submitted and waited for in one call into the library (the
         calling thread joins the job); the pool's seconds on it. The result is in
         ``host.cpu_out``."""
+        return self.executor.run_prepared(self._filled(all_pairs=True))
+
+    def _filled(self, all_pairs: bool) -> cx.PreparedJob:
+        """The prepared job to run, its buffers filled from the host copies."""
         if self.x is not self.host.x:
             self.x.copy_(self.host.x)
         if self.w is not self.host.w:
             self.w.copy_(self.host.w)
-        if self.every_pair is None:
-            self.ids.copy_(self.host.ids)
-        return self.executor.run_prepared(self.every_pair or self.job)
+        if not all_pairs:
+            return self.job
+        if self.every_pair is not None:
+            return self.every_pair
+        self.ids.copy_(self.host.ids)
+        return self.job
 
 
 class HostJobs:

@@ -183,11 +183,7 @@ class HybridExperts(OffloadExperts):
         """A planned call whose CPU share runs on, left for :meth:`_finish`: its counts
         recorded now, while the engine thread's caches are its own (after its wait for the
         CPU they hold expert weights), its CPU time by :meth:`_finish`."""
-        rt, bank, layer = self.runtime, self.bank, self.shape.layer
-        assert rt is not None and bank is not None
-        rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
-                        fetch=fetch, cpu_experts=on_cpu, plan_s=time.perf_counter() - t0)
-        rt.stats.set_fraction(layer, self.policy.share)
+        self._record(x, hits, fetched, on_cpu, fetch, None, 0.0, time.perf_counter() - t0)
         self.calls.pending = _Pending(x, fetched, on_cpu, fetch, future, overhead, host, split)
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
@@ -286,8 +282,8 @@ class HybridExperts(OffloadExperts):
                else torch.zeros_like(x))
         compute.stop()
         cpu_out, t_cpu, overhead = self._collect(future, split.cpu, x, overhead)
-        self._record(x, routed.n_hits, split.fetched.size, split.cpu, fetch, compute, t_cpu,
-                     overhead)
+        self.calls.last = (split.cpu, t_cpu, split.fetched.size, fetch, overhead)
+        self._record(x, routed.n_hits, split.fetched.size, split.cpu, fetch, compute, t_cpu)
         return out if cpu_out is None else out + cpu_out
 
     def _split(self, pool: SlotPool, flat: torch.Tensor, routed: Routed,
@@ -375,12 +371,11 @@ class HybridExperts(OffloadExperts):
         return staged.to(x.device, non_blocking=True)
 
     def _record(self, x: torch.Tensor, hits: int, fetched: int, on_cpu: int,
-                fetch: Span | None, compute: Span | None, t_cpu: float, overhead: float,
+                fetch: Span | None, compute: Span | None, t_cpu: float,
                 plan_s: float = 0.0) -> None:
-        """A call's counts of experts (hits, fetched, on the CPU) and times."""
+        """A call's counts of experts (hits, fetched, on the CPU) and times in the stats."""
         rt, bank, layer = self.runtime, self.bank, self.shape.layer
         assert rt is not None and bank is not None
-        self.calls.last = (on_cpu, t_cpu, fetched, fetch, overhead)
         rt.stats.record(layer, x.shape[0], hits, fetched, fetched * bank.expert_bytes,
                         fetch=fetch, compute=compute, cpu_experts=on_cpu, cpu_s=t_cpu,
                         plan_s=plan_s)

@@ -19,7 +19,7 @@ Threads: the engine's main thread only (as the expert cache).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
@@ -27,6 +27,20 @@ import torch
 
 PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
 PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
+
+
+@dataclass
+class Incoming:
+    """What the layer before's look-ahead did for a layer's next call (a plain object: the
+    engine thread writes it every call, which an nn.Module attribute makes slow)."""
+
+    predicted: set[int] | None = None  # the experts it predicted
+    prefetched: set[int] = field(default_factory=set)  # of those, the misses it fetched
+    arrived: int = 0  # experts of the last call that it had fetched
+
+    def clear(self) -> None:
+        """Read by the call it was for (what was fetched stays in the cache)."""
+        self.predicted, self.prefetched = None, set()
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.host_job import HostJob
 from freetoken.moe.layer_call import STREAMS, LayerCall, LayerCalls, library_plans
-from freetoken.moe.lookahead import Lookahead
+from freetoken.moe.lookahead import Incoming, Lookahead
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.prefill_stream import PrefillStream
 from freetoken.moe.runtime import OffloadRuntime
@@ -52,20 +51,6 @@ from freetoken.quant import QuantTensor
 log = logging.getLogger(__name__)
 
 STREAM_ABOVE = 0.5  # stream when a call misses more than this fraction of a layer's experts
-
-
-@dataclass
-class Incoming:
-    """What the layer before's look-ahead did for a layer's next call (a plain object: the
-    engine thread writes it every call, which an nn.Module attribute makes slow)."""
-
-    predicted: set[int] | None = None  # the experts it predicted
-    prefetched: set[int] = field(default_factory=set)  # of those, the misses it fetched
-    arrived: int = 0  # experts of the last call that it had fetched
-
-    def clear(self) -> None:
-        """Read by the call it was for (what was fetched stays in the cache)."""
-        self.predicted, self.prefetched = None, set()
 
 
 class OffloadExperts(Experts):

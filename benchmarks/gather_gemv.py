@@ -58,7 +58,9 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(g.replay, replays) / calls
 
 
-SWEEP = {"rows": (1, 2, 4), "step": (4, 8, 16, 32), "warps": (1, 2, 4), "bits": (False, True)}
+SWEEP = {"rows": (1, 2, 4, 8), "step": (4, 8, 16, 32), "warps": (1, 2, 4),
+         "bits": (False, True)}
+BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4"}  # kernels with a bits choice
 
 
 def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
@@ -66,7 +68,7 @@ def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
     layer; ``step`` only where a kernel loops over several blocks)."""
     saved = dict(gather_gemv.KERNELS)
     looped = any(saved[f].step > 1 for f in formats)
-    bits = SWEEP["bits"] if {"q8_0", "mxfp4"} & set(formats) else (False,)
+    bits = SWEEP["bits"] if BITS_FORMATS & set(formats) else (False,)
     rows = []
     try:
         for r, st, w, b in itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
@@ -167,7 +169,7 @@ def main() -> None:
             best = r["sweep"][0]
             r["launch"] = " ".join(
                 f"{f}={best['rows']},{best['step']},{best['warps']}"
-                + (f",{best['bits']:d}" if f in ("q8_0", "mxfp4") else "")
+                + (f",{best['bits']:d}" if f in BITS_FORMATS else "")
                 for f in sorted(set(r["formats"].split("/"))))
             print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),

@@ -83,6 +83,17 @@ def gpu_expert_kernel() -> str:
     return _choice("FREETOKEN_GPU_EXPERT_KERNEL", GPU_EXPERT_KERNELS)
 
 
+RESIDENT_BLOCKS = ("regrouped", "file")
+
+
+def resident_blocks() -> str:
+    """FREETOKEN_RESIDENT_BLOCKS: how resident experts kept as blocks on a GPU lie there:
+    ``regrouped`` (default: Q8_0 rows of whole 256-weight groups as Q8_0x8, which the fused
+    kernel reads 16 bytes a load) or ``file`` (the file's blocks as they are, as the expert
+    cache holds them: offload's kernels and bits)."""
+    return _choice("FREETOKEN_RESIDENT_BLOCKS", RESIDENT_BLOCKS)
+
+
 CPU_HOST_NODES = ("off", "on")
 WALL_CHECKS = ("on", "off")
 

@@ -81,6 +81,7 @@ def unavailable() -> str | None:
 # keeps the first choice (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
 KERNELS: dict[str, FusedKernel] = {
     "q8_0": FusedKernel("q8_0", step=8, rows=2, warps=2),
+    "q8_0x8": FusedKernel("q8_0x8", step=8, rows=2, warps=2),
     "q5_0": FusedKernel("q5_0", step=4),
     "mxfp4": FusedKernel("mxfp4", step=32, rows=1, warps=1, bits=True),
     "q4_k": FusedKernel("q4_k", rows=8, warps=2),

@@ -86,6 +86,33 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
+def _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                 STEP: tl.constexpr, BITS: tl.constexpr):
+    # q8_0's loop and sums over its 32-weight blocks (STEP a step), read where Q8_0x8 keeps
+    # them: block b's scale at (b // 8) * 272 + 2 (b % 8), its values at (b // 8) * 272 + 16 +
+    # 32 (b % 8), both 16-byte aligned, so the values come 16 bytes a load
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
+    for b0 in range(0, NB * 8, STEP):
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
+        group = base[:, None] + (blocks // 8)[None, :] * 272  # (BLOCK_R, STEP)
+        d = tl.load((w_ptr + group).to(tl.pointer_type(tl.float16)) + (blocks % 8)[None, :],
+                    mask=ok, other=0.0).to(tl.float32)
+        at = group + 16 + (blocks % 8)[None, :] * 32
+        qb = tl.load(w_ptr + at[:, :, None] + lane[None, None, :], mask=ok[:, :, None],
+                     other=0x80 if BITS else 0)
+        if BITS:
+            q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            q = qb.to(tl.int8, bitcast=True).to(tl.float32)
+        xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
+        x = _as_f32(x_row, xi, ok[:, :, None], BITS)
+        acc += q * (x * d[:, :, None])
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                STEP: tl.constexpr):
     half = tl.arange(0, 2)[:, None]  # weight i = 16 * half + j: qs[j]'s low or high nibble
@@ -259,6 +286,8 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
     """The rows' sums of format FMT (chosen when the kernel is compiled)."""
     if FMT == "q8_0":
         acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    elif FMT == "q8_0x8":
+        acc = _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "mxfp4":
         acc = _mxfp4_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "q5_0":

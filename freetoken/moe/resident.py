@@ -14,6 +14,7 @@ Two ways to hold them:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -32,6 +33,7 @@ from freetoken.kernels.gather_gemv import (
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.strategy import Experts, ExpertShape
 from freetoken.quant import QuantTensor, dequantize_as
+from freetoken.quant.q8_0x8 import regroup, regroups
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class ResidentExperts(Experts):
         formats = tuple(b.expert(p, 0).fmt for p in PROJECTIONS)
         if fused(formats):
             self.blocks = b.build(pinned=False, device=self.device)
+            if env.resident_blocks() == "regrouped":
+                self.blocks = regrouped(self.blocks)
             return True
         self._make_parameters()
         with torch.no_grad():
@@ -151,6 +155,24 @@ class ResidentExperts(Experts):
         lay, row = self.blocks.layout, self.blocks.rows[e]
         return (lay.weight(row, "gate_proj", self.dtype), lay.weight(row, "up_proj", self.dtype),
                 lay.weight(row, "down_proj", self.dtype))
+
+
+def regrouped(bank: HostBank, chunk: int = 16) -> HostBank:
+    """``bank`` with its Q8_0 projections of whole 256-weight groups regrouped as Q8_0x8 in
+    place (``chunk`` experts at a time), the layout saying so; the same weights."""
+    formats = list(bank.layout.formats)
+    for i, proj in enumerate(PROJECTIONS):
+        rows, cols = bank.layout.shapes[i]
+        if formats[i] != "q8_0" or not regroups(cols):
+            continue
+        part = next(p for p in bank.layout.parts if p.proj == proj and p.key == "data")
+        data = bank.rows[:, part.offset: part.offset + part.nbytes]
+        for e in range(0, bank.num_experts, chunk):
+            data[e: e + chunk] = regroup(data[e: e + chunk].reshape(-1, rows, part.nbytes // rows)
+                                         ).reshape(-1, part.nbytes)
+        formats[i] = "q8_0x8"
+    layout = dataclasses.replace(bank.layout, formats=tuple(formats))
+    return HostBank(bank.layer, layout, bank.rows)
 
 
 def _on(qt: QuantTensor, device: torch.device) -> QuantTensor:

@@ -22,12 +22,14 @@ from freetoken.quant.q5_0 import Q5_0
 from freetoken.quant.q5_k import Q5_K
 from freetoken.quant.q6_k import Q6_K
 from freetoken.quant.q8_0 import Q8_0
+from freetoken.quant.q8_0x8 import Q8_0x8
 
 _ALL: tuple[QuantFormat, ...] = (
     F32,
     F16,
     BF16,
     Q8_0(),
+    Q8_0x8(),
     Q4_0(),
     Q5_0(),
     Q4_K(),

@@ -17,6 +17,7 @@ def test_names_are_keys() -> None:
         "f16",
         "bf16",
         "q8_0",
+        "q8_0x8",
         "q4_0",
         "q5_0",
         "q4_k",

@@ -246,3 +246,25 @@ def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
             gather_gemv.launch("q8_0")
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
             gather_gemv.fused(("q8_0", "q8_0", "q8_0"))  # what a layer asks when it is built
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,K", [(40, 512), (17, 768)])
+def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K):
+    """Q8_0 regrouped as Q8_0x8 (resident's blocks on a GPU): the kernel on the regrouped bytes
+    against the gguf package's dequantisation of the file's Q8_0 bytes, and against the Q8_0
+    kernel on those bytes."""
+    from freetoken.quant.q8_0x8 import regroup
+
+    _, view = _pool(4, [("q5_0", 3, 32), ("q8_0", R, K)], seed=R + K, device=device)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(2, K, generator=g).to(dtype)
+    index = torch.randint(0, 4, (6,), generator=g)
+    out = kernels.gather_gemv("q8_0x8", regroup(view), index.to(device), x.to(device), 3)
+    want = np.stack([_gguf_weights("q8_0", view, int(s)) @ x[p // 3].double().numpy()
+                     for p, s in enumerate(index)])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    np.testing.assert_allclose(out.cpu().double().numpy(), want, rtol=tol, atol=tol * 10)
+    q8 = kernels.gather_gemv("q8_0", view, index.to(device), x.to(device), 3)
+    torch.testing.assert_close(out, q8, rtol=tol, atol=tol)

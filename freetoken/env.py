@@ -83,6 +83,16 @@ def gpu_expert_kernel() -> str:
     return _choice("FREETOKEN_GPU_EXPERT_KERNEL", GPU_EXPERT_KERNELS)
 
 
+GPU_DENSE = ("dequant", "blocks")
+
+
+def gpu_dense() -> str:
+    """FREETOKEN_GPU_DENSE: how dense matrices stored as Q8_0 sit on a GPU: ``dequant``
+    (default: dequantised to the compute dtype at load) or ``blocks`` (kept as Q8_0x8 blocks
+    and read once a decode step by the fused kernel, ``layers/block_linear.py``)."""
+    return _choice("FREETOKEN_GPU_DENSE", GPU_DENSE)
+
+
 RESIDENT_BLOCKS = ("regrouped", "file")
 
 

@@ -9,11 +9,13 @@ import time
 
 import torch
 
+from freetoken import env
 from freetoken.checkpoint import Checkpoint, open_checkpoint
 from freetoken.config import EngineConfig
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.engine.graph import DecodeGraphs
 from freetoken.kvcache.paged import PagedKV
+from freetoken.layers.block_linear import use_block_linears
 from freetoken.layers.context import ForwardContext, Segment
 from freetoken.layers.pool_linear import PoolLinear, place_pool_linears, use_pool_linears
 from freetoken.models import build_model
@@ -60,6 +62,9 @@ class ModelRunner:
             routers = sum(isinstance(m, PoolLinear) and m.exact for m in self.model.modules())
             log.info("dense layers on the CPU pool: %d matrices in their checkpoint format, "
                      "%d routers in float32", swapped - routers, routers)
+        if self.device.type == "cuda" and env.gpu_dense() == "blocks":
+            log.info("dense Q8_0 matrices on the GPU as blocks: %d",
+                     use_block_linears(self.model, self.ckpt))
         if needs.host_banks:
             check_host_memory(expert_bytes(self.ckpt))
         load_weights(self.model, self.ckpt, self.device, progress)

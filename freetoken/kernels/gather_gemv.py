@@ -154,6 +154,35 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     return out
 
 
+DENSE_TOKENS = 8  # rows of x a dense Q8_0x8 product takes through its kernel (decode)
+
+
+def dense_gemv(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for one Q8_0x8 matrix ``data`` (R, K // 256 * 272) uint8 (unit stride along
+    a row) and ``x`` (T, K), T <= :data:`DENSE_TOKENS`, unit stride along K: W read once for
+    every row of x. Returns (T, R) in ``x``'s dtype."""
+    import triton
+
+    from freetoken.kernels import triton_gemv
+
+    spec = launch("q8_0x8")
+    if x.device.type == "cpu":  # Triton's interpreter: fewer, larger programs
+        spec = dataclasses.replace(spec, rows=max(spec.rows, INTERPRETER_ROWS))
+    R, row_bytes = data.shape
+    T, K = x.shape
+    if data.dtype != torch.uint8 or data.stride(1) != 1 or row_bytes * 256 != K * 272 \
+            or x.stride(1) != 1 or not 0 < T <= DENSE_TOKENS:
+        raise ValueError(f"dense q8_0x8 product of {data.dtype} {tuple(data.shape)} and x "
+                         f"{tuple(x.shape)}: want uint8 rows of K // 256 * 272 bytes and at "
+                         f"most {DENSE_TOKENS} rows of x with unit strides")
+    out = torch.empty(T, R, dtype=x.dtype, device=x.device)
+    triton_gemv.dense_gemv[(triton.cdiv(R, spec.rows),)](
+        data, x, out, R, T, data.stride(0), x.stride(0), out.stride(0),
+        NB=row_bytes // 272, BLOCK_R=spec.rows, STEP=spec.step, TOK=triton.next_power_of_2(T),
+        BITS=spec.bits, num_warps=spec.warps)
+    return out
+
+
 def glu_code(act: Act) -> int:
     """The kernels' code for an activation they apply to a gate/up stack themselves (1 silu,
     2 tanh-approximated gelu: ``kernels/activation.py``'s functions), else 0: act(g) * u in

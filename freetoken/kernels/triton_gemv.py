@@ -86,26 +86,34 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
+def _q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS: tl.constexpr):
+    """Q8_0 blocks ``blocks`` of the rows at ``base`` where Q8_0x8 keeps them: block b's scale
+    at (b // 8) * 272 + 2 (b % 8), its values at (b // 8) * 272 + 16 + 32 (b % 8), both 16-byte
+    aligned, so the values come 16 bytes a load. Returns the values (BLOCK_R, STEP, 32) and
+    scales (BLOCK_R, STEP) as float32 (BITS: q8_0's integer conversion)."""
+    group = base[:, None] + (blocks // 8)[None, :] * 272  # (BLOCK_R, STEP)
+    d = tl.load((w_ptr + group).to(tl.pointer_type(tl.float16)) + (blocks % 8)[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    at = group + 16 + (blocks % 8)[None, :] * 32
+    qb = tl.load(w_ptr + at[:, :, None] + lane[None, None, :], mask=ok[:, :, None],
+                 other=0x80 if BITS else 0)
+    if BITS:
+        q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        q = qb.to(tl.int8, bitcast=True).to(tl.float32)
+    return q, d
+
+
+@triton.jit
 def _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                  STEP: tl.constexpr, BITS: tl.constexpr):
-    # q8_0's loop and sums over its 32-weight blocks (STEP a step), read where Q8_0x8 keeps
-    # them: block b's scale at (b // 8) * 272 + 2 (b % 8), its values at (b // 8) * 272 + 16 +
-    # 32 (b % 8), both 16-byte aligned, so the values come 16 bytes a load
+    # q8_0's loop and sums over its 32-weight blocks (STEP a step), in Q8_0x8's places
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
     for b0 in range(0, NB * 8, STEP):
         blocks = b0 + tl.arange(0, STEP)
         ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
-        group = base[:, None] + (blocks // 8)[None, :] * 272  # (BLOCK_R, STEP)
-        d = tl.load((w_ptr + group).to(tl.pointer_type(tl.float16)) + (blocks % 8)[None, :],
-                    mask=ok, other=0.0).to(tl.float32)
-        at = group + 16 + (blocks % 8)[None, :] * 32
-        qb = tl.load(w_ptr + at[:, :, None] + lane[None, None, :], mask=ok[:, :, None],
-                     other=0x80 if BITS else 0)
-        if BITS:
-            q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-        else:
-            q = qb.to(tl.int8, bitcast=True).to(tl.float32)
+        q, d = _q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
         xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
         x = _as_f32(x_row, xi, ok[:, :, None], BITS)
         acc += q * (x * d[:, :, None])
@@ -312,3 +320,27 @@ def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_strid
         up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
+               NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr, TOK: tl.constexpr,
+               BITS: tl.constexpr = False):
+    """``out[t, rows] = W[rows] @ x[t]`` for the T <= TOK rows of x: one Q8_0x8 matrix (a dense
+    layer at decode) read once for all of them, each product q8_0's ``q * (x * d)``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    base = rows.to(tl.int64) * row_stride
+    toks = tl.arange(0, TOK)
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([TOK, BLOCK_R, STEP, 32], dtype=tl.float32)
+    for b0 in range(0, NB * 8, STEP):
+        blocks = b0 + tl.arange(0, STEP)
+        live = blocks < NB * 8
+        q, d = _q8_0x8_blocks(w_ptr, base, row_ok[:, None] & live[None, :], blocks, lane, BITS)
+        xi = toks[:, None, None] * x_stride + blocks[None, :, None] * 32 + lane[None, None, :]
+        x = _as_f32(x_ptr, xi, (toks < T)[:, None, None] & live[None, :, None], BITS)
+        acc += q[None] * (x[:, None] * d[None, :, :, None])
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # (TOK, BLOCK_R)
+    tl.store(out_ptr + toks[:, None] * out_stride + rows[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(toks < T)[:, None] & row_ok[None, :])

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from freetoken.config import ModelConfig
@@ -17,6 +16,7 @@ from freetoken.cpu.library import optional
 from freetoken.kernels.activation import ACTIVATIONS
 from freetoken.kernels.token_steps import route, route_usable
 from freetoken.layers.attention import attention
+from freetoken.layers.block_linear import product
 from freetoken.layers.context import ForwardContext
 from freetoken.layers.linear import Linear, stack_rows
 from freetoken.layers.norm import RMSNorm
@@ -62,7 +62,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
         if self.qkv is not None:
-            qkv = F.linear(x, self.qkv)
+            qkv = product(x, self.qkv)  # bf16, or Q8_0x8 blocks (block_linear.py)
             nq, nk = self.n_q * D, self.n_kv * D
             q, k = qkv[:, :nq].view(T, self.n_q, D), qkv[:, nq:nq + nk].view(T, self.n_kv, D)
             v = qkv[:, nq + nk:].view(T, self.n_kv, D)

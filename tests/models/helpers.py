@@ -12,6 +12,7 @@ from freetoken.checkpoint import open_checkpoint
 from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.kvcache.paged import PagedKV
+from freetoken.layers.block_linear import use_block_linears
 from freetoken.layers.context import ForwardContext, Segment
 from freetoken.models import build_model
 from freetoken.models.loader import load_weights
@@ -22,13 +23,15 @@ from freetoken.moe.plan import plan_moe
 def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
               strategy: str = "resident", cache: CacheSizing | None = None, threads: int = 1,
               max_fetch: int | str = "auto", lookahead: str = "auto",
-              online: bool = True, act: str = "auto") -> torch.nn.Module:
+              online: bool = True, act: str = "auto", dense_blocks: bool = False
+              ) -> torch.nn.Module:
     """Our model on ``device`` as the runner builds it, without a KV pool: the MoE plan for
     ``strategy``, offloaded layers with an expert cache sized by ``cache``, a CPU pool of one
     worker (planned as ``threads``, the count a profile row is looked up for) where needed;
     ``lookahead`` as ``--moe-lookahead``, ``online`` as ``--moe-hybrid-online``; rope tables of
     the engine's 64 positions; ``act``: how the pool's int kernels read activations (the engine
-    runs ``auto``; ``f32`` takes their rounding out)."""
+    runs ``auto``; ``f32`` takes their rounding out); ``dense_blocks``: Q8_0 dense matrices as
+    blocks where the runner would swap them (FREETOKEN_GPU_DENSE=blocks on a GPU)."""
     ckpt = open_checkpoint(path)
     cfg = EngineConfig(model=str(path), device=device, dtype=str(dtype).split(".")[1],
                        moe_strategy=strategy, max_seq_len=64, moe_cpu_threads=threads,
@@ -43,6 +46,8 @@ def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str 
             model = build_model(ckpt.config, plan.strategies, cfg.max_seq_len)
     finally:
         torch.set_default_dtype(prev)
+    if dense_blocks:
+        use_block_linears(model, ckpt)
     load_weights(model, ckpt, torch.device(device), progress=False)
     attach_moe(model, plan, pool)
     return model

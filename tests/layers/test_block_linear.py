@@ -1,0 +1,80 @@
+"""Dense Q8_0 matrices kept as Q8_0x8 blocks on a GPU (``layers/block_linear.py``): the fused
+kernel (Triton's interpreter on the CPU) against the gguf package's dequantisation, and a
+model with its attention and head as blocks against the same model with bf16-style weights
+dequantised at load (its slow twin)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from freetoken.checkpoint import open_checkpoint
+from freetoken.checkpoint.convert import convert_to_gguf
+from freetoken.layers import linear
+from freetoken.layers.block_linear import BlockLinear
+from freetoken.quant import QuantTensor, get_format
+from tests.models.helpers import load_ours, our_logits
+
+pytest.importorskip("triton")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [1, 3, 8, 11])
+def test_a_block_layer_follows_gguf_dequantisation(device, T):
+    """1-8 rows through the kernel (one read of W for all), more (prefill) dequantised."""
+    g = torch.Generator().manual_seed(T)
+    qt = get_format("q8_0").quantize(torch.randn(40, 512, generator=g))
+    with torch.device(device):
+        layer = BlockLinear(512, 40)
+    layer.load_weight_tensor(QuantTensor("q8_0", qt.shape, qt.data.to(device)))
+    x = torch.randn(T, 512, generator=g)
+    got = layer(x.to(device)).cpu().double().numpy()
+    w = dequantize(qt.data.numpy(), GGMLQuantizationType.Q8_0).reshape(40, 512)
+    np.testing.assert_allclose(got, x.double().numpy() @ w.T.astype(np.float64),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_a_block_layer_takes_only_its_q8_0_matrix():
+    layer = BlockLinear(256, 8)
+    with pytest.raises(ValueError, match="bf16 weight of shape"):
+        layer.load_weight_tensor(get_format("bf16").quantize(torch.randn(8, 256)))
+    assert layer.missing_weight()
+
+
+@pytest.fixture(scope="module")
+def qwen3_256_q8(tmp_path_factory):
+    """A tiny Qwen3-MoE with 256-wide rows, every matrix Q8_0 in GGUF (norms f32)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("qwen3_256_q8")
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    out = path / "m.gguf"
+    convert_to_gguf(open_checkpoint(path), out,
+                    lambda n, s: "q8_0" if n.endswith("weight") and len(s) >= 2
+                    and "embed" not in n else "f32")
+    return out
+
+
+def test_a_model_with_block_layers_follows_its_slow_twin(qwen3_256_q8, monkeypatch):
+    """Attention's q/k/v (one stack), o and the head become blocks, the routers do not;
+    prefill (dequantised) and decode (the kernel) within float32 rounding of the weights
+    dequantised at load."""
+    monkeypatch.setattr(linear, "stacks", lambda weight: True)  # as on a GPU
+    ids = [3, 17, 99, 5, 42, 7]
+    want = our_logits(load_ours(qwen3_256_q8), ids, prefill=3)
+    model = load_ours(qwen3_256_q8, dense_blocks=True)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.o_proj, BlockLinear) and isinstance(model.lm_head, BlockLinear)
+    assert attn.qkv.dtype == torch.uint8 and attn.q_proj.blocks.data_ptr() == attn.qkv.data_ptr()
+    assert not isinstance(model.model.layers[0].mlp.gate, BlockLinear)
+    torch.testing.assert_close(our_logits(model, ids, prefill=3), want, rtol=1e-4, atol=1e-4)

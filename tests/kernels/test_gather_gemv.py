@@ -175,6 +175,20 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
                       "STEP": spec.step, "ACT": act, "BITS": fmt in ("q8_0", "mxfp4")})
 
 
+@pytest.mark.parametrize("act", [0, 1])
+def test_the_regrouped_q8_0_kernel_compiles_for_a_gpu(act: int) -> None:
+    from freetoken.kernels.gather_gemv import KERNELS
+
+    spec = KERNELS["q8_0x8"]
+    sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16",
+           "R": "i32", "per": "i32", "slot_stride": "i64", "row_stride": "i32",
+           "x_stride": "i32", "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr",
+           "BLOCK_R": "constexpr", "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
+                     {"FMT": "q8_0x8", "NB": 8, "BLOCK_R": spec.rows, "STEP": spec.step,
+                      "ACT": act, "BITS": True})
+
+
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
     """An expert row holds up's blocks right after gate's: the two are one launch over 2I
     rows, with the bits of two launches."""

@@ -78,3 +78,17 @@ def test_a_model_with_block_layers_follows_its_slow_twin(qwen3_256_q8, monkeypat
     assert attn.qkv.dtype == torch.uint8 and attn.q_proj.blocks.data_ptr() == attn.qkv.data_ptr()
     assert not isinstance(model.model.layers[0].mlp.gate, BlockLinear)
     torch.testing.assert_close(our_logits(model, ids, prefill=3), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tok", [1, 8])
+def test_the_dense_kernel_compiles_for_a_gpu(tok):
+    from freetoken.kernels.gather_gemv import KERNELS
+    from tests.kernels.conftest import compile_for_sm90
+
+    spec = KERNELS["q8_0x8"]
+    sig = {"w_ptr": "*u8", "x_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "T": "i32",
+           "row_stride": "i32", "x_stride": "i32", "out_stride": "i32", "NB": "constexpr",
+           "BLOCK_R": "constexpr", "STEP": "constexpr", "TOK": "constexpr", "BITS": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "dense_gemv", sig,
+                     {"NB": 8, "BLOCK_R": spec.rows, "STEP": spec.step, "TOK": tok,
+                      "BITS": spec.bits})

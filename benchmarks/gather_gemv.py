@@ -58,7 +58,7 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(g.replay, replays) / calls
 
 
-SWEEP = {"rows": (1, 2, 4, 8), "step": (4, 8, 16, 32), "warps": (1, 2, 4),
+SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
          "bits": (False, True)}
 BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4"}  # kernels with a bits choice
 

@@ -83,6 +83,17 @@ def gpu_expert_kernel() -> str:
     return _choice("FREETOKEN_GPU_EXPERT_KERNEL", GPU_EXPERT_KERNELS)
 
 
+CPU_ACTS = ("auto", "f32", "q8")
+
+
+def cpu_act() -> str:
+    """FREETOKEN_CPU_ACT: how the CPU pool's integer kernels read activations: ``auto``
+    (default: int8 blocks where a SIMD kernel is faster so), ``f32`` (as float32: an expert's
+    output within float rounding of the GPU's, for greedy text that does not depend on which
+    side computed it) or ``q8``."""
+    return _choice("FREETOKEN_CPU_ACT", CPU_ACTS)
+
+
 GPU_DENSE = ("dequant", "blocks")
 
 

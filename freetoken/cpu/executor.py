@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from freetoken import env
 from freetoken.config import MOE_CPU_SPIN_US
 from freetoken.cpu.abi import (  # noqa: F401
     ACT_KINDS,
@@ -91,7 +92,7 @@ class CpuMoeExecutor:
     ``threads``: workers (``--moe-cpu-threads``); None is one per usable core but the first.
     ``isa``: the highest tier to use; None is FREETOKEN_CPU_ISA, else the best this CPU has.
     ``act``: how int formats read activations: "auto" (int8 blocks where a SIMD kernel does it
-    that way), "f32", "q8".
+    that way), "f32", "q8"; None is FREETOKEN_CPU_ACT (else "auto").
     ``spin_us``: how long idle workers spin before sleeping on a futex (0: sleep at once). Waits
     between phases spin up to 2 ms and wait() up to 1 ms, both bounded, then block.
     """
@@ -101,9 +102,11 @@ class CpuMoeExecutor:
         threads: int | None = None,
         isa: str | None = None,
         spin_us: int = MOE_CPU_SPIN_US,
-        act: str = "auto",
+        act: str | None = None,
     ) -> None:
         lib = native()
+        if act is None:
+            act = env.cpu_act()
         if isa is None:
             isa = isa_cap_from_env()
         if isa is not None and isa not in ISAS:

@@ -17,7 +17,9 @@ import argparse
 import dataclasses
 import itertools
 import os
+import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +65,27 @@ SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
 BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4"}  # kernels with a bits choice
 
 
-def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
+def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list[dict[str, Any]]:
     """The fused call in a graph for every kernel choice (the same for the formats of this
-    layer; ``step`` only where a kernel loops over several blocks)."""
+    layer; ``step`` only where a kernel loops over several blocks), for at most ``budget_s``
+    seconds where it is set (the choices timed by then)."""
+    t_end = time.perf_counter() + budget_s if budget_s else float("inf")
     saved = dict(gather_gemv.KERNELS)
     looped = any(saved[f].step > 1 for f in formats)
     bits = SWEEP["bits"] if BITS_FORMATS & set(formats) else (False,)
     rows = []
     try:
-        for r, st, w, b in itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
-                                             SWEEP["warps"], bits):
+        choices = list(itertools.product(SWEEP["rows"], SWEEP["step"] if looped else (1,),
+                                         SWEEP["warps"], bits))
+        random.Random(0).shuffle(choices)  # a budget's cut leaves a spread of the choices
+        now = saved[formats[0]]
+        if (now.rows, now.step, now.warps, now.bits) in choices:  # today's choice first
+            choices.remove((now.rows, now.step, now.warps, now.bits))
+            choices.insert(0, (now.rows, now.step, now.warps, now.bits))
+        for r, st, w, b in choices:
+            if time.perf_counter() > t_end:
+                print(f"  sweep stopped at its budget of {budget_s:.0f} s", flush=True)
+                break
             for f in set(formats):
                 gather_gemv.KERNELS[f] = dataclasses.replace(
                     saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b)
@@ -89,7 +102,7 @@ def sweep(formats: tuple[str, str, str], call: Any) -> list[dict[str, Any]]:
 
 
 def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: int,
-            reps: int, do_sweep: bool = False) -> dict[str, Any]:
+            reps: int, do_sweep: bool = False, budget_s: float = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     shapes = ((I_, H), (I_, H), (H, I_))
     one = [get_format(f).quantize(torch.randn(r, k, generator=g) * 0.02)
@@ -114,7 +127,7 @@ def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: i
     slow_s = seconds_per_call(slow, reps)
     fused_graph_s = graph_seconds_per_call(fused)
     slow_graph_s = graph_seconds_per_call(slow)
-    tried = sweep(formats, fused) if do_sweep else []
+    tried = sweep(formats, fused, budget_s) if do_sweep else []
     # a copy reads and writes each byte: reading alone runs at about twice its byte rate
     ceiling = 2 * nbytes / copy_s
     return {"formats": "/".join(formats), "hidden": H, "intermediate": I_, "pairs": pairs,
@@ -139,6 +152,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--sweep", action="store_true",
                    help="time every kernel choice of rows, step and warps in a graph")
+    p.add_argument("--sweep-budget-s", type=float, default=0,
+                   help="stop the sweep after this many seconds (0: every choice)")
     p.add_argument("--label", default="")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -153,7 +168,7 @@ def main() -> None:
         if len(names) != 3:
             p.error(f"--formats entry {spec!r}: give one format or gate/up/down")
         rows.append(measure((names[0], names[1], names[2]), H, I_, args.slots, args.pairs,
-                            args.reps, args.sweep))
+                            args.reps, args.sweep, args.sweep_budget_s))
         r, gr = rows[-1], rows[-1]["graph"]
         print(f"{r['formats']:>16} {H}x{I_}: fused {r['fused_us']:7.1f} us eager, "
               f"{gr['fused_us']:7.1f} us in a graph ({gr['fused_gbps']:6.0f} GB/s, "

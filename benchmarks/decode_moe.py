@@ -204,15 +204,15 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
-    one-call plan's twin), ``+fileblocks`` keeps resident experts in the file's
-    blocks (FREETOKEN_RESIDENT_BLOCKS=file, not regrouped), ``+denseblocks`` keeps Q8_0 dense
-    matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+nocheck`` leaves an
-    online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
+    one-call plan's twin), ``+regrouped`` regroups resident Q8_0 experts as Q8_0x8
+    (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps
+    Q8_0 dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+nocheck``
+    leaves an online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
     CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
                               "pycall", "nojoin", "hostnode", "greedy", "nocheck", "timing",
-                              "fileblocks", "denseblocks"}
+                              "regrouped", "denseblocks"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -221,7 +221,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_LAYER_CALL"] = "python" if "pycall" in options else "native"
     os.environ["FREETOKEN_CPU_HOST_NODE"] = "on" if "hostnode" in options else "off"
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
-    os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "file" if "fileblocks" in options else "regrouped"
+    os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")

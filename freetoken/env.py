@@ -100,18 +100,19 @@ GPU_DENSE = ("dequant", "blocks")
 def gpu_dense() -> str:
     """FREETOKEN_GPU_DENSE: how dense matrices stored as Q8_0 sit on a GPU: ``dequant``
     (default: dequantised to the compute dtype at load) or ``blocks`` (kept as Q8_0x8 blocks
-    and read once a decode step by the fused kernel, ``layers/block_linear.py``)."""
+    and read once a decode step by the fused kernel, ``layers/block_linear.py``; not yet
+    measured on a GPU)."""
     return _choice("FREETOKEN_GPU_DENSE", GPU_DENSE)
 
 
-RESIDENT_BLOCKS = ("regrouped", "file")
+RESIDENT_BLOCKS = ("file", "regrouped")
 
 
 def resident_blocks() -> str:
     """FREETOKEN_RESIDENT_BLOCKS: how resident experts kept as blocks on a GPU lie there:
-    ``regrouped`` (default: Q8_0 rows of whole 256-weight groups as Q8_0x8, which the fused
-    kernel reads 16 bytes a load) or ``file`` (the file's blocks as they are, as the expert
-    cache holds them: offload's kernels and bits)."""
+    ``file`` (default: the file's blocks as they are, as the expert cache holds them:
+    offload's kernels and bits) or ``regrouped`` (Q8_0 rows of whole 256-weight groups as
+    Q8_0x8, which the fused kernel reads 16 bytes a load; not yet measured on a GPU)."""
     return _choice("FREETOKEN_RESIDENT_BLOCKS", RESIDENT_BLOCKS)
 
 

@@ -2,9 +2,9 @@
 # GPU machine: resident Q8_0 experts regrouped as Q8_0x8 against the file's blocks. One layer
 # of the fused kernels (benchmarks/gather_gemv.py: q8_0 and q8_0x8 at 2048x768, then SWEEP=1
 # times q8_0x8's launch choices for at most SWEEP_S seconds), then decode on the 48-layer q8_0
-# file (written here unless /tmp has it; PRESET, LAYERS) with `resident` (regrouped) and
-# `resident+fileblocks` (FREETOKEN_RESIDENT_BLOCKS=file) and `resident+denseblocks` (attention
-# and head as Q8_0x8 blocks too, FREETOKEN_GPU_DENSE=blocks) in one decode_moe.py run.
+# file (written here unless /tmp has it; PRESET, LAYERS) with `resident` (the file's blocks),
+# `resident+regrouped` (FREETOKEN_RESIDENT_BLOCKS=regrouped) and `resident+regrouped+denseblocks`
+# (attention and head as Q8_0x8 blocks too, FREETOKEN_GPU_DENSE=blocks) in one decode_moe.py run.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/resident_layout.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,6 +21,6 @@ python3 benchmarks/gather_gemv.py --formats q8_0,q8_0x8 --out "$OUT" --label lay
   --formats q8_0x8 --sweep --out "$OUT" --label sweep-$GPU --git-sha "${GIT_SHA:-}" 2>&1 | tail -8
 wait $WRITE
 python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
-  --strategies ${STRATEGIES:-resident,resident+fileblocks,resident+denseblocks} --tokens 64 --repeats 2 \
+  --strategies ${STRATEGIES:-resident,resident+regrouped,resident+regrouped+denseblocks} --tokens 64 --repeats 2 \
   --label $PRESET-${LAYERS}l-layout-$GPU --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 \
   | grep -E '"(strategy|decode_tokens_per_s)"|rror'

@@ -132,12 +132,11 @@ def qwen3_moe_256(tmp_path_factory) -> object:
 
 
 def test_regrouped_blocks_follow_the_files_blocks(qwen3_moe_256, as_blocks, monkeypatch):
-    """Resident's Q8_0 blocks regrouped as Q8_0x8 (the default) hold the same weights: prefill
+    """Resident's Q8_0 blocks regrouped as Q8_0x8 hold the same weights: prefill
     (dequantised) gives the file layout's logits bit for bit, decode (the fused kernels, sums
     in another order) within float32 rounding."""
-    monkeypatch.setenv("FREETOKEN_RESIDENT_BLOCKS", "file")
-    as_file = load_ours(qwen3_moe_256)
-    monkeypatch.delenv("FREETOKEN_RESIDENT_BLOCKS")
+    as_file = load_ours(qwen3_moe_256)  # the default
+    monkeypatch.setenv("FREETOKEN_RESIDENT_BLOCKS", "regrouped")
     regrouped = load_ours(qwen3_moe_256)
     assert {e.in_blocks for e in _experts(as_file)} == {"q8_0"}
     assert {e.in_blocks for e in _experts(regrouped)} == {"q8_0x8"}

@@ -52,6 +52,7 @@ from freetoken.cpu.library import (  # noqa: F401  (the executor's public names)
     quantize_q8,
     set_prefetch,
 )
+from freetoken.cpu.linear_jobs import LinearJobs, as_host
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,6 @@ class LayerInfo:
     intermediate: int
     fmts: tuple[str, str, str]
     kernels: tuple[tuple[str, str], ...]  # (isa, act kind) per projection
-
-
-def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t as a contiguous CPU tensor of dtype the workers may read: t itself when it is one (the
-    checks cost a fraction of a no-op ``to``, and submit is on the decode path)."""
-    if t.is_cpu and t.dtype is dtype and t.is_contiguous() and not t.requires_grad:
-        return t
-    return t.detach().to("cpu", dtype).contiguous()
 
 
 DOWN_SPLITS = {"auto": -1, "rows": 0, "experts": 1}  # csrc/expert_op.h DownSplit
@@ -86,7 +79,7 @@ class PreparedJob:
     keep: tuple[torch.Tensor, ...]
 
 
-class CpuMoeExecutor:
+class CpuMoeExecutor(LinearJobs):
     """The pool and the expert banks of every MoE layer it serves.
 
     ``threads``: workers (``--moe-cpu-threads``); None is one per usable core but the first.
@@ -201,9 +194,9 @@ class CpuMoeExecutor:
         """submit's arguments as the workers read them: (x, ids, w, out)."""
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no experts on the CPU executor")
-        x = _host(hidden, torch.float32)
-        ids = _host(expert_ids, torch.int64)
-        w = _host(weights, torch.float32)
+        x = as_host(hidden, torch.float32)
+        ids = as_host(expert_ids, torch.int64)
+        w = as_host(weights, torch.float32)
         T, H = x.shape
         if ids.dim() != 2 or ids.shape[1] == 0:
             raise ValueError(f"layer {layer}: expert ids {tuple(ids.shape)} must be (T, A), A > 0")
@@ -216,7 +209,7 @@ class CpuMoeExecutor:
             self._announce(ids.shape[1])
         if out is None:
             out = torch.empty(T, H, dtype=torch.float32)
-        elif out is not _host(out, torch.float32) or out.shape != (T, H):
+        elif out is not as_host(out, torch.float32) or out.shape != (T, H):
             raise ValueError(f"out must be a contiguous float32 CPU tensor of {(T, H)}")
         return x, ids, w, out
 
@@ -333,66 +326,6 @@ class CpuMoeExecutor:
         if done < 0:
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
         return out, int(done)
-
-    def add_linear(self, weight: ExpertStack) -> int:
-        """Register a dense matrix (a one-expert stack, rows x cols); returns its id."""
-        if weight.num_experts != 1:
-            raise ValueError("a dense matrix is a stack of one")
-        err = ctypes.create_string_buffer(512)
-        lid = len(self._linears)
-        desc = weight.desc()
-        if self._lib.ft_add_linear(self._handle, lid, ctypes.byref(desc), self._act_mode, err,
-                                   512) != 0:
-            raise ValueError(f"dense {weight.fmt} {weight.rows}x{weight.cols}: "
-                             f"{err.value.decode()}")
-        self._linears.append(weight)
-        return lid
-
-    def linear_kernel(self, lid: int) -> tuple[str, str]:
-        """(isa, activation kind) of dense matrix ``lid``'s kernel."""
-        isa, act = ctypes.c_int(), ctypes.c_int()
-        self._lib.ft_linear_kernel(self._handle, lid, ctypes.byref(isa), ctypes.byref(act))
-        return ISAS[isa.value], ACT_KINDS[act.value]
-
-    def linear_batch_isa(self, lid: int) -> str | None:
-        """The tier of dense matrix ``lid``'s batched kernel, which jobs of
-        :func:`~freetoken.cpu.library.batch_vectors` or more vectors run; None if it has none."""
-        tier = self._lib.ft_linear_batch_isa(self._handle, lid)
-        if tier == -2:
-            raise ValueError(f"dense matrix {lid} is not registered")
-        return ISAS[tier] if tier >= 0 else None
-
-    def _check_linear(self, x: torch.Tensor, lid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input, output) of dense matrix ``lid`` for x (T, cols), as the workers read them."""
-        w = self._linears[lid]
-        xf = _host(x, torch.float32)
-        if xf.dim() != 2 or xf.shape[1] != w.cols:
-            raise ValueError(f"dense {w.rows}x{w.cols}: input {tuple(x.shape)}")
-        if xf.shape[0] == 0:
-            raise ValueError(f"dense {w.rows}x{w.cols}: the input has no rows")
-        return xf, torch.empty(xf.shape[0], w.rows, dtype=torch.float32)
-
-    def submit_linear(self, x: torch.Tensor, lid: int) -> CpuMoeFuture:
-        """Start ``x @ W^T`` for x (T, cols) on the pool; the future's result is (T, rows)."""
-        xf, out = self._check_linear(x, lid)
-        self._take_slot()
-        ticket = self._lib.ft_submit_linear(self._handle, lid, xf.data_ptr(), out.data_ptr(),
-                                            xf.shape[0])
-        if ticket < 0:
-            self._give_slot()
-            raise ValueError(f"dense matrix {lid} is not registered")
-        return CpuMoeFuture(self, ticket, out, (xf,))
-
-    def run_linear(self, x: torch.Tensor, lid: int) -> torch.Tensor:
-        """submit_linear + wait in one call into the library (see :meth:`run`)."""
-        if self._timing:
-            return self.submit_linear(x, lid).wait()
-        xf, out = self._check_linear(x, lid)
-        done = self._run_in_slot(self._lib.ft_run_linear, lid, xf.data_ptr(), out.data_ptr(),
-                                 xf.shape[0], None)
-        if done < 0:
-            raise ValueError(f"dense matrix {lid} is not registered")
-        return out
 
     @property
     def handle(self) -> int:

@@ -3,7 +3,7 @@ Q8_0x8, ``quant/q8_0x8.py``): decode reads the bytes once through the fused kern
 (``kernels/gather_gemv.py:dense_gemv``), half of what the bf16 weight it replaces would move;
 longer inputs (prefill) dequantise it and multiply in torch.
 
-:func:`use_block_linears` swaps them in before the weights load (``--gpu-dense blocks``), for
+:func:`use_block_linears` swaps them in before the weights load (FREETOKEN_GPU_DENSE=blocks), for
 the matrices the checkpoint stores as Q8_0 in whole 256-weight groups; routers stay bf16 (the
 resident path's top-k). The slow twin is :class:`~freetoken.layers.linear.Linear` on the same
 checkpoint tensor (weights dequantised at load).

@@ -32,7 +32,17 @@ class Q8_0x8(BlockFormat):
         qs = b[..., 2 * GROUP:].view(torch.int8).float().unflatten(-1, (GROUP, 32))
         return (qs * d[..., None]).reshape(t.shape)
 
+    def dequantize_as(self, t: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+        """As ``dequantize(t).to(dtype)`` in one pass (q8_0's): no float32 tensor of the whole
+        matrix (a dense layer's prefill dequantises it per call)."""
+        b = self.blocks(t)
+        d = torch.cat([f16_field(b, 2 * k) for k in range(GROUP)], dim=-1)[..., None]
+        out = torch.empty(*b.shape[:-1], GROUP, 32, dtype=dtype, device=b.device)
+        torch.mul(b[..., 2 * GROUP:].view(torch.int8).unflatten(-1, (GROUP, 32)), d, out=out)
+        return out.reshape(t.shape)
+
     def quantize(self, x: torch.Tensor) -> QuantTensor:
+        self.row_bytes(x.shape[-1])  # whole groups, or a clear error
         q = Q8_0().quantize(x)
         return QuantTensor(self.name, q.shape, regroup(q.data))
 

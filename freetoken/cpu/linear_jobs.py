@@ -24,17 +24,17 @@ def as_host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class LinearJobs:
-    """Dense matrices on the pool, by id (mixed into the executor)."""
+    """Dense matrices on the pool, by id (mixed into the executor, whose ``_take_slot``,
+    ``_give_slot`` and ``_run_in_slot`` bound the jobs in flight as they do its MoE jobs)."""
 
     _lib: Any
     _handle: Any
     _act_mode: int
     _timing: bool
     _linears: list[ExpertStack]
-
-    def _take_slot(self) -> None: ...
-    def _give_slot(self) -> None: ...
-    def _run_in_slot(self, fn: Any, *args: Any) -> int: ...
+    _take_slot: Any
+    _give_slot: Any
+    _run_in_slot: Any
 
     def add_linear(self, weight: ExpertStack) -> int:
         """Register a dense matrix (a one-expert stack, rows x cols); returns its id."""

@@ -42,6 +42,30 @@ def tiny_qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_qwen3_moe_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE GGUF whose rows are whole 256-weight groups (every width 256), every
+    matrix but the embedding Q8_0, norms f32: what Q8_0x8 regroups (resident experts, dense
+    block layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from freetoken.checkpoint import open_checkpoint
+    from freetoken.checkpoint.convert import convert_to_gguf
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("wide_qwen3_moe")
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    out = path / "m.gguf"
+    convert_to_gguf(open_checkpoint(path), out,
+                    lambda n, s: "q8_0" if len(s) >= 2 and "embed" not in n else "f32")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 

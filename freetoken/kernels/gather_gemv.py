@@ -100,6 +100,15 @@ def launch(fmt: str) -> FusedKernel:
     return _launch_overrides().get(fmt) or KERNELS[fmt]
 
 
+def _launch_on(fmt: str, device: torch.device) -> FusedKernel:
+    """:func:`launch`'s choices, with at least :data:`INTERPRETER_ROWS` rows a program on the
+    CPU (Triton's interpreter: fewer, larger programs)."""
+    spec = launch(fmt)
+    if device.type == "cpu":
+        spec = dataclasses.replace(spec, rows=max(spec.rows, INTERPRETER_ROWS))
+    return spec
+
+
 @functools.cache
 def _launch_overrides() -> dict[str, FusedKernel]:
     found = {}
@@ -134,9 +143,7 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
 
     from freetoken.kernels import triton_gemv
 
-    spec = launch(fmt)
-    if x.device.type == "cpu":  # Triton's interpreter: fewer, larger programs
-        spec = dataclasses.replace(spec, rows=max(spec.rows, INTERPRETER_ROWS))
+    spec = _launch_on(fmt, x.device)
     S, R, row_bytes = data.shape
     nb = row_bytes // spec.block_bytes
     if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:
@@ -165,9 +172,7 @@ def dense_gemv(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
     from freetoken.kernels import triton_gemv
 
-    spec = launch("q8_0x8")
-    if x.device.type == "cpu":  # Triton's interpreter: fewer, larger programs
-        spec = dataclasses.replace(spec, rows=max(spec.rows, INTERPRETER_ROWS))
+    spec = _launch_on("q8_0x8", x.device)
     R, row_bytes = data.shape
     T, K = x.shape
     if data.dtype != torch.uint8 or data.stride(1) != 1 or row_bytes * 256 != K * 272 \

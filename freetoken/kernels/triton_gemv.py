@@ -59,12 +59,22 @@ def _as_f32(x_row, offs, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def _i8_f32(qb, BITS: tl.constexpr):
+    """Bytes holding int8 values, as float32. BITS: as 2**23 + 128 + q (the byte with its sign
+    bit flipped, under 2**23's exponent) less 2**23 + 128, the same values with integer and
+    add instructions instead of the GPU's slower conversions."""
+    if BITS:
+        q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        q = qb.to(tl.int8, bitcast=True).to(tl.float32)
+    return q
+
+
+@triton.jit
 def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                STEP: tl.constexpr, BITS: tl.constexpr):
     # every product kept in its own lane until the loop ends: one reduction across threads
-    # per row instead of one per block. BITS: the int8s become float32 as 2**23 + 128 + q
-    # (the byte with its sign bit flipped, under 2**23's exponent) less 2**23 + 128, the same
-    # values with integer and add instructions instead of the GPU's slower conversions
+    # per row instead of one per block (BITS: _i8_f32)
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
     for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
@@ -74,10 +84,7 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
         d = _f16(w_ptr + at, ok)
         qb = tl.load(w_ptr + at[:, :, None] + 2 + lane[None, None, :], mask=ok[:, :, None],
                      other=0x80 if BITS else 0)
-        if BITS:
-            q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-        else:
-            q = qb.to(tl.int8, bitcast=True).to(tl.float32)
+        q = _i8_f32(qb, BITS)
         # x read once per row (from L1) lands in q's layout: no exchange between threads
         xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
         x = _as_f32(x_row, xi, ok[:, :, None], BITS)
@@ -97,11 +104,7 @@ def _q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS: tl.constexpr):
     at = group + 16 + (blocks % 8)[None, :] * 32
     qb = tl.load(w_ptr + at[:, :, None] + lane[None, None, :], mask=ok[:, :, None],
                  other=0x80 if BITS else 0)
-    if BITS:
-        q = ((qb.to(tl.int32) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    else:
-        q = qb.to(tl.int8, bitcast=True).to(tl.float32)
-    return q, d
+    return _i8_f32(qb, BITS), d
 
 
 @triton.jit

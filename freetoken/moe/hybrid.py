@@ -232,9 +232,7 @@ class HybridExperts(OffloadExperts):
         assert self.executor is not None and self.runtime is not None
         t0 = time.perf_counter()
         self.calls.last = None
-        came = self.incoming  # nothing the layer before fetched is read
-        came.clear()
-        came.arrived = 0
+        self.incoming.clear()  # nothing the layer before fetched is read
         if not self.calls.table_empty:  # an empty table stays so until a split publishes
             layer = self.shape.layer
             self.runtime.cache.pool(layer).publish(layer, empty=True)

@@ -27,10 +27,7 @@ class Q8_0x8(BlockFormat):
     gguf_type: int | None = None
 
     def dequantize(self, t: QuantTensor) -> torch.Tensor:
-        b = self.blocks(t)
-        d = torch.cat([f16_field(b, 2 * k) for k in range(GROUP)], dim=-1)  # (..., n, 8)
-        qs = b[..., 2 * GROUP:].view(torch.int8).float().unflatten(-1, (GROUP, 32))
-        return (qs * d[..., None]).reshape(t.shape)
+        return self.dequantize_as(t, torch.float32)
 
     def dequantize_as(self, t: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
         """As ``dequantize(t).to(dtype)`` in one pass (q8_0's): no float32 tensor of the whole

@@ -160,7 +160,7 @@ def test_shapes_that_do_not_fit_are_refused():
 
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
-@pytest.mark.parametrize("fmt", list(GGUF_TYPE))
+@pytest.mark.parametrize("fmt", [*GGUF_TYPE, "q8_0x8"])
 @pytest.mark.parametrize("act", [0, 1, 2])
 def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
     from freetoken.kernels.gather_gemv import KERNELS
@@ -172,21 +172,8 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
            "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
-                      "STEP": spec.step, "ACT": act, "BITS": fmt in ("q8_0", "mxfp4")})
-
-
-@pytest.mark.parametrize("act", [0, 1])
-def test_the_regrouped_q8_0_kernel_compiles_for_a_gpu(act: int) -> None:
-    from freetoken.kernels.gather_gemv import KERNELS
-
-    spec = KERNELS["q8_0x8"]
-    sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16",
-           "R": "i32", "per": "i32", "slot_stride": "i64", "row_stride": "i32",
-           "x_stride": "i32", "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr",
-           "BLOCK_R": "constexpr", "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
-    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
-                     {"FMT": "q8_0x8", "NB": 8, "BLOCK_R": spec.rows, "STEP": spec.step,
-                      "ACT": act, "BITS": True})
+                      "STEP": spec.step, "ACT": act,
+                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4")})
 
 
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():

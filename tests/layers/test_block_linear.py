@@ -11,8 +11,6 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from freetoken.checkpoint import open_checkpoint
-from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.layers import linear
 from freetoken.layers.block_linear import BlockLinear
 from freetoken.quant import QuantTensor, get_format
@@ -45,34 +43,14 @@ def test_a_block_layer_takes_only_its_q8_0_matrix():
     assert layer.missing_weight()
 
 
-@pytest.fixture(scope="module")
-def qwen3_256_q8(tmp_path_factory):
-    """A tiny Qwen3-MoE with 256-wide rows, every matrix Q8_0 in GGUF (norms f32)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("qwen3_256_q8")
-    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
-    out = path / "m.gguf"
-    convert_to_gguf(open_checkpoint(path), out,
-                    lambda n, s: "q8_0" if n.endswith("weight") and len(s) >= 2
-                    and "embed" not in n else "f32")
-    return out
-
-
-def test_a_model_with_block_layers_follows_its_slow_twin(qwen3_256_q8, monkeypatch):
+def test_a_model_with_block_layers_follows_its_slow_twin(wide_qwen3_moe_q8, monkeypatch):
     """Attention's q/k/v (one stack), o and the head become blocks, the routers do not;
     prefill (dequantised) and decode (the kernel) within float32 rounding of the weights
     dequantised at load."""
     monkeypatch.setattr(linear, "stacks", lambda weight: True)  # as on a GPU
     ids = [3, 17, 99, 5, 42, 7]
-    want = our_logits(load_ours(qwen3_256_q8), ids, prefill=3)
-    model = load_ours(qwen3_256_q8, dense_blocks=True)
+    want = our_logits(load_ours(wide_qwen3_moe_q8), ids, prefill=3)
+    model = load_ours(wide_qwen3_moe_q8, dense_blocks=True)
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.o_proj, BlockLinear) and isinstance(model.lm_head, BlockLinear)
     assert attn.qkv.dtype == torch.uint8 and attn.q_proj.blocks.data_ptr() == attn.qkv.data_ptr()

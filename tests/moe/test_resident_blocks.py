@@ -114,30 +114,13 @@ def test_blocks_on_the_gpu(tiny_qwen3_moe, tmp_path):
     assert torch.equal(our_logits(off, IDS, prefill=1, device="cuda"), got)
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_256(tmp_path_factory) -> object:
-    """A tiny Qwen3-MoE whose expert rows are whole 256-weight groups (hidden and expert
-    width 256), so resident's Q8_0 blocks regroup."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        max_position_embeddings=64, rope_theta=10000.0)
-    path = tmp_path_factory.mktemp("qwen3_moe_256")
-    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
-    return _gguf(path, path / "m.gguf", lambda n: "q8_0")
-
-
-def test_regrouped_blocks_follow_the_files_blocks(qwen3_moe_256, as_blocks, monkeypatch):
+def test_regrouped_blocks_follow_the_files_blocks(wide_qwen3_moe_q8, as_blocks, monkeypatch):
     """Resident's Q8_0 blocks regrouped as Q8_0x8 hold the same weights: prefill
     (dequantised) gives the file layout's logits bit for bit, decode (the fused kernels, sums
     in another order) within float32 rounding."""
-    as_file = load_ours(qwen3_moe_256)  # the default
+    as_file = load_ours(wide_qwen3_moe_q8)  # the default
     monkeypatch.setenv("FREETOKEN_RESIDENT_BLOCKS", "regrouped")
-    regrouped = load_ours(qwen3_moe_256)
+    regrouped = load_ours(wide_qwen3_moe_q8)
     assert {e.in_blocks for e in _experts(as_file)} == {"q8_0"}
     assert {e.in_blocks for e in _experts(regrouped)} == {"q8_0x8"}
     ids = IDS[:6]

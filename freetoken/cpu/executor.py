@@ -401,6 +401,35 @@ class CpuMoeExecutor(LinearJobs):
             )
         )
 
+    def warm(self, layer: int, experts: torch.Tensor) -> bool:
+        """Read ``experts`` of ``layer`` (int32, contiguous, the likeliest first; at most
+        :attr:`warm_max`) into the CPU's caches on the pool, returning at once: for a job that
+        follows soon (a decode step's next layer, predicted). The next job submitted cancels
+        what is left of the read; outputs do not change. False, and nothing read, while no pool
+        slot is free for it (jobs in flight hold them all but the one it needs)."""
+        if experts.dtype is not torch.int32 or not experts.is_contiguous() or experts.is_cuda:
+            raise ValueError("warm takes a contiguous int32 CPU tensor of expert ids")
+        if self._in_flight >= MAX_IN_FLIGHT - 1:
+            return False
+        rc = self._lib.ft_warm(self._handle, layer, experts.data_ptr(), experts.numel())
+        if rc < 0:
+            what = {-1: f"layer {layer} is not on the pool",
+                    -2: f"an expert id is outside layer {layer}'s experts",
+                    -3: f"{experts.numel()} experts are more than {self.warm_max}"}[rc]
+            raise ValueError(f"warm: {what}")
+        return True
+
+    @property
+    def warm_max(self) -> int:
+        """Experts one :meth:`warm` reads at most."""
+        return int(self._lib.ft_warm_max())
+
+    def warm_stats(self) -> tuple[int, int]:
+        """Warm reads made and the weight bytes they have read."""
+        buf = (ctypes.c_int64 * 2)()
+        self._lib.ft_warm_stats(self._handle, buf)
+        return int(buf[0]), int(buf[1])
+
     def worker_states(self) -> list[dict[str, Any]]:
         """What each worker is doing now (read without stopping them): its core, state, the
         phase of its job, how long it has been in that state, jobs and items it has run."""

@@ -26,6 +26,7 @@ from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import host_nodes
 from freetoken.cpu.jobs import JobLog
 from freetoken.errors import ConfigError
+from freetoken.moe.cpu_warm import WarmNext
 from freetoken.moe.host_banks import BankBuilder
 from freetoken.moe.host_job import HostJobs
 from freetoken.moe.pieces import HostCopies, Recorder
@@ -41,6 +42,8 @@ class HostStepTimes:
     calls: int = 0
     step_s: float = 0.0
     job_s: float = 0.0
+    warmed: int = 0  # experts the layer before read ahead for these calls (moe/cpu_warm.py)
+    warm_used: int = 0  # of those, experts the calls routed to
 
 
 class CpuExperts(Experts):
@@ -66,6 +69,8 @@ class CpuExperts(Experts):
         self.host_jobs = HostJobs(shape.layer)  # the pool's jobs between graph pieces
         self.host_times = HostStepTimes()
         self.jobs = JobLog()  # the host steps' timed jobs, with the pool's timing on
+        self.warm_next: WarmNext | None = None  # reads the next layer's experts ahead (attach)
+        self.warmed: list[int] = []  # what the layer before read ahead for this layer's call
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -108,17 +113,27 @@ class CpuExperts(Experts):
                    host: HostCopies) -> torch.Tensor:
         """The step between graph pieces: the pool's job on the inputs' host copies (``x``,
         ``ids`` and ``w`` are the device's, not read); its result is ``host.cpu_out``."""
-        assert self._pool is not None
+        pool = self._pool
+        assert pool is not None
         t0 = time.perf_counter()
-        job = self.host_jobs.get(self._pool, host)
-        if self._pool.timing:  # the job and its experts logged item by item
-            future = job.submit(all_pairs=True)
-            future.wait()
-            self.jobs.add(future, int(host.ids.unique().numel()))
-            job_s = future.seconds
-        else:  # one call into the library: submit, join, wait
-            job_s = job.run()
+        job = self.host_jobs.get(pool, host)
         times = self.host_times
+        nxt = self.warm_next
+        if nxt is None and not self.warmed and not pool.timing:  # submit, join, wait: one call
+            job_s = job.run()
+        else:
+            future = job.submit(all_pairs=True)
+            if self.warmed:  # the layer before's prediction, scored while the pool works
+                times.warmed += len(self.warmed)
+                times.warm_used += len(set(self.warmed) & set(host.ids.view(-1).tolist()))
+                self.warmed.clear()
+            ahead = None if nxt is None else nxt.predict(job.x, pool.warm_max)
+            future.wait()
+            if pool.timing:  # the job and its experts logged item by item
+                self.jobs.add(future, int(host.ids.unique().numel()))
+            job_s = future.seconds
+            if ahead is not None and pool.warm(nxt.target.shape.layer, ahead):
+                nxt.target.warmed[:] = ahead.tolist()  # in place: no nn.Module setattr
         times.calls += 1
         times.step_s += time.perf_counter() - t0
         times.job_s += job_s

@@ -100,12 +100,8 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
     so the same expert cache) a :class:`Lookahead` on that layer's router, predicting always
     when ``always(next layer)``, else only while the next layer fetches every miss; returns
     how many."""
-    blocks = [(m.experts, r) for m in model.modules()
-              if isinstance(getattr(m, "experts", None), torch.nn.Module)
-              and (r := router_of(m)) is not None]
-    blocks.sort(key=lambda b: b[0].shape.layer)
     n = 0
-    for (this, _), (nxt, router) in pairwise(blocks):
+    for this, nxt, router in next_routers(model):
         if not (eligible(this) and eligible(nxt)):
             continue
         w = router.weight.detach().float().contiguous()  # routers are float32: no copy
@@ -115,3 +111,13 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
                                    while_all_fetched=not always(nxt))
         n += 1
     return n
+
+
+def next_routers(model: torch.nn.Module) -> list[tuple[Any, Any, torch.nn.Module]]:
+    """Each MoE layer's experts with the next MoE layer's experts and router (a plain linear
+    one, :func:`router_of`), in layer order."""
+    blocks = [(m.experts, r) for m in model.modules()
+              if isinstance(getattr(m, "experts", None), torch.nn.Module)
+              and (r := router_of(m)) is not None]
+    blocks.sort(key=lambda b: b[0].shape.layer)
+    return [(this, nxt, router) for (this, _), (nxt, router) in pairwise(blocks)]

@@ -1,0 +1,61 @@
+"""Warm reads for the cpu strategy on a GPU: while the GPU runs the next layer's attention and
+router, the CPU pool would wait, and the memory would sit idle; instead the pool reads the
+experts that layer will probably route to into the CPU's last-level cache
+(:meth:`~freetoken.cpu.executor.CpuMoeExecutor.warm`), so its job reads them from there.
+
+The prediction is look-ahead's (``moe/lookahead.py``): the next MoE layer's router applied to
+this layer's expert input. It runs on the engine thread while the pool computes this layer's
+job; the read starts once that job is done, and the next layer's job cancels what is left of
+it. A wrong prediction costs memory time the pool had spare; outputs never change.
+
+Per call the next layer scores the prediction: ``warmed`` experts read ahead, ``warm_used``
+of them routed to by the call that followed.
+
+Threads: the engine's main thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from freetoken.moe.lookahead import PREDICT_MAX_TOKENS, next_routers
+
+
+@dataclass
+class WarmNext:
+    """The next MoE layer ``target`` (on the same pool) and its router (weight (E, H) and bias,
+    float32 on the host), for this layer's host step to predict its experts with."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    top_k: int
+    target: Any  # the next layer's CpuExperts (a plain reference, not a submodule)
+
+    def predict(self, x: torch.Tensor, most: int) -> torch.Tensor | None:
+        """The next layer's experts for the host tokens ``x`` (T, H) float32: each token's
+        top-k by the router, first choices first, then second, and so on, each expert once,
+        ``most`` at most; int32. None for more than ``PREDICT_MAX_TOKENS`` tokens (a prompt's
+        chunk reads most experts anyway)."""
+        if x.shape[0] > PREDICT_MAX_TOKENS:
+            return None
+        logits = torch.nn.functional.linear(x, self.weight, self.bias)
+        picks = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+        order = dict.fromkeys(picks.t().reshape(-1).tolist())
+        return torch.tensor(list(order)[:most], dtype=torch.int32)
+
+
+def link(model: torch.nn.Module, eligible: Any) -> int:
+    """Give every ``eligible`` experts layer (the cpu strategy's, on a GPU) whose next MoE
+    layer is eligible too a :class:`WarmNext` on that layer's router; returns how many."""
+    n = 0
+    for this, nxt, router in next_routers(model):
+        if not (eligible(this) and eligible(nxt)):
+            continue
+        w = router.weight.detach().float().cpu().contiguous()
+        b = None if router.bias is None else router.bias.detach().float().cpu()
+        this.warm_next = WarmNext(w, b, nxt.shape.top_k, nxt)
+        n += 1
+    return n

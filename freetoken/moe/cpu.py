@@ -127,13 +127,14 @@ class CpuExperts(Experts):
                 times.warmed += len(self.warmed)
                 times.warm_used += len(set(self.warmed) & set(host.ids.view(-1).tolist()))
                 self.warmed.clear()
-            ahead = None if nxt is None else nxt.predict(job.x, pool.warm_max)
+            if nxt is not None:  # queued behind the job: it starts as the job's items run out
+                ahead = nxt.predict(job.x, pool.warm_max)
+                if ahead is not None and pool.warm(nxt.target.shape.layer, ahead):
+                    nxt.target.warmed[:] = ahead.tolist()  # in place: no nn.Module setattr
             future.wait()
             if pool.timing:  # the job and its experts logged item by item
                 self.jobs.add(future, int(host.ids.unique().numel()))
             job_s = future.seconds
-            if ahead is not None and pool.warm(nxt.target.shape.layer, ahead):
-                nxt.target.warmed[:] = ahead.tolist()  # in place: no nn.Module setattr
         times.calls += 1
         times.step_s += time.perf_counter() - t0
         times.job_s += job_s

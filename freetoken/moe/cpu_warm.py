@@ -6,7 +6,8 @@ experts that layer will probably route to into the CPU's last-level cache
 The prediction is look-ahead's (``moe/lookahead.py``): the next MoE layer's router applied to
 this layer's expert input. It runs on the engine thread while the pool computes this layer's
 job; the read is queued behind that job (the pool runs jobs in order, so workers start it as
-the job's items run out), and the next layer's job cancels what is left of it. A wrong prediction costs memory time the pool had spare; outputs never change.
+the job's items run out), and the next layer's job cancels what is left of it. A wrong
+prediction costs memory time the pool had spare; outputs never change.
 
 Per call the next layer scores the prediction: ``warmed`` experts read ahead, ``warm_used``
 of them routed to by the call that followed.

@@ -16,6 +16,7 @@ from torch import nn
 from freetoken import env
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.cpu.executor import CpuMoeExecutor
+from freetoken.cpu.host_node import host_nodes
 from freetoken.errors import ConfigError
 from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
 from freetoken.moe import cpu_warm, lookahead
@@ -69,7 +70,10 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
 def _link_warm(model: nn.Module, layers: list[CpuExperts]) -> None:
     """With FREETOKEN_CPU_WARM=on, cpu layers on a GPU read the next layer's predicted experts
     ahead (``moe/cpu_warm.py``); one line says how many."""
-    if not layers or layers[0].device.type != "cuda" or env.cpu_warm() != "on":
+    if not layers or env.cpu_warm() != "on" or layers[0].device.type != "cuda":
+        return
+    if host_nodes() is None:  # the driver's thread runs the jobs: no host step to read from
+        log.info("cpu warm reads: off with host nodes (FREETOKEN_CPU_HOST_NODE=on)")
         return
     n = cpu_warm.link(model, lambda m: isinstance(m, CpuExperts))
     log.info("cpu warm reads: %d of %d cpu layers read the next layer's predicted experts "

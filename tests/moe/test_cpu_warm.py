@@ -54,13 +54,19 @@ def test_the_prediction_is_the_next_routers_picks_first_choices_first() -> None:
             x[:1], 64), torch.tensor([15, 14], dtype=torch.int32))
 
 
-def test_a_models_cpu_layers_are_linked_to_the_next_layers_router(tiny_qwen3_moe) -> None:
+def test_a_models_cpu_layers_are_linked_to_the_next_layers_router(tiny_qwen3_moe,
+                                                                  monkeypatch) -> None:
+    from freetoken.errors import ConfigError
     from tests.models.helpers import load_ours
 
+    monkeypatch.setenv("FREETOKEN_CPU_WARM", "on")
     model = load_ours(tiny_qwen3_moe, strategy="cpu")
     layers = sorted((m for m in model.modules() if isinstance(m, CpuExperts)),
                     key=lambda m: m.shape.layer)
-    assert all(m.warm_next is None for m in layers)  # off on the CPU: no GPU time to fill
+    assert all(m.warm_next is None for m in layers)  # never on the CPU: no GPU time to fill
+    monkeypatch.setenv("FREETOKEN_CPU_WARM", "yes")
+    with pytest.raises(ConfigError, match="FREETOKEN_CPU_WARM='yes' is not one of off, on"):
+        load_ours(tiny_qwen3_moe, strategy="cpu")
     assert cpu_warm.link(model, lambda m: isinstance(m, CpuExperts)) == len(layers) - 1
     blocks = {m.experts.shape.layer: m for m in model.modules() if hasattr(m, "gate")
               and isinstance(getattr(m, "experts", None), CpuExperts)}

@@ -54,7 +54,7 @@ from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.resolve import parse_bytes  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
-from freetoken.moe.cpu import CpuExperts  # noqa: E402
+from freetoken.moe.cpu import CpuExperts, host_step_totals  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 
 COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
@@ -174,12 +174,6 @@ def pool_jobs(engine: Engine, workers: int) -> dict[str, float]:
             "pool_us_per_expert": round(1e6 * pool_s / experts, 1) if experts else 0.0}
 
 
-def host_step_times(layers: list[CpuExperts]) -> dict[str, float]:
-    """The cpu layers' host steps between graph pieces so far, summed (see HostStepTimes)."""
-    return {k: sum(getattr(m.host_times, k) for m in layers)
-            for k in ("calls", "step_s", "job_s", "warmed", "warm_used")}
-
-
 def prefill_tokens_per_s(engine: Engine, n: int, repeats: int) -> float:
     """Best of ``repeats`` prompts of ``n`` random ids (one seed per length), as time to the
     first token."""
@@ -255,13 +249,13 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     runs = []
     for _ in range(args.repeats):
         before = rt.stats.snapshot() if rt else None
-        steps_before = host_step_times(cpu_layers)
+        steps_before = host_step_totals(cpu_layers)
         stats = GenerationStats()
         t = time.perf_counter()
         engine.generate(ids, SamplingParams(max_tokens=args.tokens, **sampling), stats=stats)
         wall = time.perf_counter() - t
         after = rt.stats.snapshot() if rt else None
-        steps = {k: v - steps_before[k] for k, v in host_step_times(cpu_layers).items()}
+        steps = {k: v - steps_before[k] for k, v in host_step_totals(cpu_layers).items()}
         runs.append({"decode_tokens_per_s": stats.decode_tokens_per_s,
                      "prefill_s": stats.prefill_s, "wall_s": wall,
                      "moe": moe_delta(before, after), "cpu_host_steps": steps})

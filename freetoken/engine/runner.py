@@ -22,6 +22,7 @@ from freetoken.models import build_model
 from freetoken.models.loader import load_weights
 from freetoken.models.native_decode import attach_native_decode
 from freetoken.moe.attach import attach_moe
+from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.host_banks import check_host_memory, expert_bytes
 from freetoken.moe.plan import MoEPlan, plan_moe
 
@@ -77,6 +78,7 @@ class ModelRunner:
             log.info("CPU decode: %d of %d layers as one native call each", native,
                      mc.num_layers)
         self.offload = attach_moe(self.model, self.moe, self.pool)
+        self.cpu_layers = [m for m in self.model.modules() if isinstance(m, CpuExperts)]
         self.load_s = time.perf_counter() - t0
         self.max_len = min(cfg.max_seq_len, mc.max_position)
         tokens = kv_tokens or self._kv_tokens_from_free_memory()

@@ -28,6 +28,7 @@ from freetoken.engine.sample import (
 from freetoken.engine.watchdog import BETWEEN_STEPS, Watchdog
 from freetoken.kvcache.radix import PrefixCache
 from freetoken.layers.context import Segment
+from freetoken.moe.cpu import host_step_totals
 
 
 @dataclass
@@ -240,4 +241,6 @@ class Scheduler:
             out["watchdog"] = self.watchdog.state
         if self.runner.offload is not None:
             out["moe"] = self.runner.offload.stats.snapshot()
+        if self.runner.cpu_layers:
+            out["cpu_pool"] = host_step_totals(self.runner.cpu_layers)
         return out

@@ -46,6 +46,13 @@ class HostStepTimes:
     warm_used: int = 0  # of those, experts the calls routed to
 
 
+def host_step_totals(layers: list[CpuExperts]) -> dict[str, float]:
+    """The cpu layers' host steps so far, summed (:class:`HostStepTimes`'s fields): what
+    ``/v1/stats`` shows as ``cpu_pool`` and the decode log line breaks a token into."""
+    return {k: sum(getattr(m.host_times, k) for m in layers)
+            for k in ("calls", "step_s", "job_s", "warmed", "warm_used")}
+
+
 class CpuExperts(Experts):
     """One MoE layer's experts in host memory; forward runs them on the CPU executor."""
 

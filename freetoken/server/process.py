@@ -50,7 +50,8 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
     moved host -> device; and where a decode token's time
     went since ``before`` (the stats at the previous line): the engine thread's step split into
     scheduling, queueing the forward and sampling (which waits for the device), and within the
-    forward the experts' fetch, device compute, CPU share and host plan, in ms per token."""
+    forward the experts' fetch, device compute, CPU share and host plan, in ms per token (for
+    the cpu strategy, its pool's jobs and the host steps around them)."""
     line = (f"engine: {tokens_per_s:.1f} tokens/s, running {stats['running']}, waiting "
             f"{stats['waiting']}, KV {100 * stats['kv_usage']:.0f} %")
     moe = stats.get("moe")
@@ -85,7 +86,30 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
                                      f"{ms(k, w, 'compute_s'):.1f}, CPU {ms(k, w, 'cpu_s'):.1f}, "
                                      f"host plan {ms(k, w, 'plan_s'):.1f}")
                     line += "; by layer kind: " + "; ".join(parts)
+            line += _cpu_pool_part(stats.get("cpu_pool"), (before or {}).get("cpu_pool"),
+                                   tokens)
     return line
+
+
+def _cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
+                   tokens: int) -> str:
+    """The cpu strategy's share of a token, where its layers ran between graph pieces: the
+    pool's jobs and the host steps around them (ms per token), and how the next layers'
+    experts read ahead fared; empty where no such step ran since ``was``."""
+    was = was or {}
+    calls = (pool or {}).get("calls", 0) - was.get("calls", 0)
+    if not pool or calls <= 0:
+        return ""
+
+    def delta(key: str) -> float:
+        return pool.get(key, 0) - was.get(key, 0)
+
+    part = (f"; CPU pool: jobs {1e3 * delta('job_s') / tokens:.1f} ms, host steps "
+            f"{1e3 * delta('step_s') / tokens:.1f} ms a token")
+    if (warmed := delta("warmed")) > 0:
+        part += (f", {warmed / calls:.1f} experts a layer read ahead, "
+                 f"{100 * delta('warm_used') / warmed:.0f} % of them used")
+    return part
 
 
 def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,

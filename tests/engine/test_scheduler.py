@@ -139,3 +139,14 @@ def test_a_decode_token_beside_a_prefill_has_its_solo_bits():
     solo_prompt = runner.forward([b], [Segment(pb, 0, len(b))])[0]
     mixed = runner.forward([[tok], b], [Segment(pa, len(a), 1), Segment(pb, 0, len(b))])
     assert torch.equal(mixed[0], solo_decode) and torch.equal(mixed[1], solo_prompt)
+
+
+def test_stats_carry_the_cpu_strategys_pool_steps(tiny_qwen3_moe) -> None:
+    """A model with cpu layers reports their host steps (``cpu_pool``; none run on the CPU,
+    where the layers are called eagerly); one without cpu layers has no such entry."""
+    s = Scheduler(_runner(tiny_qwen3_moe, strategy="cpu"), max_running=2)
+    s.add(Sequence("r", _prompts(1)[0], SamplingParams(max_tokens=3, ignore_eos=True)))
+    _drain(s)
+    assert s.stats()["cpu_pool"] == {"calls": 0, "step_s": 0.0, "job_s": 0.0, "warmed": 0,
+                                     "warm_used": 0}
+    assert "cpu_pool" not in Scheduler(_runner(tiny_qwen3_moe), max_running=2).stats()

@@ -113,6 +113,7 @@ class CpuExperts(Experts):
             if capture.copier is not None and host_nodes() is None:
                 return capture.node(ex, self.shape.layer, x, topk_ids, topk_weights)
             return capture.host(self._host_step, x, topk_ids, topk_weights)
+        self.warmed.clear()  # a read ahead for a decode step is not scored on this call
         out = ex.run(x, topk_ids, topk_weights, self.shape.layer)
         return out.to(device=x.device, dtype=x.dtype)
 

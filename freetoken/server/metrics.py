@@ -41,6 +41,14 @@ class Metrics:
             ("lookahead_hit_rate", "routed experts that look-ahead had predicted / routed "
                                    "experts (NaN before any prediction)"),
         )}
+        self.cpu_pool = {key: Gauge(f"freetoken_cpu_pool_{key}", help_, registry=r)
+                         for key, help_ in (
+            ("calls", "cpu-strategy layer calls run between decode graph pieces since start"),
+            ("job_s", "seconds the CPU pool spent on those calls' jobs"),
+            ("step_s", "engine-thread seconds of those host steps, the jobs included"),
+            ("warmed", "experts read into the CPU's caches ahead of their layer, since start"),
+            ("warm_used", "of those, experts their layer then routed to"),
+        )}
 
     def engine_stats(self, stats: dict[str, Any]) -> None:
         if stats:
@@ -52,3 +60,6 @@ class Metrics:
                 if "moe" in stats:
                     value = stats["moe"][key]
                     gauge.set(float("nan") if value is None else value)
+            for key, gauge in self.cpu_pool.items():
+                if "cpu_pool" in stats:
+                    gauge.set(stats["cpu_pool"][key])

@@ -6,6 +6,7 @@ the pool, its job slots and the library handle these methods use."""
 from __future__ import annotations
 
 import ctypes
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -46,9 +47,10 @@ class Reads:
             raise ValueError(f"warm: {what}")
         return True
 
-    @property
+    @cached_property
     def warm_max(self) -> int:
-        """Experts one :meth:`warm` reads at most."""
+        """Experts one :meth:`warm` reads at most (the library's constant, asked once: a
+        decode step's host steps read it every layer)."""
         return int(self._lib.ft_warm_max())
 
     def warm_stats(self) -> tuple[int, int]:

@@ -18,7 +18,7 @@ Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -26,9 +26,10 @@ from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import host_nodes
 from freetoken.cpu.jobs import JobLog
 from freetoken.errors import ConfigError
-from freetoken.moe.cpu_warm import WarmNext
+from freetoken.moe.cpu_warm import predict
 from freetoken.moe.host_banks import BankBuilder
 from freetoken.moe.host_job import HostJobs
+from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies, Recorder
 from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
@@ -49,8 +50,8 @@ class HostStepTimes:
 def host_step_totals(layers: list[CpuExperts]) -> dict[str, float]:
     """The cpu layers' host steps so far, summed (:class:`HostStepTimes`'s fields): what
     ``/v1/stats`` shows as ``cpu_pool`` and the decode log line breaks a token into."""
-    return {k: sum(getattr(m.host_times, k) for m in layers)
-            for k in ("calls", "step_s", "job_s", "warmed", "warm_used")}
+    return {f.name: sum(getattr(m.host_times, f.name) for m in layers)
+            for f in fields(HostStepTimes)}
 
 
 class CpuExperts(Experts):
@@ -76,7 +77,7 @@ class CpuExperts(Experts):
         self.host_jobs = HostJobs(shape.layer)  # the pool's jobs between graph pieces
         self.host_times = HostStepTimes()
         self.jobs = JobLog()  # the host steps' timed jobs, with the pool's timing on
-        self.warm_next: WarmNext | None = None  # reads the next layer's experts ahead (attach)
+        self.warm_next: Lookahead | None = None  # the next layer's, read ahead (attach)
         self.warmed: list[int] = []  # what the layer before read ahead for this layer's call
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
@@ -136,8 +137,8 @@ class CpuExperts(Experts):
                 times.warm_used += len(set(self.warmed) & set(host.ids.view(-1).tolist()))
                 self.warmed.clear()
             if nxt is not None:  # queued behind the job: it starts as the job's items run out
-                ahead = nxt.predict(job.x, pool.warm_max)
-                if ahead is not None and pool.warm(nxt.target.shape.layer, ahead):
+                ahead = predict(nxt, job.x, pool.warm_max)
+                if ahead is not None and pool.warm(nxt.layer, ahead):
                     nxt.target.warmed[:] = ahead.tolist()  # in place: no nn.Module setattr
             future.wait()
             if pool.timing:  # the job and its experts logged item by item

@@ -17,46 +17,31 @@ Threads: the engine's main thread only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from freetoken.moe.lookahead import PREDICT_MAX_TOKENS, next_routers
+from freetoken.moe.lookahead import PREDICT_MAX_TOKENS, Lookahead, next_routers, on_router
 
 
-@dataclass
-class WarmNext:
-    """The next MoE layer ``target`` (on the same pool) and its router (weight (E, H) and bias,
-    float32 on the host), for this layer's host step to predict its experts with."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    top_k: int
-    target: Any  # the next layer's CpuExperts (a plain reference, not a submodule)
-
-    def predict(self, x: torch.Tensor, most: int) -> torch.Tensor | None:
-        """The next layer's experts for the host tokens ``x`` (T, H) float32: each token's
-        top-k by the router, first choices first, then second, and so on, each expert once,
-        ``most`` at most; int32. None for more than ``PREDICT_MAX_TOKENS`` tokens (a prompt's
-        chunk reads most experts anyway)."""
-        if x.shape[0] > PREDICT_MAX_TOKENS:
-            return None
-        logits = torch.nn.functional.linear(x, self.weight, self.bias)
-        picks = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
-        order = dict.fromkeys(picks.t().reshape(-1).tolist())
-        return torch.tensor(list(order)[:most], dtype=torch.int32)
+def predict(ahead: Lookahead, x: torch.Tensor, most: int) -> torch.Tensor | None:
+    """The next layer's experts for the host tokens ``x`` (T, H) float32, by ``ahead``'s router
+    (its weights on the host): each token's top-k, first choices first, then second, and so
+    on, each expert once, ``most`` at most; int32. None for more than ``PREDICT_MAX_TOKENS``
+    tokens (a prompt's chunk reads most experts anyway)."""
+    if x.shape[0] > PREDICT_MAX_TOKENS:
+        return None
+    order = dict.fromkeys(ahead.route(x).t().reshape(-1).tolist())
+    return torch.tensor(list(order)[:most], dtype=torch.int32)
 
 
 def link(model: torch.nn.Module, eligible: Any) -> int:
     """Give every ``eligible`` experts layer (the cpu strategy's, on a GPU) whose next MoE
-    layer is eligible too a :class:`WarmNext` on that layer's router; returns how many."""
+    layer is eligible too a :class:`~freetoken.moe.lookahead.Lookahead` on that layer's
+    router, on the host (``warm_next``); returns how many."""
     n = 0
     for this, nxt, router in next_routers(model):
-        if not (eligible(this) and eligible(nxt)):
-            continue
-        w = router.weight.detach().float().cpu().contiguous()
-        b = None if router.bias is None else router.bias.detach().float().cpu()
-        this.warm_next = WarmNext(w, b, nxt.shape.top_k, nxt)
-        n += 1
+        if eligible(this) and eligible(nxt):
+            this.warm_next = on_router(nxt, router, device="cpu")
+            n += 1
     return n

@@ -104,13 +104,19 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
     for this, nxt, router in next_routers(model):
         if not (eligible(this) and eligible(nxt)):
             continue
-        w = router.weight.detach().float().contiguous()  # routers are float32: no copy
-        b = router.bias
-        b = None if b is None else b.detach().float()
-        this.lookahead = Lookahead(nxt.shape.layer, w, b, nxt.shape.top_k, nxt,
-                                   while_all_fetched=not always(nxt))
+        this.lookahead = on_router(nxt, router, while_all_fetched=not always(nxt))
         n += 1
     return n
+
+
+def on_router(target: Any, router: torch.nn.Module, device: str | None = None,
+              while_all_fetched: bool = False) -> Lookahead:
+    """A :class:`Lookahead` on ``target``'s ``router``, its weights float32 on ``device``
+    (None: where the router is; routers are float32 there, so nothing is copied)."""
+    w = router.weight.detach().float().to(device).contiguous()
+    b = None if router.bias is None else router.bias.detach().float().to(device)
+    return Lookahead(target.shape.layer, w, b, target.shape.top_k, target,
+                     while_all_fetched=while_all_fetched)
 
 
 def next_routers(model: torch.nn.Module) -> list[tuple[Any, Any, torch.nn.Module]]:

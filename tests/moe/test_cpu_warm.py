@@ -10,6 +10,7 @@ import torch
 from freetoken.cpu import executor as cx
 from freetoken.moe import cpu_warm
 from freetoken.moe.cpu import CpuExperts
+from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.strategy import ExpertShape, LayerPlan, Shared
 from freetoken.quant import get_format
@@ -41,17 +42,18 @@ def test_the_prediction_is_the_next_routers_picks_first_choices_first() -> None:
         x[t, t] = 1.0
         for e, s in picks.items():
             weight[e, t] = s
-    nxt = cpu_warm.WarmNext(weight, None, top_k=4, target=None)
-    got = nxt.predict(x, most=64).tolist()
+    nxt = Lookahead(0, weight, None, top_k=4, target=None)
+    got = cpu_warm.predict(nxt, x, most=64).tolist()
     firsts, seconds = [5, 2, 11], [2, 7, 5]
     assert got[:3] == firsts
     assert got[3:4] == [7]  # the second choices not yet listed
     assert got == list(dict.fromkeys(firsts + seconds + [9, 5, 12] + [1, 3, 13]))
-    assert nxt.predict(x, most=2).tolist() == [5, 2]
-    assert nxt.predict(torch.zeros(17, H), most=64) is None  # a prompt's chunk: no prediction
+    assert cpu_warm.predict(nxt, x, most=2).tolist() == [5, 2]
+    # a prompt's chunk: no prediction
+    assert cpu_warm.predict(nxt, torch.zeros(17, H), most=64) is None
     torch.testing.assert_close(  # with a bias, as GPT-OSS's router has
-        cpu_warm.WarmNext(weight, torch.arange(E, dtype=torch.float32) * 10, 2, None).predict(
-            x[:1], 64), torch.tensor([15, 14], dtype=torch.int32))
+        cpu_warm.predict(Lookahead(0, weight, torch.arange(E, dtype=torch.float32) * 10, 2, None),
+                         x[:1], 64), torch.tensor([15, 14], dtype=torch.int32))
 
 
 def test_a_models_cpu_layers_are_linked_to_the_next_layers_router(tiny_qwen3_moe,
@@ -106,7 +108,7 @@ def test_host_steps_with_warm_reads_give_the_same_bits_and_score_the_prediction(
 
     plain = [steps(s) for s in range(5)]
     assert second.host_times.warmed == 0
-    first.warm_next = cpu_warm.WarmNext(router, None, top_k=4, target=second)
+    first.warm_next = Lookahead(1, router, None, top_k=4, target=second)
     reads = pool.warm_stats()[0]
     warmed = [steps(s) for s in range(5)]
     for a, b in zip(plain, warmed, strict=True):

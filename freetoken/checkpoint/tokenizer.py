@@ -47,13 +47,48 @@ def load_gguf_tokenizer(path: Path) -> Any:
                  if str(auto) else "")
         try:
             tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as e:
-            raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
+        except Exception as vocab:
+            # some transformers releases also parse the architecture's keys here (5.17 fails on
+            # GPT-OSS's rope.scaling.*): read a copy of the file that holds the vocabulary only
+            log.info("the vocabulary of %s with its architecture's keys: %s: %s; reading it "
+                     "without them", path.name, type(vocab).__name__, vocab)
+            tok = _from_vocabulary_copy(path, cached.parent)
     try:
         tok.save_pretrained(str(cached))
     except OSError as e:
         log.warning("could not cache the tokenizer in %s: %s", cached, e)
     return tok
+
+
+def _from_vocabulary_copy(path: Path, scratch: Path) -> Any:
+    """The tokenizer of a GGUF copy of ``path`` that keeps only the ``tokenizer.*`` keys (no
+    tensors, no architecture keys), so no architecture's metadata can stop transformers."""
+    import tempfile
+
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        copy = Path(tmp) / "vocabulary.gguf"
+        try:
+            reader = gguf.GGUFReader(str(path))
+            model = reader.fields.get("tokenizer.ggml.model")
+            # a byte-level BPE vocabulary reads the same under any architecture; "gpt2" is one
+            # every release converts (5.17 has no converter for "gpt-oss")
+            arch = ("gpt2" if model is not None and model.contents() == "gpt2"
+                    else str(reader.fields["general.architecture"].contents()))
+            writer = gguf.GGUFWriter(str(copy), arch)
+            for key, field in reader.fields.items():
+                if key.startswith("tokenizer."):
+                    sub = field.types[1] if len(field.types) > 1 else None
+                    writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.close()
+            return PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=copy.name)
+        except Exception as e:
+            raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
 
 
 def _file_key(path: Path) -> str:

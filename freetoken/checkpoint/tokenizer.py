@@ -53,6 +53,7 @@ def load_gguf_tokenizer(path: Path) -> Any:
             log.info("the vocabulary of %s with its architecture's keys: %s: %s; reading it "
                      "without them", path.name, type(vocab).__name__, vocab)
             tok = _from_vocabulary_copy(path, cached.parent)
+        _file_specials(tok, path)
     try:
         tok.save_pretrained(str(cached))
     except OSError as e:
@@ -89,6 +90,26 @@ def _from_vocabulary_copy(path: Path, scratch: Path) -> Any:
             return PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=copy.name)
         except Exception as e:
             raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
+
+
+_SPECIALS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token_id",
+             "unk": "unknown_token_id"}
+
+
+def _file_specials(tok: Any, path: Path) -> None:
+    """The file's own begin, end, padding and unknown tokens on a tokenizer built from its
+    vocabulary alone (some transformers releases add their architecture's defaults instead,
+    an end token outside the file's vocabulary among them)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    if "tokenizer.ggml.tokens" not in fields:
+        return
+    vocab = fields["tokenizer.ggml.tokens"].contents()
+    for name, key in _SPECIALS.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None and 0 <= (i := int(field.contents())) < len(vocab):
+            setattr(tok, f"{name}_token", vocab[i])
 
 
 def _file_key(path: Path) -> str:

@@ -35,3 +35,27 @@ def test_tokenizer_from_the_files_vocabulary(tmp_path: Path, monkeypatch: pytest
     assert tok.eos_token_id == _field(reader, "tokenizer.ggml.eos_token_id")
     again = load_gguf_tokenizer(out)  # from the cache now
     assert again("hello world, the cat")["input_ids"] == ids
+
+
+@pytest.mark.parametrize("preset, experts", [("gemma4-26b-a4b", 8), ("gpt-oss-20b", 4)])
+def test_the_vocabulary_copy_tokenises_as_the_file(tmp_path: Path, preset: str, experts: int):
+    """Where transformers cannot parse a file's architecture keys at all (5.17 on GPT-OSS's
+    rope.scaling.*), the tokenizer comes from a copy holding the vocabulary alone: it gives
+    the ids transformers gives for the file itself."""
+    from freetoken.checkpoint.tokenizer import _from_vocabulary_copy
+    from freetoken.cli import main
+
+    out = tmp_path / f"{preset}.gguf"
+    assert main(["synth", "--preset", preset, "--layers", "2", "--experts", str(experts),
+                 "--vocab", "512", "--out", str(out)]) == 0
+    from transformers import PreTrainedTokenizerFast
+
+    direct = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file=out.name)
+    copy = _from_vocabulary_copy(out, tmp_path / "scratch")
+    text = "hello world, the cat sat on 123 mats \u00e9t\u00e9 <|end|>"
+    assert copy(text)["input_ids"] == direct(text)["input_ids"]
+    assert copy.eos_token_id == direct.eos_token_id == _field(reader := GGUFReader(out),
+                                                              "tokenizer.ggml.eos_token_id")
+    assert copy.convert_ids_to_tokens(copy(text)["input_ids"]) == [
+        _field(reader, "tokenizer.ggml.tokens")[i] for i in copy(text)["input_ids"]]
+    assert not list((tmp_path / "scratch").iterdir())  # the copy is gone

@@ -22,6 +22,7 @@ from freetoken.checkpoint import default_model_path
 from freetoken.checkpoint.moeify import moeify_gguf
 from freetoken.config import CacheSizing, EngineConfig
 from freetoken.engine.runner import ModelRunner
+from freetoken.errors import CheckpointError
 from freetoken.layers.context import Segment
 from freetoken.models.blocks import MoEBlock
 from freetoken.moe.registry import strategy_names
@@ -132,7 +133,13 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("moeified") / f"gemma3-270m-moe{NUM_EXPERTS}.gguf"
-    return moeify_gguf(default_model_path(), path, NUM_EXPERTS, TOP_K, seed=0)
+    try:
+        source = default_model_path()
+    except CheckpointError as e:
+        if not torch.cuda.is_available():  # CI installs the package: its absence is a failure
+            raise
+        pytest.skip(f"{e} (a GPU machine without the default model package)")
+    return moeify_gguf(source, path, NUM_EXPERTS, TOP_K, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,7 @@ def peer_sitting_plot(sha: str = "fca7a5f") -> None:
     gpu = "H200"
     for f in sorted((ROOT / "benchmarks/results").glob("peer_gpu-qwen3-30b-a3b-48l-*.json")):
         peer = json.loads(f.read_text())
-        if peer.get("sha") != sha:
+        if not str(peer.get("sha", "")).startswith(sha):
             continue
         llama = llama or {k: v["tokens_per_s"] for k, v in peer["llamacpp"].items()}
         gpu = "H100" if "H100" in str(peer.get("gpu")) else gpu
@@ -267,4 +267,5 @@ if __name__ == "__main__":
     peer_sitting_plot("eca228c")
     peer_sitting_plot("43d3cf3")
     peer_sitting_plot("d4e7cd0")
+    peer_sitting_plot("62b52bb")
     split_runs_plot()

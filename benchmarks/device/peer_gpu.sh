@@ -13,13 +13,16 @@
 # that auto decides from the box's own row rather than the carried H200 profile's nearest one.
 # PARTS=peer or PARTS=ours runs one half (default both): a run too long for one call runs the
 # peer first, then ours in a second call on the still-warm machine, which finds the file and
-# llama-bench's JSON in /tmp and merges both.
+# llama-bench's JSON in /tmp and merges both. The peer half also brings back llama-bench's three
+# JSON files; where the machine was given back in between, LLAMA_FROM (a carried folder of
+# them) seeds the second call with them (the two halves then ran on two machines: say so).
 # Run as: GIT_SHA=<commit> bash benchmarks/device/peer_gpu.sh (carry .whl and .peer).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
 L=/tmp/llama; mkdir -p $L  # llama-bench's files stay here: $OUT brings back 8 files at most
+[ -n "${LLAMA_FROM:-}" ] && cp "$LLAMA_FROM"/{ncmoe,ot_cpu,gpu}.json $L/
 PARTS=${PARTS:-peer,ours}
 BUILD=
 if [[ $PARTS == *peer* ]]; then
@@ -52,6 +55,7 @@ for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
   $LB -m $M -p 0 -n 64 -r 2 -ngl 99 -t $T $flags -o json > $L/$name.json 2> $L/$name.err \
     || tail -5 $L/$name.err
 done
+[[ $PARTS == *peer* ]] && cp $L/{ncmoe,ot_cpu,gpu}.json "$OUT/" 2>/dev/null
 [[ $PARTS == *ours* ]] || exit 0
 # ours alone on a machine that has not run llama.cpp's half: nothing to merge with
 [ -f $L/gpu.json ] || { echo "no llama-bench results in $L: ours only"; exit 0; }

@@ -46,6 +46,10 @@ def main() -> None:
                    help="the placements that keep at most the compared expert VRAM on the GPU "
                    "(default: every one but 'gpu')")
     p.add_argument("--ours", type=Path, required=True, help="a decode_moe.py result")
+    p.add_argument("--llama-machine", default="",
+                   help="an id of the machine llama-bench ran on (its GPU's UUID, say), compared "
+                   "with --machine: ratios across two machines are not one run's")
+    p.add_argument("--machine", default="", help="the same id of the machine ours ran on")
     p.add_argument("--model", default="")
     p.add_argument("--label", default="")
     p.add_argument("--git-sha")
@@ -77,7 +81,12 @@ def main() -> None:
               **(ran_on or host()),
               "params": vars(args) | {"out": str(args.out), "ours": str(args.ours)},
               "ours_params": ours.get("params"), "llamacpp": peers,
+              "same_machine": (args.llama_machine == args.machine
+                               if args.llama_machine and args.machine else None),
               "best_offloaded_llamacpp": best, "strategies": rows}
+    if result["same_machine"] is False:
+        print(f"llama.cpp ran on machine {args.llama_machine}, ours on {args.machine}: the "
+              "ratios compare two machines", flush=True)
     save_result(args.out, f"peer_gpu-{args.label or 'h200'}", result)
 
 

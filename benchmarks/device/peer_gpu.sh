@@ -5,7 +5,8 @@
 # GPU; tg64, -r 2, THREADS threads) and benchmarks/decode_moe.py at TEMPERATURE (default 1, what
 # chat clients send) for STRATEGIES with a CACHE expert cache, and merges both into
 # peer_gpu-*.json (benchmarks/peer_gpu.py). PRESET, LAYERS (default 48: the whole model) and
-# FORMAT pick the file; the default router is token-specific with no skew (ROUTER adds flags).
+# FORMAT pick the file (FORMAT: q8_0 for qwen3-30b-a3b, else the preset's own); the default
+# router is token-specific with no skew (ROUTER adds flags).
 # PREFILL=512,4096 also times our prefill at those prompt lengths (PREFILL_STRATEGIES: whose).
 # WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
 # the build is done, so the compiler does not share the cores with a measurement.
@@ -15,14 +16,15 @@
 # peer first, then ours in a second call on the still-warm machine, which finds the file and
 # llama-bench's JSON in /tmp and merges both. The peer half also brings back llama-bench's three
 # JSON files; where the machine was given back in between, LLAMA_FROM (a carried folder of
-# them) seeds the second call with them (the two halves then ran on two machines: say so).
+# them) seeds the second call with them; the merged JSON says whether both ran on one machine
+# (same_machine, from the GPUs' UUIDs).
 # Run as: GIT_SHA=<commit> bash benchmarks/device/peer_gpu.sh (carry .whl and .peer).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
 L=/tmp/llama; mkdir -p $L  # llama-bench's files stay here: $OUT brings back 8 files at most
-[ -n "${LLAMA_FROM:-}" ] && cp "$LLAMA_FROM"/{ncmoe,ot_cpu,gpu}.json $L/
+[ -n "${LLAMA_FROM:-}" ] && cp "$LLAMA_FROM"/{ncmoe,ot_cpu,gpu}.json "$LLAMA_FROM"/machine $L/
 PARTS=${PARTS:-peer,ours}
 BUILD=
 if [[ $PARTS == *peer* ]]; then
@@ -30,9 +32,10 @@ if [[ $PARTS == *peer* ]]; then
   BUILD=$!
 fi
 PRESET=${PRESET:-qwen3-30b-a3b}; LAYERS=${LAYERS:-48}
+[ "$PRESET" = qwen3-30b-a3b ] && FORMAT=${FORMAT:-q8_0}  # the issue's file; others: their own
 M=/tmp/$PRESET-${LAYERS}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers $LAYERS \
-  --expert-format ${FORMAT:-q8_0} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
+  ${FORMAT:+--expert-format $FORMAT} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
 [ -z "$BUILD" ] || wait $BUILD || { tail -20 $L/build.log; exit 1; }
 LABEL=$PRESET-${LAYERS}l-${LABEL:-$GPU}
@@ -55,10 +58,13 @@ for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
   $LB -m $M -p 0 -n 64 -r 2 -ngl 99 -t $T $flags -o json > $L/$name.json 2> $L/$name.err \
     || tail -5 $L/$name.err
 done
-[[ $PARTS == *peer* ]] && cp $L/{ncmoe,ot_cpu,gpu}.json "$OUT/" 2>/dev/null
+MACHINE=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
+[[ $PARTS == *peer* ]] && echo "$MACHINE" > $L/machine \
+  && cp $L/{ncmoe,ot_cpu,gpu}.json $L/machine "$OUT/" 2>/dev/null
 [[ $PARTS == *ours* ]] || exit 0
 # ours alone on a machine that has not run llama.cpp's half: nothing to merge with
 [ -f $L/gpu.json ] || { echo "no llama-bench results in $L: ours only"; exit 0; }
 python3 benchmarks/peer_gpu.py --llama ncmoe=$L/ncmoe.json ot_cpu=$L/ot_cpu.json gpu=$L/gpu.json \
   --ours "$(ls -t "$OUT"/decode_moe-$LABEL-*.json | head -1)" \
-  --model $M --label $LABEL --out "$OUT" --git-sha "${GIT_SHA:-}"
+  --model $M --label $LABEL --out "$OUT" --git-sha "${GIT_SHA:-}" \
+  --llama-machine "$(cat $L/machine 2>/dev/null)" --machine "$MACHINE"

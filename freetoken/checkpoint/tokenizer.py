@@ -45,6 +45,7 @@ def load_gguf_tokenizer(path: Path) -> Any:
         log.info("transformers' tokenizer class for %s: %s: %s; building it from the "
                  "vocabulary alone", path.name, type(auto).__name__, str(auto).splitlines()[0]
                  if str(auto) else "")
+        fields = _tokenizer_fields(path)
         try:
             tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
         except Exception as vocab:
@@ -52,8 +53,8 @@ def load_gguf_tokenizer(path: Path) -> Any:
             # GPT-OSS's rope.scaling.*): read a copy of the file that holds the vocabulary only
             log.info("the vocabulary of %s with its architecture's keys: %s: %s; reading it "
                      "without them", path.name, type(vocab).__name__, vocab)
-            tok = _from_vocabulary_copy(path, cached.parent)
-        _file_specials(tok, path)
+            tok = _from_vocabulary_copy(path, fields, cached.parent)
+        _file_specials(tok, fields)
     try:
         tok.save_pretrained(str(cached))
     except OSError as e:
@@ -61,9 +62,23 @@ def load_gguf_tokenizer(path: Path) -> Any:
     return tok
 
 
-def _from_vocabulary_copy(path: Path, scratch: Path) -> Any:
-    """The tokenizer of a GGUF copy of ``path`` that keeps only the ``tokenizer.*`` keys (no
-    tensors, no architecture keys), so no architecture's metadata can stop transformers."""
+def _tokenizer_fields(path: Path) -> dict[str, Any]:
+    """The file's ``general.architecture`` and ``tokenizer.*`` fields, as the gguf package
+    reads them (with their value types, which a copy needs)."""
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(str(path)).fields
+    except Exception as e:  # the gguf package raises several types for a file it cannot read
+        raise CheckpointError(f"cannot build a tokenizer from {path}: {e}") from e
+    return {k: f for k, f in fields.items()
+            if k.startswith("tokenizer.") or k == "general.architecture"}
+
+
+def _from_vocabulary_copy(path: Path, fields: dict[str, Any], scratch: Path) -> Any:
+    """The tokenizer of a GGUF copy of ``path`` that keeps only its ``tokenizer.*`` ``fields``
+    (:func:`_tokenizer_fields`; no tensors, no architecture keys), so no architecture's
+    metadata can stop transformers."""
     import tempfile
 
     import gguf
@@ -73,14 +88,13 @@ def _from_vocabulary_copy(path: Path, scratch: Path) -> Any:
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         copy = Path(tmp) / "vocabulary.gguf"
         try:
-            reader = gguf.GGUFReader(str(path))
-            model = reader.fields.get("tokenizer.ggml.model")
+            model = fields.get("tokenizer.ggml.model")
             # a byte-level BPE vocabulary reads the same under any architecture; "gpt2" is one
             # every release converts (5.17 has no converter for "gpt-oss")
             arch = ("gpt2" if model is not None and model.contents() == "gpt2"
-                    else str(reader.fields["general.architecture"].contents()))
+                    else str(fields["general.architecture"].contents()))
             writer = gguf.GGUFWriter(str(copy), arch)
-            for key, field in reader.fields.items():
+            for key, field in fields.items():
                 if key.startswith("tokenizer."):
                     sub = field.types[1] if len(field.types) > 1 else None
                     writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
@@ -96,13 +110,10 @@ _SPECIALS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "padding_token
              "unk": "unknown_token_id"}
 
 
-def _file_specials(tok: Any, path: Path) -> None:
-    """The file's own begin, end, padding and unknown tokens on a tokenizer built from its
-    vocabulary alone (some transformers releases add their architecture's defaults instead,
-    an end token outside the file's vocabulary among them)."""
-    import gguf
-
-    fields = gguf.GGUFReader(str(path)).fields
+def _file_specials(tok: Any, fields: dict[str, Any]) -> None:
+    """The file's own begin, end, padding and unknown tokens (its ``fields``) on a tokenizer
+    built from its vocabulary alone (some transformers releases add their architecture's
+    defaults instead, an end token outside the file's vocabulary among them)."""
     if "tokenizer.ggml.tokens" not in fields:
         return
     vocab = fields["tokenizer.ggml.tokens"].contents()

@@ -42,7 +42,7 @@ def test_the_vocabulary_copy_tokenises_as_the_file(tmp_path: Path, preset: str, 
     """Where transformers cannot parse a file's architecture keys at all (5.17 on GPT-OSS's
     rope.scaling.*), the tokenizer comes from a copy holding the vocabulary alone: it gives
     the ids transformers gives for the file itself."""
-    from freetoken.checkpoint.tokenizer import _from_vocabulary_copy
+    from freetoken.checkpoint.tokenizer import _from_vocabulary_copy, _tokenizer_fields
     from freetoken.cli import main
 
     out = tmp_path / f"{preset}.gguf"
@@ -51,7 +51,7 @@ def test_the_vocabulary_copy_tokenises_as_the_file(tmp_path: Path, preset: str, 
     from transformers import PreTrainedTokenizerFast
 
     direct = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file=out.name)
-    copy = _from_vocabulary_copy(out, tmp_path / "scratch")
+    copy = _from_vocabulary_copy(out, _tokenizer_fields(out), tmp_path / "scratch")
     text = "hello world, the cat sat on 123 mats \u00e9t\u00e9 <|end|>"
     assert copy(text)["input_ids"] == direct(text)["input_ids"]
     assert copy.eos_token_id == direct.eos_token_id == _field(reader := GGUFReader(out),

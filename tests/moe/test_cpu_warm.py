@@ -12,8 +12,8 @@ from freetoken.moe import cpu_warm
 from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies
-from freetoken.moe.strategy import ExpertShape, LayerPlan, Shared
-from freetoken.quant import get_format
+from freetoken.moe.strategy import ExpertShape
+from tests.moe.helpers import q8_cpu_layer
 
 pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
 
@@ -21,15 +21,8 @@ E, H, I_ = 16, 64, 96
 
 
 def _layer(layer: int, pool: cx.CpuMoeExecutor) -> CpuExperts:
-    experts = CpuExperts(ExpertShape(layer=layer, num_experts=E, hidden=H, intermediate=I_,
-                                     top_k=4, activation="silu"))
-    g = torch.Generator().manual_seed(layer)
-    q8 = get_format("q8_0")
-    for name, shape in (("gate_proj", (E, I_, H)), ("up_proj", (E, I_, H)),
-                        ("down_proj", (E, H, I_))):
-        experts.load_expert_tensor(name, q8.quantize(torch.randn(shape, generator=g) / 8))
-    experts.attach(LayerPlan("cpu"), Shared(pool=pool))
-    return experts
+    return q8_cpu_layer(ExpertShape(layer=layer, num_experts=E, hidden=H, intermediate=I_,
+                                    top_k=4, activation="silu"), pool, seed=layer)
 
 
 def test_the_prediction_is_the_next_routers_picks_first_choices_first() -> None:

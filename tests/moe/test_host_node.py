@@ -11,9 +11,8 @@ import torch
 from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import HostNodeError, HostNodes, host_nodes
 from freetoken.errors import ConfigError
-from freetoken.moe.cpu import CpuExperts
-from freetoken.moe.strategy import ExpertShape, LayerPlan, Shared
-from freetoken.quant import get_format
+from freetoken.moe.strategy import ExpertShape
+from tests.moe.helpers import q8_cpu_layer
 
 pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
 
@@ -24,14 +23,7 @@ SHAPE = ExpertShape(layer=3, num_experts=8, hidden=64, intermediate=96, top_k=2,
 @pytest.fixture(scope="module")
 def pool() -> cx.CpuMoeExecutor:
     pool = cx.CpuMoeExecutor(threads=1)
-    experts = CpuExperts(SHAPE)
-    g = torch.Generator().manual_seed(0)
-    E, H, I_ = SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate
-    q8 = get_format("q8_0")
-    for name, shape in (("gate_proj", (E, I_, H)), ("up_proj", (E, I_, H)),
-                        ("down_proj", (E, H, I_))):
-        experts.load_expert_tensor(name, q8.quantize(torch.randn(shape, generator=g) / 8))
-    experts.attach(LayerPlan("cpu"), Shared(pool=pool))
+    q8_cpu_layer(SHAPE, pool, seed=0)
     return pool
 
 

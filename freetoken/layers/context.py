@@ -37,6 +37,7 @@ class ForwardContext:
     decode: bool = False  # every segment has one token (Tq = 1): no padding to drop
     # per sequence: (first of its rows among the T tokens, its new tokens, its keys)
     spans: tuple[tuple[int, int, int], ...] = ()
+    end: int = 0  # keys of the longest sequence, known on the host (0: not known)
 
     @staticmethod
     def build(kv: PagedKV, segments: list[Segment], device: torch.device,
@@ -77,5 +78,5 @@ class ForwardContext:
             q_index=q_idx.to(**to), q_valid=torch.stack(q_valid).to(**to),
             k_slots=k_slots.to(**to),
             logit_rows=None if all_logits else torch.tensor(last, **to),
-            single=B == 1, masks=masks, decode=Tq == 1, spans=tuple(spans),
+            single=B == 1, masks=masks, decode=Tq == 1, spans=tuple(spans), end=S,
         )

@@ -23,18 +23,18 @@ from freetoken.moe.plan import plan_moe
 def load_ours(path: Path | str, dtype: torch.dtype = torch.float32, device: str = "cpu",
               strategy: str = "resident", cache: CacheSizing | None = None, threads: int = 1,
               max_fetch: int | str = "auto", lookahead: str = "auto",
-              online: bool = True, act: str = "auto", dense_blocks: bool = False
-              ) -> torch.nn.Module:
+              online: bool = True, act: str = "auto", dense_blocks: bool = False,
+              max_seq_len: int = 64) -> torch.nn.Module:
     """Our model on ``device`` as the runner builds it, without a KV pool: the MoE plan for
     ``strategy``, offloaded layers with an expert cache sized by ``cache``, a CPU pool of one
     worker (planned as ``threads``, the count a profile row is looked up for) where needed;
     ``lookahead`` as ``--moe-lookahead``, ``online`` as ``--moe-hybrid-online``; rope tables of
-    the engine's 64 positions; ``act``: how the pool's int kernels read activations (the engine
+    ``max_seq_len`` positions; ``act``: how the pool's int kernels read activations (the engine
     runs ``auto``; ``f32`` takes their rounding out); ``dense_blocks``: Q8_0 dense matrices as
     blocks where the runner would swap them (FREETOKEN_GPU_DENSE=blocks on a GPU)."""
     ckpt = open_checkpoint(path)
     cfg = EngineConfig(model=str(path), device=device, dtype=str(dtype).split(".")[1],
-                       moe_strategy=strategy, max_seq_len=64, moe_cpu_threads=threads,
+                       moe_strategy=strategy, max_seq_len=max_seq_len, moe_cpu_threads=threads,
                        moe_cache=cache or CacheSizing("rate", 1.0), moe_hybrid_max_fetch=max_fetch,
                        moe_lookahead=lookahead, moe_hybrid_online=online)
     plan = plan_moe(cfg, ckpt, torch.device(device))

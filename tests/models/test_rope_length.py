@@ -37,3 +37,14 @@ def test_tables_follow_the_engines_max_length(family, request):
     got = our_logits(short, IDS, prefill=5)
     assert torch.equal(got, our_logits(full, IDS, prefill=5))
     torch.testing.assert_close(got, hf_logits(path, IDS), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3_moe", "tiny_gemma4"])
+def test_a_sequence_past_the_tables_is_refused(family, request):
+    """A GPU kernel would read past the tables: the forward refuses first, on every device, and
+    the sequence that fits still runs."""
+    short = _model(request.getfixturevalue(family), len(IDS) - 1)
+    with pytest.raises(ValueError, match=f"{len(IDS)} tokens is longer than the {len(IDS) - 1} "
+                                         "positions this model was built for"):
+        our_logits(short, IDS, prefill=5)
+    assert our_logits(short, IDS[:-1], prefill=5).isfinite().all()

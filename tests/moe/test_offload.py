@@ -370,8 +370,11 @@ def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, mo
     in another order, so it is close."""
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)
     ids = (IDS * 4)[: prefill + 20]
-    resident = our_logits(load_ours(checkpoint, torch.bfloat16, "cuda"), ids, prefill, "cuda")
-    model = load_ours(checkpoint, torch.bfloat16, "cuda", "offload", CacheSizing("size", 3))
+    n = 128  # rotary positions past the 90 tokens
+    resident = our_logits(load_ours(checkpoint, torch.bfloat16, "cuda", max_seq_len=n), ids,
+                          prefill, "cuda")
+    model = load_ours(checkpoint, torch.bfloat16, "cuda", "offload", CacheSizing("size", 3),
+                      max_seq_len=n)
     offload = our_logits(model, ids, prefill, "cuda")
     fused = any(getattr(m, "gpu_kernel", "") == "fused" for m in model.modules())
     assert fused == (kernel == "auto" and checkpoint.name in ("q8_0.gguf", "mixed.gguf"))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import random
 import sys
@@ -362,6 +363,9 @@ def main() -> None:
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    # the MoE plan's lines (auto's choice, the core plan) on stderr, where small_box.py reads them
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("freetoken.moe.plan").setLevel(logging.INFO)
     results = []
     for name in args.strategies.split(","):
         try:

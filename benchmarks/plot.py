@@ -104,18 +104,21 @@ def peer_48l_plot() -> None:
     plt.close(fig)
 
 
-def peer_sitting_plot(sha: str = "fca7a5f") -> None:
-    """Every strategy and variant of one sitting's 48-layer peer runs (several calls on one
-    warm machine, one file), beside llama.cpp's offloaded placements; resident is left out
-    (its scale is the all-on-GPU one)."""
+def peer_sitting_plot(sha: str = "fca7a5f", file: str = "qwen3-30b-a3b-48l",
+                      title: str = "48-layer qwen3-30b-a3b q8_0") -> None:
+    """Every strategy and variant of one sitting's peer runs on ``file`` (several calls on one
+    warm machine), beside llama.cpp's offloaded placements; resident is left out (its scale
+    is the all-on-GPU one)."""
     runs = []
     llama: dict[str, float] = {}
+    ncmoe = 42
     gpu = "H200"
-    for f in sorted((ROOT / "benchmarks/results").glob("peer_gpu-qwen3-30b-a3b-48l-*.json")):
+    for f in sorted((ROOT / "benchmarks/results").glob(f"peer_gpu-{file}-*.json")):
         peer = json.loads(f.read_text())
         if not str(peer.get("sha", "")).startswith(sha):
             continue
         llama = llama or {k: v["tokens_per_s"] for k, v in peer["llamacpp"].items()}
+        ncmoe = peer["llamacpp"].get("ncmoe", {}).get("n_cpu_moe", ncmoe)
         gpu = "H100" if "H100" in str(peer.get("gpu")) else gpu
         runs += [(r["strategy"], r["tokens_per_s"]) for r in peer["strategies"]
                  if not r["strategy"].startswith("resident") and r["tokens_per_s"]]
@@ -125,17 +128,17 @@ def peer_sitting_plot(sha: str = "fca7a5f") -> None:
     colors = ["#3a6ea5" if name.startswith(("hybrid", "auto")) else "#6a9955"
               if name.startswith("cpu") else "#888888" for name, _ in runs]
     ax.bar(range(len(runs)), [t for _, t in runs], color=colors)
-    for key, label, color in (("ncmoe", "llama.cpp -ncmoe 42", "#aa3333"),
+    for key, label, color in (("ncmoe", f"llama.cpp -ncmoe {ncmoe}", "#aa3333"),
                               ("ot_cpu", "llama.cpp -ot exps=CPU", "#d08770")):
         ax.axhline(llama[key], color=color, ls="--", label=f"{label} ({llama[key]:.1f})")
     ax.set_xticks(range(len(runs)), [name for name, _ in runs], rotation=25, fontsize=7,
                   ha="right")
     ax.set_ylabel("decode tok/s (temperature 1)")
-    ax.set_title(f"48-layer qwen3-30b-a3b q8_0, 4 GB expert cache, 15 threads, {gpu} ({sha})",
-                 fontsize=9)
+    ax.set_title(f"{title}, 4 GB expert cache, 15 threads, {gpu} ({sha})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ROOT / f"docs/img/peer_{sha}.png", dpi=120)
+    name = sha if file == "qwen3-30b-a3b-48l" else f"{file}_{sha}"
+    fig.savefig(ROOT / f"docs/img/peer_{name}.png", dpi=120)
     plt.close(fig)
 
 
@@ -268,4 +271,6 @@ if __name__ == "__main__":
     peer_sitting_plot("43d3cf3")
     peer_sitting_plot("d4e7cd0")
     peer_sitting_plot("62b52bb")
+    peer_sitting_plot("e2f4c22")
+    peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     split_runs_plot()

@@ -32,6 +32,9 @@ from benchmarks.common import git_state, host  # noqa: E402
 
 KEEP = ("decode_tokens_per_s", "hit_rate", "lookahead_hit_rate", "share_plan", "share_fetch",
         "share_cpu_wait", "fetch_fractions", "split_costs_us", "error")
+# the engine's log lines kept with a run (moe/plan.py): auto's choice, the core plan, a shrink
+SAID = ("--moe-strategy auto:", "MoE plan:", "core plan:", "no core of its own",
+        "one usable core")
 
 
 def parse_row(text: str) -> tuple[int, str, int]:
@@ -65,11 +68,12 @@ def one_run(args: argparse.Namespace, cores: int, isa: str, threads: int,
             tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
             return {"strategy": strategy, "error": f"exit {done.returncode}: {' | '.join(tail)}"}
         run = json.loads(saved[-1].read_text())["strategies"][0]
-    # what auto chose, and a pool shrunk to the cores it may use, as the engine logged them
+    # what auto chose, the core plan and a pool shrunk to the cores it may use, as the engine
+    # logged them
     said = [line.strip() for line in (done.stdout + done.stderr).splitlines()
-            if "auto:" in line or "shrink" in line]
+            if any(k in line for k in SAID)]
     kept = {k: run[k] for k in KEEP if k in run}
-    return {"strategy": strategy, **kept, **({"log": said[-4:]} if said else {})}
+    return {"strategy": strategy, **kept, **({"log": said[-6:]} if said else {})}
 
 
 def main() -> None:

@@ -108,6 +108,24 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = norm()
             self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
 
+    def router_map(self, before: nn.Module) -> tuple[torch.Tensor, None] | None:
+        """This layer's router logits as a linear map of the experts' input of ``before``, an
+        earlier MoE layer of the model (look-ahead, ``moe/lookahead.py``, predicts with it
+        from that input). The input is ``rms(h) * w`` (``w``: before's
+        ``pre_feedforward_layernorm_2``) and the router reads ``rms(h) * scale / sqrt(H)``,
+        so on the residual stream ``h`` of that layer the map is the router itself:
+        ``W = proj * scale / sqrt(H) / w``, columns where ``w`` is 0 left out (they carry
+        nothing there)."""
+        norm = getattr(before, "pre_feedforward_layernorm_2", None)
+        proj = self.router.proj.weight
+        if not isinstance(norm, RMSNorm) or not norm.float_scale or proj.dim() != 2:
+            return None
+        w = norm.weight.detach().float()
+        kept = w.abs() > 1e-6
+        column = torch.where(kept, self.router.scale.detach().float() * self.router.root
+                             / torch.where(kept, w, torch.ones_like(w)), torch.zeros_like(w))
+        return proj.detach().float() * column, None
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
         m = self.mlp(self.pre_feedforward_layernorm(h))

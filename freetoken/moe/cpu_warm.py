@@ -38,7 +38,7 @@ def predict(ahead: Lookahead, x: torch.Tensor, most: int) -> torch.Tensor | None
 def link(model: torch.nn.Module, eligible: Any) -> int:
     """Give every ``eligible`` experts layer (the cpu strategy's, on a GPU) whose next MoE
     layer is eligible too a :class:`~freetoken.moe.lookahead.Lookahead` on that layer's
-    router, on the host (``warm_next``); returns how many."""
+    router map, on the host (``warm_next``); returns how many."""
     n = 0
     for this, nxt, router in next_routers(model):
         if eligible(this) and eligible(nxt):

@@ -4,10 +4,12 @@ layer computes, so the link works during the GPU's own time.
 
 The residual stream changes little from one layer to the next (each layer adds one attention
 and one MoE branch to it), so ``router_{L+1}(x_L)``, with ``x_L`` the normalised hidden state
-layer L's experts get, picks most of the experts ``router_{L+1}(x_{L+1})`` picks. A prediction
-only moves experts into cache slots earlier: the next layer finds them as hits, with the same
-bytes it would have fetched, so outputs do not change (offload gives the same bits with or
-without it); a wrong prediction costs link time and a slot.
+layer L's experts get, picks most of the experts ``router_{L+1}(x_{L+1})`` picks (a router
+that normalises and scales its own input, Gemma-4's, is first written as a linear map of
+``x_L``: :func:`router_map`). A prediction only moves experts into cache slots earlier: the
+next layer finds them as hits, with the same bytes it would have fetched, so outputs do not
+change (offload gives the same bits with or without it); a wrong prediction costs link time
+and a slot.
 
 Per prediction the next layer's call scores it: ``lookahead_needed`` experts it routed to,
 ``lookahead_used`` of them predicted (the hit rate of the prediction is used / needed),
@@ -83,8 +85,7 @@ class Lookahead:
 
 def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
     """The router of an MoE block when it is a plain linear layer, logits = x W^T (+ b):
-    ``gate`` in Qwen3-MoE and the moeified families, ``router`` in GPT-OSS; None otherwise
-    (Gemma-4's router normalises and scales its input itself: no look-ahead there)."""
+    ``gate`` in Qwen3-MoE and the moeified families, ``router`` in GPT-OSS; None otherwise."""
     experts = block.experts.shape.num_experts
     for name in ("gate", "router"):
         r = getattr(block, name, None)
@@ -92,6 +93,21 @@ def router_of(block: torch.nn.Module) -> torch.nn.Module | None:
         if isinstance(w, torch.Tensor) and w.dim() == 2 and w.shape[0] == experts:
             return r
     return None
+
+
+Map = tuple[torch.Tensor, torch.Tensor | None]  # logits = x W^T (+ b)
+
+
+def router_map(block: torch.nn.Module, before: torch.nn.Module) -> Map | None:
+    """``block``'s router logits as a linear map of the experts' input of ``before`` (the MoE
+    block one MoE layer earlier): a plain linear router reads that input as it is; a family
+    whose router normalises and scales its own input (Gemma-4) says how through the block's
+    ``router_map(before)``; None where there is no such map."""
+    own = getattr(block, "router_map", None)
+    if callable(own):
+        return own(before)
+    r = router_of(block)
+    return None if r is None else (r.weight, r.bias)
 
 
 def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
@@ -109,21 +125,23 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
     return n
 
 
-def on_router(target: Any, router: torch.nn.Module, device: str | None = None,
+def on_router(target: Any, router: Map, device: str | None = None,
               while_all_fetched: bool = False) -> Lookahead:
-    """A :class:`Lookahead` on ``target``'s ``router``, its weights float32 on ``device``
+    """A :class:`Lookahead` on ``target``'s router map, its weights float32 on ``device``
     (None: where the router is; routers are float32 there, so nothing is copied)."""
-    w = router.weight.detach().float().to(device).contiguous()
-    b = None if router.bias is None else router.bias.detach().float().to(device)
+    weight, bias = router
+    w = weight.detach().float().to(device).contiguous()
+    b = None if bias is None else bias.detach().float().to(device)
     return Lookahead(target.shape.layer, w, b, target.shape.top_k, target,
                      while_all_fetched=while_all_fetched)
 
 
-def next_routers(model: torch.nn.Module) -> list[tuple[Any, Any, torch.nn.Module]]:
-    """Each MoE layer's experts with the next MoE layer's experts and router (a plain linear
-    one, :func:`router_of`), in layer order."""
-    blocks = [(m.experts, r) for m in model.modules()
-              if isinstance(getattr(m, "experts", None), torch.nn.Module)
-              and (r := router_of(m)) is not None]
-    blocks.sort(key=lambda b: b[0].shape.layer)
-    return [(this, nxt, router) for (this, _), (nxt, router) in pairwise(blocks)]
+def next_routers(model: torch.nn.Module) -> list[tuple[Any, Any, Map]]:
+    """Each MoE layer's experts with the next MoE layer's experts and router map (on this
+    layer's experts' input, :func:`router_map`), in layer order; pairs without a map are
+    left out."""
+    blocks = [m for m in model.modules()
+              if isinstance(getattr(m, "experts", None), torch.nn.Module)]
+    blocks.sort(key=lambda m: m.experts.shape.layer)
+    return [(this.experts, nxt.experts, router) for this, nxt in pairwise(blocks)
+            if (router := router_map(nxt, this)) is not None]

@@ -170,3 +170,59 @@ def test_picks_made_in_the_graph_piece_fetch_what_the_eager_plan_fetches(tiny_qw
             m.lookahead.target.incoming.predicted = None
             m.lookahead.target.incoming.prefetched = set()
     assert prefetched > 0
+
+
+@pytest.fixture(scope="module")
+def synth_gemma4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ft synth``'s gemma4-26b-a4b in the Gemma-4 architecture at a tiny geometry: 6
+    layers of 32 q8_0 experts (top-2), default router."""
+    from dataclasses import replace
+
+    from freetoken.checkpoint.synth.presets import PRESETS, SynthSpec, parse_expert_formats
+    from freetoken.checkpoint.synth.write import write_synth
+
+    p = replace(PRESETS["gemma4-26b-a4b"], hidden=64, moe_intermediate=32, experts=32, top_k=2,
+                layers=6, heads=4, kv_heads=2, head_dim=16, full_head_dim=32, full_kv_heads=1,
+                intermediate=96, vocab=512, sliding_window=6)
+    spec = SynthSpec(p, parse_expert_formats("q8_0", p.layers))
+    return write_synth(spec, tmp_path_factory.mktemp("gemma4") / "gemma4.gguf")
+
+
+def test_gemma4s_router_map_is_the_next_router_on_this_layers_residual(synth_gemma4):
+    """Gemma-4's router normalises and scales its own input: on layer L's experts' input the
+    map gives the logits layer L+1's router gives on layer L's residual stream; a norm
+    weight of 0 leaves its column out instead of dividing by it."""
+    from freetoken.models.gemma4 import Gemma4DecoderLayer, _rms
+
+    model = load_ours(synth_gemma4)
+    layers = [m for m in model.modules() if isinstance(m, Gemma4DecoderLayer) and m.moe]
+    this, nxt = layers[2], layers[3]
+    h = torch.randn(5, this.router.proj.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    weight, bias = nxt.router_map(this)
+    r = nxt.router
+    want = r.proj(_rms(h, r.eps) * r.scale * r.root)
+    got = torch.nn.functional.linear(this.pre_feedforward_layernorm_2(h), weight)
+    assert bias is None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    this.pre_feedforward_layernorm_2.weight.data[7] = 0.0
+    weight, _ = nxt.router_map(this)
+    assert weight.isfinite().all() and not weight[:, 7].any()
+
+
+def test_gemma4_predicts_with_look_ahead_and_changes_no_output(synth_gemma4):
+    """Every Gemma-4 layer but the last predicts for the next; offload's logits are the same
+    with and without it, and the prediction holds most of what the next layer routes to
+    (chance: 1/16)."""
+    logits, stats = {}, {}
+    for on in (True, False):
+        model = load_ours(synth_gemma4, strategy="offload", cache=CacheSizing("size", 40),
+                          lookahead="auto" if on else "off")
+        linked = [m for m in model.modules()
+                  if isinstance(m, OffloadExperts) and m.lookahead is not None]
+        assert len(linked) == (5 if on else 0)
+        logits[on] = our_logits(model, list(range(300, 340)), prefill=1)
+        stats[on] = offload_stats(model)
+    assert torch.equal(logits[True], logits[False])
+    rates = [v["lookahead_hit_rate"] for k, v in stats[True]["layers"].items() if k != "0"]
+    assert len(rates) == 5 and min(rates) > 0.5, rates
+    assert stats[True]["misses"] < stats[False]["misses"]

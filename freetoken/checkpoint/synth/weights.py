@@ -39,6 +39,7 @@ from freetoken.checkpoint.synth.presets import (
 
 WINDOW = 32  # tokens the attention (hence the slow router component) averages over
 ROUTER_STD = 2.0  # std of a router logit
+SELF_LOGIT = 3.0  # a tied head's logit of the input token over the others' (Gemma-4)
 
 class Weights:
     """The weight recipe: every tensor is a function of (seed, name, geometry, knobs)."""
@@ -143,6 +144,12 @@ class Weights:
         if rest in ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight") \
                 and family == "gemma4":
             return torch.full(shape, math.sqrt(self.branch_var))
+        if name == "model.norm.weight" and family == "gemma4":
+            # the head is the embedding (tied), and the residual stream still holds the token's
+            # own embedding: at unit scale its logit would stand ~0.75 sqrt(H) above the rest,
+            # so a model sampled at temperature 1 would repeat its input token for ever (and
+            # its routing with it). This scale leaves that logit SELF_LOGIT above the others.
+            return torch.full(shape, SELF_LOGIT * H ** 0.5 / len(self.F))
         if re.search(r"norm(_\d)?\.weight$", rest):
             return torch.ones(shape)
         if not m:

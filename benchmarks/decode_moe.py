@@ -203,12 +203,11 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps
     Q8_0 dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+nocheck``
     leaves an online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
-    CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went), ``+warm``
-    has cpu's layers read the next layer's predicted experts ahead (FREETOKEN_CPU_WARM=on)."""
+    CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went)."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
                               "pycall", "nojoin", "hostnode", "greedy", "nocheck", "timing",
-                              "regrouped", "denseblocks", "warm"}
+                              "regrouped", "denseblocks"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -219,7 +218,6 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"
-    os.environ["FREETOKEN_CPU_WARM"] = "on" if "warm" in options else "off"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")
     prefill = [int(n) for n in args.prefill_tokens.split(",") if n and timed]
@@ -268,9 +266,6 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                      "share_cpu_job": steps["job_s"] / best["wall_s"],
                      "us_per_host_step": 1e6 * steps["step_s"] / steps["calls"],
                      "us_per_cpu_job": 1e6 * steps["job_s"] / steps["calls"]}
-        if steps["warmed"]:  # experts read ahead, and the share of them the calls used
-            out_steps |= {"warmed_per_call": steps["warmed"] / steps["calls"],
-                          "warm_used_rate": steps["warm_used"] / steps["warmed"]}
     else:
         out_steps = {}
     if "timing" in options:

@@ -336,19 +336,6 @@ FT_API double ft_stream_read(void* ex, const void* buf, int64_t bytes, int reps)
   return ((ft::Executor*)ex)->stream_read((const uint8_t*)buf, bytes, reps);
 }
 
-// Read n experts of a layer into the CPU's caches on idle workers (Executor::warm): 0, or -1
-// unknown layer, -2 expert id out of range, -3 more than ft_warm_max() experts.
-FT_API int ft_warm(void* ex, int layer, const int32_t* experts, int n) {
-  return ((ft::Executor*)ex)->warm(layer, experts, n);
-}
-
-FT_API int ft_warm_max() { return ft::kMaxWarmExperts; }
-
-// out[0]: warm reads made, out[1]: the bytes they read.
-FT_API void ft_warm_stats(void* ex, int64_t* out) {
-  ((ft::Executor*)ex)->warm_stats(out, out + 1);
-}
-
 // The expert cache's slot decisions (expert_slots.h). Tables are the caller's int64 arrays.
 FT_API void* ft_slots_new(int slots) { return slots > 0 ? new ft::SlotLru(slots) : nullptr; }
 

@@ -118,7 +118,6 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
     if (ids[i] >= L->E) return -2;
     P += ids[i] >= 0;
   }
-  settle_warm();  // a warm read in flight ends here: this job is what it was for
   int slot = pool_.acquire();
   Job& j = jobs_[slot];
   const int64_t H = L->H, I = L->I, E = L->E;
@@ -274,7 +273,6 @@ double Executor::stream_read(const uint8_t* buf, int64_t bytes, int reps) {
   r.chunk = 1 << 20;
   r.chunks = cdiv(r.bytes, r.chunk);
   int64_t counts[1] = {r.chunks * reps};
-  settle_warm();
   int slot = pool_.acquire();
   auto t0 = std::chrono::steady_clock::now();
   pool_.publish(slot, counts, 1, run_read, &r);

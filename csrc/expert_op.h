@@ -172,26 +172,10 @@ void encode_act(const float* x, int act, const Act& a, int64_t t, QuantFn quant)
 // One work item of a Job (expert_items.cpp): ctx is the Job, phase and item as published.
 void run_expert_item(void* ctx, int phase, int64_t item, int worker);
 
-// A read of some experts' weights into the CPU's caches (Executor::warm, expert_warm.cpp):
-// spans of bytes in 64 KiB items.
-constexpr int kMaxWarmExperts = 64;
-struct WarmRead {
-  static constexpr int64_t kChunk = 64 << 10;  // bytes per item
-  static constexpr int kMaxSpans = 3 * kMaxWarmExperts;
-  ReadFn fn = nullptr;
-  std::atomic<bool> cancel{false};
-  std::atomic<int64_t> bytes{0};  // read so far
-  std::atomic<uint64_t> sink{0};  // what the reads fold into (so they are not dropped)
-  int spans = 0;
-  const uint8_t* ptr[kMaxSpans] = {};
-  int64_t len[kMaxSpans] = {};
-  int64_t first[kMaxSpans + 1] = {};  // the first item of each span; first[spans]: the total
-};
-
 class Executor {
  public:
   Executor(const std::vector<int>& cores, int isa_cap, int spin_us);
-  ~Executor();
+  ~Executor() = default;
 
   int threads() const { return pool_.threads(); }
   int isa() const { return isa_; }
@@ -244,21 +228,9 @@ class Executor {
   // Seconds to read `bytes` of buf `reps` times with all workers (a stream-read ceiling).
   double stream_read(const uint8_t* buf, int64_t bytes, int reps);
 
-  // Read up to kMaxWarmExperts experts of `layer` (gate, up and down, in the order given) on
-  // the pool, so that a job soon after finds them in the CPU's caches: a decode step's next
-  // layer, read while the pool would otherwise wait for the GPU. Returns at once; the next
-  // submit, submit_linear or warm cancels what is left of it (reads already started end). 0,
-  // -1 for an unknown layer, -2 for an expert id out of range, -3 for too many experts.
-  int warm(int layer, const int32_t* experts, int n);
-  // Warm reads made and the weight bytes they have read, over the executor's life.
-  void warm_stats(int64_t* reads, int64_t* bytes);
 
  private:
   std::string set_kernel(Proj& p, int act_mode);
-  // End the warm read in flight: cancel its items not yet started, wait for the rest, hand
-  // its slot back.
-  void settle_warm();
-  void settle_warm_locked();  // settle_warm with warm_mu_ held
 
   Pool pool_;
   int isa_;
@@ -273,10 +245,6 @@ class Executor {
   std::atomic<int> batch_from_{kBatchVectors};
   std::atomic<bool> join_{true};
   QuantFn quant_;
-  std::mutex warm_mu_;
-  std::unique_ptr<WarmRead> warm_;  // the warm read's state (one at a time)
-  int warm_slot_ = -1;              // its pool slot while it is in flight
-  int64_t warm_reads_ = 0, warm_bytes_ = 0;  // reads made, bytes of those settled (warm_mu_)
 };
 
 }  // namespace ft

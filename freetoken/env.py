@@ -141,14 +141,3 @@ def cpu_host_node() -> str:
     ``off`` (default: a host step between two graph pieces per layer) or ``on`` (each job a
     host node inside the graph, run by the CUDA driver's thread: one replay a step)."""
     return _choice("FREETOKEN_CPU_HOST_NODE", CPU_HOST_NODES)
-
-
-CPU_WARM = ("off", "on")
-
-
-def cpu_warm() -> str:
-    """FREETOKEN_CPU_WARM: whether the cpu strategy's layers, between decode graph pieces on a
-    GPU, have the pool read the next layer's predicted experts into the CPU's caches while the
-    GPU runs that layer's attention (``moe/cpu_warm.py``): ``off`` (default until measured on
-    a GPU machine) or ``on``. Outputs do not change either way."""
-    return _choice("FREETOKEN_CPU_WARM", CPU_WARM)

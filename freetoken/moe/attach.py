@@ -16,10 +16,9 @@ from torch import nn
 from freetoken import env
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.cpu.executor import CpuMoeExecutor
-from freetoken.cpu.host_node import host_nodes
 from freetoken.errors import ConfigError
 from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
-from freetoken.moe import cpu_warm, lookahead
+from freetoken.moe import lookahead
 from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.offload import OffloadExperts
@@ -62,23 +61,8 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
                      plan.lookahead, "" if every or all(
                          type(m).LOOKAHEAD_BY_DEFAULT for m in offloaded)
                      else "; for a hybrid layer only while its split fetches every miss")
-    _link_warm(model, [m for m in layers if isinstance(m, CpuExperts)])
     _log_resident([m for m in layers if isinstance(m, ResidentExperts)])
     return runtime
-
-
-def _link_warm(model: nn.Module, layers: list[CpuExperts]) -> None:
-    """With FREETOKEN_CPU_WARM=on, cpu layers on a GPU read the next layer's predicted experts
-    ahead (``moe/cpu_warm.py``); one line says how many."""
-    if not layers or env.cpu_warm() != "on" or layers[0].device.type != "cuda":
-        return
-    if host_nodes() is None:  # the driver's thread runs the jobs: no host step to read from
-        log.info("cpu warm reads: off with host nodes (FREETOKEN_CPU_HOST_NODE=on)")
-        return
-    n = cpu_warm.link(model, lambda m: isinstance(m, CpuExperts))
-    log.info("cpu warm reads: %d of %d cpu layers read the next layer's predicted experts "
-             "into the CPU's caches while the GPU runs its attention (FREETOKEN_CPU_WARM=on)",
-             n, len(layers))
 
 
 def _log_resident(layers: list[ResidentExperts]) -> None:

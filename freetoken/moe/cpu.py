@@ -11,7 +11,8 @@ job on them, which writes into pinned memory, and queues the copy of that result
 buffer the next piece adds. With ``FREETOKEN_CPU_HOST_NODE=on`` the graph holds each layer's
 job instead (:meth:`~freetoken.moe.pieces.PiecewiseCapture.node`: the copies, the job as a
 host node run by the CUDA driver's thread, ``cpu/host_node.py``), a step being one replay with
-no Python between layers; it measured half as fast on the H200, so it is not the default.
+no Python between layers; it measured half as fast on the H200 (a316a05's sitting) and 6 %
+faster on an H100 (48 layers, e2f4c22), so it is not the default until both agree.
 Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
 """
 
@@ -26,10 +27,8 @@ from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import host_nodes
 from freetoken.cpu.jobs import JobLog
 from freetoken.errors import ConfigError
-from freetoken.moe.cpu_warm import predict
 from freetoken.moe.host_banks import BankBuilder
 from freetoken.moe.host_job import HostJobs
-from freetoken.moe.lookahead import Lookahead
 from freetoken.moe.pieces import HostCopies, Recorder
 from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
@@ -43,8 +42,6 @@ class HostStepTimes:
     calls: int = 0
     step_s: float = 0.0
     job_s: float = 0.0
-    warmed: int = 0  # experts the layer before read ahead for these calls (moe/cpu_warm.py)
-    warm_used: int = 0  # of those, experts the calls routed to
 
 
 def host_step_totals(layers: list[CpuExperts]) -> dict[str, float]:
@@ -77,8 +74,6 @@ class CpuExperts(Experts):
         self.host_jobs = HostJobs(shape.layer)  # the pool's jobs between graph pieces
         self.host_times = HostStepTimes()
         self.jobs = JobLog()  # the host steps' timed jobs, with the pool's timing on
-        self.warm_next: Lookahead | None = None  # the next layer's, read ahead (attach)
-        self.warmed: list[int] = []  # what the layer before read ahead for this layer's call
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """Keep one checkpoint tensor (see :meth:`BankBuilder.add`); f32 and f16 weights are
@@ -114,7 +109,6 @@ class CpuExperts(Experts):
             if capture.copier is not None and host_nodes() is None:
                 return capture.node(ex, self.shape.layer, x, topk_ids, topk_weights)
             return capture.host(self._host_step, x, topk_ids, topk_weights)
-        self.warmed.clear()  # a read ahead for a decode step is not scored on this call
         out = ex.run(x, topk_ids, topk_weights, self.shape.layer)
         return out.to(device=x.device, dtype=x.dtype)
 
@@ -127,22 +121,12 @@ class CpuExperts(Experts):
         t0 = time.perf_counter()
         job = self.host_jobs.get(pool, host)
         times = self.host_times
-        nxt = self.warm_next
-        if nxt is None and not self.warmed and not pool.timing:  # submit, join, wait: one call
+        if not pool.timing:  # submit, join, wait: one call
             job_s = job.run()
-        else:
+        else:  # the job and its experts logged item by item
             future = job.submit(all_pairs=True)
-            if self.warmed:  # the layer before's prediction, scored while the pool works
-                times.warmed += len(self.warmed)
-                times.warm_used += len(set(self.warmed) & set(host.ids.view(-1).tolist()))
-                self.warmed.clear()
-            if nxt is not None:  # queued behind the job: it starts as the job's items run out
-                ahead = predict(nxt, job.x, pool.warm_max)
-                if ahead is not None and pool.warm(nxt.layer, ahead):
-                    nxt.target.warmed[:] = ahead.tolist()  # in place: no nn.Module setattr
             future.wait()
-            if pool.timing:  # the job and its experts logged item by item
-                self.jobs.add(future, int(host.ids.unique().numel()))
+            self.jobs.add(future, int(host.ids.unique().numel()))
             job_s = future.seconds
         times.calls += 1
         times.step_s += time.perf_counter() - t0

@@ -46,8 +46,6 @@ class Metrics:
             ("calls", "cpu-strategy layer calls run between decode graph pieces since start"),
             ("job_s", "seconds the CPU pool spent on those calls' jobs"),
             ("step_s", "engine-thread seconds of those host steps, the jobs included"),
-            ("warmed", "experts read into the CPU's caches ahead of their layer, since start"),
-            ("warm_used", "of those, experts their layer then routed to"),
         )}
 
     def engine_stats(self, stats: dict[str, Any]) -> None:

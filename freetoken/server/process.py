@@ -94,8 +94,8 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
 def _cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
                    tokens: int) -> str:
     """The cpu strategy's share of a token, where its layers ran between graph pieces: the
-    pool's jobs and the host steps around them (ms per token), and how the next layers'
-    experts read ahead fared; empty where no such step ran since ``was``."""
+    pool's jobs and the host steps around them (ms per token); empty where no such step ran
+    since ``was``."""
     was = was or {}
     calls = (pool or {}).get("calls", 0) - was.get("calls", 0)
     if not pool or calls <= 0:
@@ -104,12 +104,8 @@ def _cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
     def delta(key: str) -> float:
         return pool.get(key, 0) - was.get(key, 0)
 
-    part = (f"; CPU pool: jobs {1e3 * delta('job_s') / tokens:.1f} ms, host steps "
+    return (f"; CPU pool: jobs {1e3 * delta('job_s') / tokens:.1f} ms, host steps "
             f"{1e3 * delta('step_s') / tokens:.1f} ms a token")
-    if (warmed := delta("warmed")) > 0:
-        part += (f", {warmed / calls:.1f} experts a layer read ahead, "
-                 f"{100 * delta('warm_used') / warmed:.0f} % of them used")
-    return part
 
 
 def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,

@@ -54,18 +54,13 @@ def test_the_line_shows_the_look_ahead_prediction_when_there_is_one():
     assert ", expert cache hit rate 87.1 %, 250.0 MB/token" in line
 
 
-def test_the_cpu_strategys_pool_jobs_and_read_ahead_are_in_the_line():
+def test_the_cpu_strategys_pool_jobs_are_in_the_line():
     times = {"steps": 0, "tokens": 0, "schedule_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
-    before = {**BASE, "times": times,
-              "cpu_pool": {"calls": 480, "step_s": 0.2, "job_s": 0.1, "warmed": 0, "warm_used": 0}}
+    before = {**BASE, "times": times, "cpu_pool": {"calls": 480, "step_s": 0.2, "job_s": 0.1}}
     now = {**BASE, "times": {**times, "tokens": 100, "forward_s": 2.5},
-           "cpu_pool": {"calls": 5280, "step_s": 2.2, "job_s": 1.6, "warmed": 33600,
-                        "warm_used": 28000}}
-    line = decode_line(40.0, now, before)
-    # 100 tokens, 4800 layer calls: jobs 1.5 s, steps 2.0 s; 7 experts a call read ahead
-    assert line.endswith("; CPU pool: jobs 15.0 ms, host steps 20.0 ms a token, 7.0 experts a "
-                         "layer read ahead, 83 % of them used")
-    cold = {**now, "cpu_pool": {**now["cpu_pool"], "warmed": 0, "warm_used": 0}}
-    assert decode_line(40.0, cold, before).endswith("host steps 20.0 ms a token")
+           "cpu_pool": {"calls": 5280, "step_s": 2.2, "job_s": 1.6}}
+    # 100 tokens, 4800 layer calls: jobs 1.5 s, steps 2.0 s
+    assert decode_line(40.0, now, before).endswith(
+        "; CPU pool: jobs 15.0 ms, host steps 20.0 ms a token")
     idle = {**now, "cpu_pool": before["cpu_pool"]}  # no host step since the last line
     assert "CPU pool" not in decode_line(40.0, idle, before)

@@ -21,7 +21,7 @@ def test_cpu_pool_gauges_follow_the_engine_stats() -> None:
     base = {"running": 1, "waiting": 0, "kv_usage": 0.1, "prefix_hit_tokens": 0}
     m.engine_stats(base)  # a model without cpu layers: the gauges stay 0
     assert set(_values(m, "freetoken_cpu_pool_").values()) == {0.0}
-    pool = {"calls": 96, "step_s": 0.05, "job_s": 0.03, "warmed": 300, "warm_used": 250}
+    pool = {"calls": 96, "step_s": 0.05, "job_s": 0.03}
     m.engine_stats({**base, "cpu_pool": pool})
     assert _values(m, "freetoken_cpu_pool_") == {
         f"freetoken_cpu_pool_{k}": float(v) for k, v in pool.items()}

@@ -99,6 +99,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "finish together, from the times measured while serving",
     )
     g.add_argument(
+        "--moe-hybrid-greedy",
+        default="fetch",
+        choices=("fetch", "split"),
+        help="hybrid, in a step whose batch holds a greedy request (temperature 0): fetch "
+        "every miss, so that its text is offload's and resident's, bit for bit, whatever the "
+        "split has measured (the step runs at offload's speed); split: split as any step "
+        "(faster, but the CPU computes an expert in other bits than the GPU, so greedy text can "
+        "change from run to run)",
+    )
+    g.add_argument(
         "--moe-lookahead",
         default="auto",
         choices=("auto", "on", "off"),

@@ -76,6 +76,8 @@ class EngineConfig:
     # hybrid: experts fetched per layer call at most, or "auto" (from the profile row)
     moe_hybrid_max_fetch: int | str = "auto"
     moe_hybrid_online: bool = True  # hybrid corrects its fetch fraction from measured times
+    # hybrid in a step with a greedy sequence: "fetch" every miss (offload's bits) or "split"
+    moe_hybrid_greedy: str = "fetch"
     # cached layers fetch the next layer's predicted experts early: "auto" (offload only),
     # "on" (hybrid too) or "off"
     moe_lookahead: str = "auto"

@@ -94,6 +94,7 @@ def resolve_engine(args: Any) -> EngineConfig:
         kv_reserve_tokens=getattr(args, "kv_reserve_tokens", KV_RESERVE_TOKENS),
         moe_hybrid_max_fetch=max_fetch,
         moe_hybrid_online=getattr(args, "moe_hybrid_online", "on") == "on",
+        moe_hybrid_greedy=getattr(args, "moe_hybrid_greedy", "fetch"),
         moe_lookahead=getattr(args, "moe_lookahead", "auto"),
         cpu_dense=cpu_dense,
     )

@@ -134,6 +134,13 @@ class ModelRunner:
                 out[i] = logits[row]
         return torch.stack(out)  # type: ignore[arg-type]
 
+    def greedy_step(self, greedy: bool) -> None:
+        """Whether the next forwards' batches hold a greedy sequence: with
+        ``--moe-hybrid-greedy fetch`` (the default) hybrid layers then fetch every miss, so a
+        greedy request's text does not move with the times hybrid's split measures."""
+        if self.offload is not None:
+            self.offload.fetch_every_miss(greedy and self.cfg.moe_hybrid_greedy == "fetch")
+
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 

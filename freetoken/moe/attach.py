@@ -46,7 +46,7 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
     if recorder is None and any(isinstance(m, CpuExperts) and m.device.type == "cuda"
                                 for m in layers):
         recorder = Recorder(row_copier(True))
-    shared = Shared(pool, runtime, recorder)
+    shared = Shared(pool, runtime, recorder, {} if runtime is None else runtime.splits)
     for m in layers:
         m.attach(plan.layers[m.shape.layer], shared)
     if cached:

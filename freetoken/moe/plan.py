@@ -228,9 +228,11 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
         p = layers[ids[0]]
         what = (f"at {100 * p.fetch_fraction:.1f} % (row {p.split_from})"
                 if p.fetch_fraction is not None else f"at a fetch cap of {p.max_fetch}")
-        log.info("MoE plan: hybrid on %d %s layer%s %s%s", len(ids), kind_words(kind),
+        log.info("MoE plan: hybrid on %d %s layer%s %s%s%s", len(ids), kind_words(kind),
                  "" if len(ids) == 1 else "s", what,
-                 ", corrected online" if cfg.moe_hybrid_online else "")
+                 ", corrected online" if cfg.moe_hybrid_online else "",
+                 "; a step with a greedy request fetches every miss (--moe-hybrid-greedy)"
+                 if cfg.moe_hybrid_greedy == "fetch" else "")
 
 
 def _cache_budget(cfg: EngineConfig, ckpt: Checkpoint, strategies: tuple[str, ...],

@@ -12,6 +12,7 @@ Threads: the engine's main thread only.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from freetoken.cpu.row_copy import RowCopier, current_stream
 from freetoken.moe.expert_cache import ExpertCache
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.pieces import Recorder
+from freetoken.moe.split import SplitCosts
 from freetoken.moe.stats import EventPool, MoEStats, Span
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,16 @@ class OffloadRuntime(Recorder):
         self.index = torch.device(device).index or 0 if self.cuda else -1
         for pool in cache.pools:  # slot tables published through the library too
             pool.copier = self.rows
+        self.splits: dict[Any, SplitCosts] = {}  # hybrid's, per layer kind (``Shared.splits``)
+
+    def fetch_every_miss(self, on: bool) -> None:
+        """Whether the calls of the next steps, until told otherwise, fetch every miss whatever
+        hybrid's split (``--moe-hybrid-greedy fetch``: a step with a greedy sequence in its
+        batch): an expert computed on the CPU differs from the device's in the last bits, so
+        greedy text would move with the times the split measures; fetched, it is offload's,
+        which is resident's."""
+        for costs in self.splits.values():
+            costs.fetch_all = on
 
     def staging(self, row_bytes: int) -> list[torch.Tensor]:
         if row_bytes not in self._staging:

@@ -48,6 +48,9 @@ class SplitCosts:
     layers: int = 1
     smoothing: float = 0.3
     check: WallCheck | None = None  # the steps' own verdict (None: the model's alone)
+    # this step fetches every miss, whatever the split (a greedy sequence in its batch:
+    # OffloadRuntime.fetch_every_miss); its wall check waits
+    fetch_all: bool = False
     c_cpu: float | None = None  # seconds per expert on the CPU
     l_cpu: float = 0.0  # seconds per CPU job, whatever its size
     c_pcie: float | None = None  # seconds per fetched expert
@@ -183,7 +186,10 @@ class SplitPolicy:
     @property
     def held(self) -> float | None:
         """The fetched share the kind's wall check has calls use now (all-fetch's 1.0, the cpu
-        arm's 0.0 or the profile's), or None: the policy's own ``fraction``."""
+        arm's 0.0 or the profile's; 1.0 in a step that fetches every miss), or None: the
+        policy's own ``fraction``."""
+        if self.costs.fetch_all:
+            return 1.0
         check = self.costs.check
         return check.fraction if self.online and check is not None else None
 
@@ -218,7 +224,7 @@ class SplitPolicy:
     def start(self, rows: int) -> None:
         """A call of ``rows`` token rows starts: the kind's wall check counts it (before the
         call reads :attr:`held`, which the check may change)."""
-        if self.online and self.costs.check is not None:
+        if self.online and self.costs.check is not None and not self.costs.fetch_all:
             self.costs.check.tick(rows)
 
     def n_fetch(self, misses: int, rows: int = 1) -> int:

@@ -39,6 +39,9 @@ def test_cpu_strategy_matches_resident(tiny_qwen3_moe, tmp_path, expert_fmt):
     # measured times, and the pool's bits differ from the slots' float path on --device cpu
     ("hybrid", ["--moe-cache-size", "3", "--moe-cpu-threads", "1", "--moe-hybrid-online", "off"],
      "MoE plan: hybrid on 2 q8_0 layers at a fetch cap of 1"),
+    # corrected online: a greedy request's steps fetch every miss (--moe-hybrid-greedy fetch)
+    ("hybrid", ["--moe-cache-size", "3", "--moe-cpu-threads", "1"],
+     "corrected online; a step with a greedy request fetches every miss"),
 ])
 def test_ft_generate_strategy_equals_resident(tmp_path, monkeypatch, strategy, flags, logged):
     import subprocess

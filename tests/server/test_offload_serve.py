@@ -70,28 +70,35 @@ def test_offload_server_reports_cache_stats(tiny_gguf, tmp_path, want):
     assert "resolved moe_cache_size=3 " in log and "MoE plan: offload on 2 q8_0 layers" in log
 
 
-def test_hybrid_server_serves_concurrent_requests(tiny_gguf, tmp_path, monkeypatch, want):
-    """Hybrid with a 3-slot cache, the prompts at once (batched layer calls that split between
-    fetching and the CPU pool): resident's completions, and the CPU's share in /v1/stats."""
+@pytest.mark.parametrize("greedy", ["fetch", "split"])
+def test_hybrid_server_serves_concurrent_requests(tiny_gguf, tmp_path, monkeypatch, want,
+                                                  greedy):
+    """Hybrid with a 3-slot cache, the greedy prompts at once (batched layer calls): resident's
+    completions. By default (``--moe-hybrid-greedy fetch``) their steps fetch every miss, the
+    split corrected online as it is served: resident's bits, the CPU idle. With ``split`` the
+    calls split between fetching and the CPU pool, whose share shows in /v1/stats."""
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
-    # Which misses go to the CPU depends on what the batch holds at each step, and that on when
-    # each request arrives. With the pool's int8 activations an expert computed there differs
-    # from the slots' float path by enough to flip a near-tied greedy token (seen in 1 of 5
-    # runs); with float32 activations (FREETOKEN_CPU_ACT=f32) the two differ by float rounding
-    # only. The split is held fixed as well: moved online it follows measured times.
-    monkeypatch.setenv("FREETOKEN_CPU_ACT", "f32")
+    flags = ["--moe-hybrid-greedy", greedy]
+    if greedy == "split":
+        # Which misses go to the CPU depends on what the batch holds at each step, and that on
+        # when each request arrives. With the pool's int8 activations an expert computed there
+        # differs from the slots' float path by enough to flip a near-tied greedy token (seen
+        # in 1 of 5 runs); with float32 activations (FREETOKEN_CPU_ACT=f32) the two differ by
+        # float rounding only. The split is held fixed as well: moved online it follows
+        # measured times.
+        monkeypatch.setenv("FREETOKEN_CPU_ACT", "f32")
+        flags += ["--moe-hybrid-online", "off"]
     server = start_server(["--model", tiny_gguf, "--moe-strategy", "hybrid", "--moe-cache-size",
-                           "3", "--moe-cpu-threads", "1", "--moe-hybrid-online", "off"],
-                          tmp_path / "hybrid.log")
+                           "3", "--moe-cpu-threads", "1", *flags], tmp_path / "hybrid.log")
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: _complete(server.url, p), PROMPTS))
         assert got == want
         time.sleep(0.7)  # one stats interval
         moe = httpx.get(f"{server.url}/v1/stats").json()["engine"]["moe"]
-        assert moe["cpu_experts"] > 0 and moe["misses"] > 0
+        assert moe["misses"] > 0 and (moe["cpu_experts"] > 0) == (greedy == "split")
         assert all("fetch_fraction" in s for s in moe["layers"].values())
     finally:
         assert server.stop() == 0

@@ -57,6 +57,7 @@ from freetoken.engine.resolve import parse_bytes  # noqa: E402
 from freetoken.engine.sample import SamplingParams  # noqa: E402
 from freetoken.moe.cpu import CpuExperts, host_step_totals  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
+from freetoken.moe.resident import ResidentExperts  # noqa: E402
 
 COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
             "cpu_experts", "cpu_s", "plan_s", "prefetched", "lookahead_used", "lookahead_needed")
@@ -271,7 +272,11 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if "timing" in options:
         out_steps["pool_jobs"] = pool_jobs(engine, engine.runner.pool.threads + 1
                                            if engine.runner.pool is not None else 1)
-    kernels = [m.gpu_kernel for m in engine.model.modules() if isinstance(m, OffloadExperts)]
+    # per layer: the cached layers' kernel, and resident's where it keeps the file's blocks
+    # ("parameters": dequantised at load, the torch paths)
+    kernels = [m.gpu_kernel if isinstance(m, OffloadExperts) or m.in_blocks is not None
+               else "parameters" for m in engine.model.modules()
+               if isinstance(m, OffloadExperts | ResidentExperts)]
     out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
                            "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"],
                            "prefill_tokens_per_s": prefill_tps, **out_steps,

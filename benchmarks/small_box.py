@@ -10,6 +10,10 @@ is about 15 %: the row's figure is each strategy's median over the rounds, and i
 offload's median. One JSON in ``--out`` holds every run (tok/s, hit rate, the step's shares:
 plan, fetch, CPU wait; the split's fractions and costs) and the medians.
 
+With ``--bench-bw`` each row first runs ``ft bench bw --model`` under its own limits into a
+profile of its own, which that row's runs read: ``auto`` then decides from a row measured on
+the box it runs on (without it, a profile measured elsewhere makes auto offload).
+
     python benchmarks/small_box.py --model M.gguf --rows 4:avx2,8:avx2,16:native --rounds 3
 """
 
@@ -47,12 +51,36 @@ def parse_row(text: str) -> tuple[int, str, int]:
     return cores, parts[1], threads
 
 
-def one_run(args: argparse.Namespace, cores: int, isa: str, threads: int,
-            strategy: str) -> dict[str, Any]:
-    """One strategy in its own process under the row's limits: what decode_moe.py saved."""
+def row_env(cores: int, isa: str, profile: Path | None) -> dict[str, str]:
+    """The environment of a row's processes: the ISA cap, the row's own profile if any."""
     env = dict(os.environ)
     if isa != "native":
         env["FREETOKEN_CPU_ISA"] = isa
+    if profile is not None:
+        env["FREETOKEN_BENCHBW_PATH"] = str(profile)
+    return env
+
+
+def bench_row(args: argparse.Namespace, cores: int, isa: str, threads: int,
+              profile: Path) -> dict[str, Any]:
+    """``ft bench bw --model`` under the row's limits into ``profile``: its rows, or the
+    error."""
+    cmd = ["taskset", "-c", f"0-{cores - 1}", sys.executable, "-m", "freetoken.cli", "bench",
+           "bw", "--model", args.model, "--device", args.device, "--threads", str(threads),
+           "--out", str(profile)]
+    done = subprocess.run(cmd, env=row_env(cores, isa, None), capture_output=True, text=True)
+    if done.returncode != 0 or not profile.exists():
+        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
+    kinds = json.loads(profile.read_text()).get("layer_kinds", {})
+    return {k: {m: round(v, 1) for m, v in row.items() if isinstance(v, float)}
+            for k, row in kinds.items()}
+
+
+def one_run(args: argparse.Namespace, cores: int, isa: str, threads: int,
+            strategy: str, profile: Path | None = None) -> dict[str, Any]:
+    """One strategy in its own process under the row's limits: what decode_moe.py saved."""
+    env = row_env(cores, isa, profile)
     with tempfile.TemporaryDirectory() as scratch:
         cmd = ["taskset", "-c", f"0-{cores - 1}", sys.executable,
                str(Path(__file__).parent / "decode_moe.py"), "--model", args.model,
@@ -88,6 +116,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="decode_moe.py's, best kept")
+    p.add_argument("--bench-bw", action="store_true",
+                   help="per row, ft bench bw --model under its limits first (auto's profile)")
     p.add_argument("--label", default="")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -111,9 +141,16 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
         row: dict[str, Any] = {"cores": cores, "isa": isa, "threads": threads, "runs": runs}
         rows.append(row)
+        profile = None
+        if args.bench_bw:
+            profile = Path(tempfile.mkdtemp()) / "benchbw.json"
+            row["bench_bw"] = bench_row(args, cores, isa, threads, profile)
+            save()
+            print(f"== {cores} cores, {isa}, {threads} threads: ft bench bw {row['bench_bw']}",
+                  flush=True)
         for r in range(args.rounds):
             for s in strategies:
-                run = one_run(args, cores, isa, threads, s)
+                run = one_run(args, cores, isa, threads, s, profile)
                 runs[s].append(run)
                 save()
                 print(f"== {cores} cores, {isa}, {threads} threads, round {r + 1}: {s} "

@@ -4,6 +4,7 @@
 # ("native": no cap), THREADS pool workers (default CORES - 1); offload, hybrid (online) and
 # auto (STRATEGIES) on the LAYERS-layer default-router q8_0 qwen3-30b-a3b file with a CACHE
 # expert cache at temperature 1, ROUNDS interleaved rounds (default 3); one JSON in $OUT.
+# BENCH_BW=1: each row first measures its own `ft bench bw --model` row, which its auto reads.
 # Each run takes about 40 s (load, warm-up, 2 x 64 tokens): rows x rounds x strategies of them.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/small_box.sh (carry .whl).
 set -uo pipefail
@@ -19,4 +20,5 @@ M=/tmp/qwen3-30b-a3b-${LAYERS}l.gguf
 python3 benchmarks/small_box.py --model $M --device cuda --rows "$(echo ${ROWS:-4:avx2} | tr ' ' ,)" \
   --strategies ${STRATEGIES:-offload,hybrid-online,auto} --rounds ${ROUNDS:-3} \
   --moe-cache-mem ${CACHE:-4GB} --tokens 64 --repeats 2 \
-  --label qwen3-30b-a3b-${LAYERS}l-$GPU --out "$OUT" --git-sha "${GIT_SHA:-}"
+  ${BENCH_BW:+--bench-bw} --label qwen3-30b-a3b-${LAYERS}l-$GPU --out "$OUT" \
+  --git-sha "${GIT_SHA:-}"

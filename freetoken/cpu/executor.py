@@ -53,7 +53,7 @@ from freetoken.cpu.library import (  # noqa: F401  (the executor's public names)
     set_prefetch,
 )
 from freetoken.cpu.linear_jobs import LinearJobs, as_host
-from freetoken.cpu.reads import Reads
+from freetoken.cpu.pool_controls import DOWN_SPLITS, PoolControls  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,6 @@ class LayerInfo:
     intermediate: int
     fmts: tuple[str, str, str]
     kernels: tuple[tuple[str, str], ...]  # (isa, act kind) per projection
-
-
-DOWN_SPLITS = {"auto": -1, "rows": 0, "experts": 1}  # csrc/expert_op.h DownSplit
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,7 @@ class PreparedJob:
     keep: tuple[torch.Tensor, ...]
 
 
-class CpuMoeExecutor(LinearJobs, Reads):
+class CpuMoeExecutor(LinearJobs, PoolControls):
     """The pool and the expert banks of every MoE layer it serves.
 
     ``threads``: workers (``--moe-cpu-threads``); None is one per usable core but the first.
@@ -335,44 +332,6 @@ class CpuMoeExecutor(LinearJobs, Reads):
         return self._handle
 
     @property
-    def timing(self) -> bool:
-        """Whether later jobs are timed item by item (:meth:`set_timing`)."""
-        return self._timing
-
-    def set_timing(self, on: bool) -> None:
-        """Time every item of later jobs: their futures then carry a :class:`JobTiming`."""
-        self._timing = on
-        self._lib.ft_set_timing(self._handle, int(on))
-
-    def set_down_split(self, split: str) -> None:
-        """How later jobs split down_proj over the workers: "auto" ("experts" for decode-sized
-        jobs, else "rows"), "rows" (a chunk of H rows of every routed expert per item) or
-        "experts" (a chunk of one expert's rows per item, then a sum over pairs). Both give
-        the same bits."""
-        if split not in DOWN_SPLITS:
-            raise ValueError(f"unknown down split {split!r} (choose from {', '.join(DOWN_SPLITS)})")
-        self._lib.ft_set_down_split(self._handle, DOWN_SPLITS[split])
-
-    def set_join(self, on: bool) -> None:
-        """Whether the thread in ``wait()`` runs items of its job (the default: one more core on
-        the job) or only blocks (its caches stay its own, for the Python work after)."""
-        self._lib.ft_set_join(self._handle, int(on))
-
-    def set_batch_from(self, vectors: int) -> None:
-        """Dense-matrix jobs of ``vectors`` vectors or more run the batched kernels, whose last
-        bits differ from the row kernels'; 0: none does (the default: ``batch_vectors()``).
-        The runner sets it per forward (1 for prompts, 0 for decode steps), so that a request's
-        output does not depend on how many others share its step."""
-        self._lib.ft_set_batch_from(self._handle, max(0, vectors))
-
-    def set_gate_up_rows(self, rows: int) -> None:
-        """Rows of the intermediate size per gate/up work item of later jobs (a multiple of 32
-        up to 128; 0 restores the default). A tuning knob for benchmarks."""
-        if self._lib.ft_set_gate_up_rows(self._handle, rows) != 0:
-            raise ValueError(f"gate/up rows per item must be 0 or a multiple of 32 up to 128, "
-                             f"got {rows}")
-
-    @property
     def is_open(self) -> bool:
         return bool(getattr(self, "_handle", None))
 
@@ -393,28 +352,6 @@ class CpuMoeExecutor(LinearJobs, Reads):
         with self._lock:
             self._in_flight -= 1
         return nbytes, ns.value / 1e9, JobTiming.from_record(list(rec)) if rec else None
-
-    def worker_states(self) -> list[dict[str, Any]]:
-        """What each worker is doing now (read without stopping them): its core, state, the
-        phase of its job, how long it has been in that state, jobs and items it has run."""
-        n = len(WORKER_FIELDS)
-        buf = (ctypes.c_int64 * (n * self.threads))()
-        self._lib.ft_worker_states(self._handle, buf)
-        out = []
-        for i in range(self.threads):
-            rec = dict(zip(WORKER_FIELDS, buf[i * n:(i + 1) * n], strict=True))
-            out.append({"worker": i, "core": self.cores[i], "state": WORKER_STATES[rec["state"]],
-                        "phase": rec["phase"], "for_ms": rec["for_ns"] / 1e6,
-                        "jobs": rec["jobs"], "items": rec["items"]})
-        return out
-
-    def describe_workers(self) -> str:
-        """:meth:`worker_states` as lines for a stack dump."""
-        return "\n".join(
-            f"--- pool worker ft-moe-{w['worker']} (core {w['core']}): {w['state']} for "
-            f"{w['for_ms']:.1f} ms" + (f", phase {w['phase']}" if w["state"] == "running a job"
-                                       else "") + f"; {w['jobs']} jobs, {w['items']} items"
-            for w in self.worker_states())
 
     def ready_line(self, top_k: int) -> str:
         infos = list(self.layers.values())

@@ -148,7 +148,7 @@ def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,
                            "max_len": runner.max_len, "load_s": runner.load_s}))
     last_stats = 0.0
     last_log, decoded, logged = time.monotonic(), 0, sched.stats()
-    fresh = True  # the API process has the stats of the last step
+    fresh = False  # the API process has the stats of the last step (none yet: sent idle)
     while True:
         # block only when idle: a busy engine drains the pipe without waiting
         if not sched.has_work():

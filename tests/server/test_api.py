@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -211,5 +212,8 @@ def test_health_metrics_stats(gemma_server):
                  "freetoken_queue_depth", "freetoken_kv_usage", "freetoken_prompt_tokens_total",
                  "freetoken_prefix_cache_hit_tokens"):
         assert name in text
-    stats = httpx.get(f"{gemma_server.url}/v1/stats").json()
+    deadline = time.monotonic() + 5  # the engine's stats arrive once an interval
+    while not (stats := httpx.get(f"{gemma_server.url}/v1/stats").json())["engine"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert stats["model"] == MODEL and "kv_usage" in stats["engine"]

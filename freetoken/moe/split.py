@@ -49,7 +49,7 @@ class SplitCosts:
     smoothing: float = 0.3
     check: WallCheck | None = None  # the steps' own verdict (None: the model's alone)
     # this step fetches every miss, whatever the split (a greedy sequence in its batch:
-    # OffloadRuntime.fetch_every_miss); its wall check waits
+    # OffloadRuntime.fetch_every_miss); the wall check's arm it falls in starts again
     fetch_all: bool = False
     c_cpu: float | None = None  # seconds per expert on the CPU
     l_cpu: float = 0.0  # seconds per CPU job, whatever its size
@@ -224,8 +224,12 @@ class SplitPolicy:
     def start(self, rows: int) -> None:
         """A call of ``rows`` token rows starts: the kind's wall check counts it (before the
         call reads :attr:`held`, which the check may change)."""
-        if self.online and self.costs.check is not None and not self.costs.fetch_all:
-            self.costs.check.tick(rows)
+        check = self.costs.check
+        if self.online and check is not None:
+            if self.costs.fetch_all:  # not the arm's call: the arm starts again after it
+                check.skip()
+            else:
+                check.tick(rows)
 
     def n_fetch(self, misses: int, rows: int = 1) -> int:
         """Misses to fetch of a call's ``misses`` (``rows`` token rows): :meth:`start` and

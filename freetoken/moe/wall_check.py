@@ -146,6 +146,12 @@ class WallCheck:
         self._judge(self._seconds)
         self.phase, self._calls = "wait", 1
 
+    def skip(self) -> None:
+        """A call the check must not time (a step that fetches every miss whatever the arm
+        holds): the arm it falls in starts again, as for a prompt's call."""
+        self._last = self.clock()
+        self._restart = self.phase != "wait"
+
     def _sits(self, arm: str) -> bool:
         """Whether ``arm`` sits this check out (counting it off)."""
         left = self._sitout.get(arm, 0)

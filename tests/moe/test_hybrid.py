@@ -369,6 +369,30 @@ def test_a_batch_that_changes_inside_the_check_starts_both_arms_again():
     assert len(check.verdicts) == 1 and not check.benched
 
 
+def test_steps_that_fetch_every_miss_are_not_timed_by_the_wall_check():
+    """A greedy request's steps fetch every miss (``SplitCosts.fetch_all``) whatever arm the
+    check holds, and take their own time (here three times a call, too short a stretch to
+    count as the engine sitting idle): they count in no arm, and the arm they fall in (the
+    split's) starts again after them, so every arm times its own calls alone."""
+    layers = 3
+    clock = _Clock()
+    check = WallCheck(layers=layers, clock=clock)
+    costs = SplitCosts(layers=layers, check=check)
+    policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
+    greedy = range(CHECK_FIRST + ARM + 4, CHECK_FIRST + ARM + 5)  # inside the split's arm
+    for token in range(CHECK_FIRST + 4 * ARM):
+        costs.fetch_all = token in greedy
+        for policy in policies:
+            n = policy.n_fetch(8)
+            assert n == 8 or not costs.fetch_all
+            clock.now += 300e-6 if costs.fetch_all else {8: 100e-6, 4: 110e-6, 0: 200e-6}[n]
+        if check.verdicts:
+            break
+    assert len(check.verdicts) == 1
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
+
+
 def test_noisy_cpu_times_are_split_by_the_kinds_costs():
     """Twelve layers on a small box: the CPU costs 2.6 a job plus 2.6 an expert against the
     link's 1.0, times vary by +-50 %, and one CPU job in ten takes four times as long (a

@@ -204,11 +204,13 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps
     Q8_0 dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+nocheck``
     leaves an online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
-    CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went)."""
+    CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A
+    greedy run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine
+    does by default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead."""
     base, *options = name.split("+")
     unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
                               "pycall", "nojoin", "hostnode", "greedy", "nocheck", "timing",
-                              "regrouped", "denseblocks"}
+                              "regrouped", "denseblocks", "greedysplit"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -231,6 +233,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                        moe_cpu_spin_us=args.moe_cpu_spin_us,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
                        moe_hybrid_max_fetch=max_fetch, moe_hybrid_online=online,
+                       moe_hybrid_greedy="split" if "greedysplit" in options else "fetch",
                        moe_lookahead="off" if "nolookahead" in options
                        else "on" if "lookahead" in options else "auto")
     t0 = time.perf_counter()

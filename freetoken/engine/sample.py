@@ -37,6 +37,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; N: each token's log-probability and the top N
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
     def validate(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -119,7 +123,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     row. The greedy rows give :func:`sample`'s ids; a
     seeded row gives the draws of its own generator, whatever the batch."""
     out: list[int | None] = [None] * len(params)
-    argmax = [i for i, p in enumerate(params) if p.temperature == 0]
+    argmax = [i for i, p in enumerate(params) if p.greedy]
     if argmax:
         picked = greedy(logits[argmax] if len(argmax) < len(params) else logits)
         assert isinstance(picked, list)
@@ -139,7 +143,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token id from logits (vocab,) in float32; ``gen`` is on the logits' device."""
-    if p.temperature == 0:
+    if p.greedy:
         return int(greedy(logits))
     logits = logits / p.temperature
     if p.top_k:

@@ -149,7 +149,7 @@ class Scheduler:
         t1 = time.perf_counter()
         if watch is not None:
             watch.enter("forward")
-        self.runner.greedy_step(any(seq.params.temperature == 0 for seq, _ in batch))
+        self.runner.greedy_step(any(seq.params.greedy for seq, _ in batch))
         logits = self.runner.forward(chunks, [s for _, s in batch])
         t2 = time.perf_counter()
         if watch is not None:

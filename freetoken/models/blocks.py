@@ -168,18 +168,17 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = model.embed_tokens.weight
         self.softcap = cfg.final_logit_softcapping
-        self._positions = 0  # rows of the shortest rotary table, counted at the first forward
+        # positions the model was built for: rows of its shortest rotary table
+        self.positions = min((m.cos.shape[0] for m in model.modules() if isinstance(m, Rotary)),
+                             default=1 << 62)
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """ids (T,) -> logits (R, vocab) in float32 for the rows ctx.logit_rows (or all T).
         A sequence longer than the rotary tables is refused: a GPU kernel would read past
         them."""
-        if not self._positions:
-            self._positions = min((m.cos.shape[0] for m in self.modules()
-                                   if isinstance(m, Rotary)), default=1 << 62)
-        if ctx.end > self._positions:
+        if ctx.end > self.positions:
             raise ValueError(f"a sequence of {ctx.end} tokens is longer than the "
-                             f"{self._positions} positions this model was built for "
+                             f"{self.positions} positions this model was built for "
                              "(the engine's max_seq_len)")
         h = self.model(ids, ctx)
         if ctx.logit_rows is not None:

@@ -125,13 +125,12 @@ def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
     return n
 
 
-def on_router(target: Any, router: Map, device: str | None = None,
-              while_all_fetched: bool = False) -> Lookahead:
-    """A :class:`Lookahead` on ``target``'s router map, its weights float32 on ``device``
-    (None: where the router is; routers are float32 there, so nothing is copied)."""
+def on_router(target: Any, router: Map, while_all_fetched: bool = False) -> Lookahead:
+    """A :class:`Lookahead` on ``target``'s router map, its weights float32 where the router
+    is (routers are float32 there, so nothing is copied)."""
     weight, bias = router
-    w = weight.detach().float().to(device).contiguous()
-    b = None if bias is None else bias.detach().float().to(device)
+    w = weight.detach().float().contiguous()
+    b = None if bias is None else bias.detach().float()
     return Lookahead(target.shape.layer, w, b, target.shape.top_k, target,
                      while_all_fetched=while_all_fetched)
 

@@ -11,8 +11,9 @@ import torch
 from freetoken.cpu import executor as cx
 from freetoken.cpu.host_node import HostNodeError, HostNodes, host_nodes
 from freetoken.errors import ConfigError
-from freetoken.moe.strategy import ExpertShape
-from tests.moe.helpers import q8_cpu_layer
+from freetoken.moe.cpu import CpuExperts
+from freetoken.moe.strategy import ExpertShape, LayerPlan, Shared
+from freetoken.quant import get_format
 
 pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
 
@@ -23,7 +24,14 @@ SHAPE = ExpertShape(layer=3, num_experts=8, hidden=64, intermediate=96, top_k=2,
 @pytest.fixture(scope="module")
 def pool() -> cx.CpuMoeExecutor:
     pool = cx.CpuMoeExecutor(threads=1)
-    q8_cpu_layer(SHAPE, pool, seed=0)
+    experts = CpuExperts(SHAPE)
+    g = torch.Generator().manual_seed(0)
+    E, H, I_ = SHAPE.num_experts, SHAPE.hidden, SHAPE.intermediate
+    q8 = get_format("q8_0")
+    for name, shape in (("gate_proj", (E, I_, H)), ("up_proj", (E, I_, H)),
+                        ("down_proj", (E, H, I_))):
+        experts.load_expert_tensor(name, q8.quantize(torch.randn(shape, generator=g) / 8))
+    experts.attach(LayerPlan("cpu"), Shared(pool=pool))
     return pool
 
 

@@ -15,29 +15,30 @@
 # PARTS=peer or PARTS=ours runs one half (default both): a run too long for one call runs the
 # peer first, then ours in a second call on the still-warm machine, which finds the file and
 # llama-bench's JSON in /tmp and merges both. The peer half also brings back llama-bench's three
-# JSON files; where the machine was given back in between, LLAMA_FROM (a carried folder of
-# them) seeds the second call with them; the merged JSON says whether both ran on one machine
-# (same_machine, from the GPUs' UUIDs).
+# JSON files (in llama-PRESET-LAYERSl/); where the machine was given back in between,
+# LLAMA_FROM (a carried folder of them) seeds the second call with them; the merged JSON says
+# whether both ran on one machine (same_machine, from the GPUs' UUIDs).
 # Run as: GIT_SHA=<commit> bash benchmarks/device/peer_gpu.sh (carry .whl and .peer).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/device/setup.sh
 moe_bench_setup
-L=/tmp/llama; mkdir -p $L  # llama-bench's files stay here: $OUT brings back 8 files at most
-[ -n "${LLAMA_FROM:-}" ] && cp "$LLAMA_FROM"/{ncmoe,ot_cpu,gpu}.json "$LLAMA_FROM"/machine $L/
 PARTS=${PARTS:-peer,ours}
 BUILD=
 if [[ $PARTS == *peer* ]]; then
-  (bash .peer/build-llama-bench.sh .peer/llama.cpp > $L/build.log 2>&1) &
+  (bash .peer/build-llama-bench.sh .peer/llama.cpp > /tmp/llama-build.log 2>&1) &
   BUILD=$!
 fi
 PRESET=${PRESET:-qwen3-30b-a3b}; LAYERS=${LAYERS:-48}
+# llama-bench's files stay here, one folder per file, so several files can share one machine
+L=/tmp/llama/$PRESET-${LAYERS}l; mkdir -p $L
+[ -n "${LLAMA_FROM:-}" ] && cp "$LLAMA_FROM"/{ncmoe,ot_cpu,gpu}.json "$LLAMA_FROM"/machine $L/
 [ "$PRESET" = qwen3-30b-a3b ] && FORMAT=${FORMAT:-q8_0}  # the issue's file; others: their own
 M=/tmp/$PRESET-${LAYERS}l.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers $LAYERS \
   ${FORMAT:+--expert-format $FORMAT} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
-[ -z "$BUILD" ] || wait $BUILD || { tail -20 $L/build.log; exit 1; }
+[ -z "$BUILD" ] || wait $BUILD || { tail -20 /tmp/llama-build.log; exit 1; }
 LABEL=$PRESET-${LAYERS}l-${LABEL:-$GPU}
 if [[ -n "${BENCH_BW:-}" && $PARTS == *ours* ]]; then
   python3 -m freetoken.cli bench bw --model $M --device cuda --threads ${THREADS:-15} 2>&1 \
@@ -60,7 +61,8 @@ for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
 done
 MACHINE=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
 [[ $PARTS == *peer* ]] && echo "$MACHINE" > $L/machine \
-  && cp $L/{ncmoe,ot_cpu,gpu}.json $L/machine "$OUT/" 2>/dev/null
+  && mkdir -p "$OUT/llama-$PRESET-${LAYERS}l" \
+  && cp $L/{ncmoe,ot_cpu,gpu}.json $L/machine "$OUT/llama-$PRESET-${LAYERS}l/" 2>/dev/null
 [[ $PARTS == *ours* ]] || exit 0
 # ours alone on a machine that has not run llama.cpp's half: nothing to merge with
 [ -f $L/gpu.json ] || { echo "no llama-bench results in $L: ours only"; exit 0; }

@@ -1,9 +1,9 @@
 """Decode speed per MoE strategy on one checkpoint, next to the link roofline of the run.
 
-For every strategy in --strategies: load the engine, warm up, decode --tokens tokens (greedy,
-ignoring EOS) --repeats times and keep the best. For strategies with an expert cache it also
-records hits, misses, bytes over the link per token and the time spent fetching and computing
-experts (the engine's own stats, differenced over the measured run).
+For every strategy in --strategies: load the engine, warm up (--warmup-tokens), decode --tokens
+tokens (at --temperature, ignoring EOS) --repeats times and keep the best. For strategies with an expert
+cache it also records hits, misses, bytes over the link per token and the time spent fetching
+and computing experts (the engine's own stats, differenced over the measured run).
 
 PCIe roofline (offload): tokens/s <= gather GB/s / miss bytes per token, where the gather
 bandwidth is measured in the same run by the engine's own copy path (bank rows -> device rows,
@@ -244,7 +244,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ids = engine.encode(args.prompt)
     temperature = 0.0 if "greedy" in options else args.temperature
     sampling = dict(temperature=temperature, seed=args.seed, ignore_eos=True)
-    engine.generate(ids, SamplingParams(max_tokens=16, **sampling))  # warm-up
+    engine.generate(ids, SamplingParams(max_tokens=args.warmup_tokens, **sampling))  # warm-up
     rt = engine.runner.offload
     cpu_layers = [m for m in engine.model.modules() if isinstance(m, CpuExperts)]
     if "timing" in options and engine.runner.pool is not None:  # after the warm-up
@@ -360,6 +360,10 @@ def main() -> None:
     p.add_argument("--prefill-strategies",
                    help="the strategies whose prefill is timed (default: all of --strategies)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="tokens decoded before the timed runs; hybrid's wall check times its "
+                        "arms on the first calls (16 + 4 x 10 a layer kind, then again after "
+                        "32, 64, ... calls), so a longer warm-up times the split it settles on")
     p.add_argument("--gather-experts", type=int, default=8, help="experts per copy batch")
     p.add_argument("--cuda-graph-max-bs", type=int, default=16)
     p.add_argument("--label", default="")

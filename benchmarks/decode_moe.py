@@ -1,9 +1,9 @@
 """Decode speed per MoE strategy on one checkpoint, next to the link roofline of the run.
 
 For every strategy in --strategies: load the engine, warm up (--warmup-tokens), decode --tokens
-tokens (at --temperature, ignoring EOS) --repeats times and keep the best. For strategies with an expert
-cache it also records hits, misses, bytes over the link per token and the time spent fetching
-and computing experts (the engine's own stats, differenced over the measured run).
+tokens (at --temperature, ignoring EOS) --repeats times and keep the best. For strategies with
+an expert cache it also records hits, misses, bytes over the link per token and the time spent
+fetching and computing experts (the engine's own stats, differenced over the measured run).
 
 PCIe roofline (offload): tokens/s <= gather GB/s / miss bytes per token, where the gather
 bandwidth is measured in the same run by the engine's own copy path (bank rows -> device rows,

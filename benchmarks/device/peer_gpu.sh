@@ -7,6 +7,7 @@
 # peer_gpu-*.json (benchmarks/peer_gpu.py). PRESET, LAYERS (default 48: the whole model) and
 # FORMAT pick the file (FORMAT: q8_0 for qwen3-30b-a3b, else the preset's own); the default
 # router is token-specific with no skew (ROUTER adds flags).
+# TOKENS (default 64, llama-bench's tg64) and WARMUP (default 16) set our runs' lengths.
 # PREFILL=512,4096 also times our prefill at those prompt lengths (PREFILL_STRATEGIES: whose).
 # WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
 # the build is done, so the compiler does not share the cores with a measurement.
@@ -47,7 +48,8 @@ if [[ -n "${BENCH_BW:-}" && $PARTS == *ours* ]]; then
 fi
 [[ $PARTS == *ours* ]] && python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,offload,hybrid-online,cpu} --moe-cache-mem ${CACHE:-4GB} \
-  --moe-cpu-threads ${THREADS:-15} --tokens 64 --repeats 2 --label $LABEL --out "$OUT" \
+  --moe-cpu-threads ${THREADS:-15} --tokens ${TOKENS:-64} --warmup-tokens ${WARMUP:-16} \
+  --repeats 2 --label $LABEL --out "$OUT" \
   --prefill-tokens "${PREFILL:-}" ${PREFILL_STRATEGIES:+--prefill-strategies $PREFILL_STRATEGIES} \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading" \
   | grep -E '"(strategy|decode_tokens_per_s|hit_rate|lookahead_hit_rate|[0-9]+)"|rror|MoE plan'

@@ -42,7 +42,7 @@ from freetoken.moe.host_job import HostJob
 from freetoken.moe.layer_call import STREAMS, LayerCall, LayerCalls, library_plans
 from freetoken.moe.lookahead import Incoming, Lookahead
 from freetoken.moe.pieces import HostCopies
-from freetoken.moe.prefill_stream import PrefillStream
+from freetoken.moe.prefill_stream import streamed_call
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.stats import Span
 from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
@@ -377,21 +377,11 @@ class OffloadExperts(Experts):
         """Misses through the staging buffers, hits from their slots; the cache is unchanged."""
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
-        rt.wait_copies()  # hits that look-ahead fetched (before the stream's own copies)
-        stream = PrefillStream(rt, bank, misses)
-        compute = rt.stats.span()
-
-        def weights_of(e: int) -> Weights:
-            if e in hits:
-                return self._row_weights(pool.data[hits[e]])
-            return self._row_weights(stream.row(e))
-
-        out = grouped(x, ids, w, self.shape.num_experts, weights_of, self.act, bias=self.bias())
-        rt.stats.record(self.shape.layer, x.shape[0], len(hits), 0,
-                        len(misses) * bank.expert_bytes, streamed=len(misses),
-                        fetch=stream.finish(), compute=compute.stop())
-        return out
-
+        rows = {e: pool.data[s] for e, s in hits.items()}
+        return streamed_call(rt, bank, self.shape.layer, x.shape[0], rows, misses,
+                             lambda row: grouped(x, ids, w, self.shape.num_experts, row,
+                                                 self.act, bias=self.bias()),
+                             self._row_weights)
 
 def slot_of(routed: Routed, split: Split) -> dict[int, int]:
     """Expert -> slot of a call's hits and of the misses ``split`` fetched."""

@@ -4,8 +4,11 @@ alone. The copy of chunk k+1 overlaps the compute of chunk k."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from freetoken.kernels.expert_matmul import Weights
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.runtime import STREAM_CHUNK, OffloadRuntime
 from freetoken.moe.stats import Span
@@ -58,3 +61,19 @@ class PrefillStream:
             return first
         first.end = last.end
         return first
+
+
+def streamed_call(rt: OffloadRuntime, bank: HostBank, layer: int, tokens: int,
+                  hits: dict[int, torch.Tensor], misses: list[int],
+                  compute: Callable[[Callable[[int], Weights]], torch.Tensor],
+                  weights: Callable[[torch.Tensor], Weights]) -> torch.Tensor:
+    """One call of ``tokens`` tokens with ``misses`` streamed and ``hits`` (expert -> its
+    slot's row) read in place: ``compute`` runs the call's experts, given each expert's weights
+    (``weights`` of a row); the call's counts go to the runtime's stats."""
+    rt.wait_copies()  # hits that look-ahead fetched (before the stream's own copies)
+    stream = PrefillStream(rt, bank, misses)
+    span = rt.stats.span()
+    out = compute(lambda e: weights(hits[e] if e in hits else stream.row(e)))
+    rt.stats.record(layer, tokens, len(hits), 0, len(misses) * bank.expert_bytes,
+                    streamed=len(misses), fetch=stream.finish(), compute=span.stop())
+    return out

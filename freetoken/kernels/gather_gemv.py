@@ -10,9 +10,11 @@ row's blocks, the pair's activation row broadcast over them.
 
 One kernel compiled per format, its launch choices in :data:`KERNELS` (Q8_0, Q5_0, Q4_K, Q5_K,
 Q6_K: the formats of Q8_0, Q4_K_M and Q5_K_M checkpoints' experts; MXFP4: GPT-OSS's and the
-MXFP4 Gemma-4 files'); a layer is fused when all three of its projections have one. Block
+MXFP4 Gemma-4 files'; nvfp4: the NVFP4 Gemma-4 files' GGUF blocks as read into it, and ModelOpt
+NVFP4 checkpoints'); a layer is fused when all three of its projections have one. Block
 layouts are those of ``freetoken/quant`` (GGUF's); scales are read byte by byte, so any slot
-or row stride works.
+or row stride works. nvfp4 keeps its scales apart from its codes (:data:`SCALED`): its kernel
+takes them through pointers of their own (:func:`gather_gemv_scaled`).
 
 Shapes: P pairs = T tokens x A active; pair p is token p // A's. Weights of a projection:
 ``data`` uint8 (S, R, K // block * block_bytes), S slots (or experts), R output rows, K inputs.
@@ -43,7 +45,7 @@ class FusedKernel:
     """A format's gather-GEMV (:mod:`.triton_gemv` compiled for it): blocks per loop
     step, output rows per program (enough programs to fill the GPU at one token) and warps per
     program (tuned on the H200 by ``benchmarks/gather_gemv.py --sweep``); its block (weights
-    and bytes) is the quant format's. ``bits`` (q8_0, mxfp4): the weights and bf16
+    and bytes) is the quant format's. ``bits`` (q8_0, mxfp4, nvfp4): the weights and bf16
     activations become float32 by integer and add instructions instead of conversion
     instructions, which a GPU runs at a quarter of its rate (the same values, the same
     sums)."""
@@ -79,16 +81,22 @@ def unavailable() -> str | None:
 # at rows 2, step 32, warps 1 (dequantise + matmul 1,912); H100, 43d3cf3's sweep: 85.6 with
 # bits at rows 1 (91.5 at the old choice; q8_0 with bits 42.7 against 38.0, so off). q5_0
 # keeps the first choice (not swept); q5_k takes q4_k's choices, not tuned on a GPU for q5_k.
+# nvfp4, Gemma-4 26B-A4B's 8 pairs of 2816 x 704 (GGUF blocks, 16 weights each: 176 and 44
+# a row), H100, one sweep: 49.1 us at rows 2, step 16, warps 1 with bits (48.2 at rows 4; 61.3
+# at mxfp4's choice, step 32; dequantise + matmul 1,223; mxfp4's kernel at its shape 47.8).
 KERNELS: dict[str, FusedKernel] = {
     "q8_0": FusedKernel("q8_0", step=8, rows=2, warps=2),
     "q8_0x8": FusedKernel("q8_0x8", step=8, rows=2, warps=2),
     "q5_0": FusedKernel("q5_0", step=4),
     "mxfp4": FusedKernel("mxfp4", step=32, rows=1, warps=1, bits=True),
+    "nvfp4": FusedKernel("nvfp4", step=16, rows=2, warps=1, bits=True),
     "q4_k": FusedKernel("q4_k", rows=8, warps=2),
     "q5_k": FusedKernel("q5_k", rows=8, warps=2),
     "q6_k": FusedKernel("q6_k", rows=8, warps=2),
 }
 
+
+SCALED = frozenset({"nvfp4"})  # formats whose scales are tensors apart from the codes
 
 # output rows a program takes at least on the CPU (Triton's interpreter, which runs the tests
 # there): its time goes by programs, and the GPU's choice of 1-2 rows made them 4-8x as many
@@ -143,14 +151,11 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
 
     from freetoken.kernels import triton_gemv
 
+    if fmt in SCALED:
+        raise ValueError(f"{fmt} keeps scales apart from its codes: use gather_gemv_scaled")
     spec = _launch_on(fmt, x.device)
-    S, R, row_bytes = data.shape
-    nb = row_bytes // spec.block_bytes
-    if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:
-        raise ValueError(f"{fmt} data must be uint8 rows of {spec.block_bytes}-byte blocks, got "
-                         f"{data.dtype} {tuple(data.shape)} strides {data.stride()}")
-    if x.dim() != 2 or x.shape[1] != nb * spec.block or x.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} does not fit {nb * spec.block} inputs")
+    nb = _blocks_per_row(spec, data, x)
+    R = data.shape[1]
     out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
     rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
     grid = (index.numel(), triton.cdiv(R, rows))
@@ -159,6 +164,87 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
         FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
         num_warps=spec.warps)
     return out
+
+
+def _blocks_per_row(spec: FusedKernel, data: torch.Tensor, x: torch.Tensor) -> int:
+    """Blocks in a row of ``data`` (S, R, row bytes), checked against ``x``'s width."""
+    row_bytes = data.shape[2]
+    nb = row_bytes // spec.block_bytes
+    if data.dtype != torch.uint8 or row_bytes % spec.block_bytes or data.stride(2) != 1:
+        raise ValueError(f"{spec.fmt} data must be uint8 rows of {spec.block_bytes}-byte blocks, "
+                         f"got {data.dtype} {tuple(data.shape)} strides {data.stride()}")
+    if x.dim() != 2 or x.shape[1] != nb * spec.block or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} does not fit {nb * spec.block} inputs")
+    return nb
+
+
+def _scale_views(qt: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """nvfp4 ``qt``'s per-block scales as uint8 (S, R, K // 16), unit stride along a row, its
+    global scales and their stride between slots (0: one for every slot)."""
+    S, R, K = qt.shape
+    ws, ws2 = qt.scales.get("weight_scale"), qt.scales.get("weight_scale_2")
+    if ws is None or ws2 is None or ws.dtype != torch.float8_e4m3fn or \
+            tuple(ws.shape) != (S, R, K // 16) or ws.stride(2) != 1:
+        raise ValueError(f"{qt.fmt} {qt.shape}: want scales weight_scale float8_e4m3fn "
+                         f"{(S, R, K // 16)} with unit stride along a row and weight_scale_2, "
+                         f"got {({k: (s.dtype, tuple(s.shape)) for k, s in qt.scales.items()})}")
+    if ws2.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (
+            ws2.numel() == 1 or (ws2.dim() and ws2.shape[0] == S and ws2[0].numel() == 1)):
+        raise ValueError(f"{qt.fmt}: weight_scale_2 must be floats, one for all slots or one "
+                         f"per slot, got {ws2.dtype} {tuple(ws2.shape)}")
+    g_stride = 0 if ws2.numel() == 1 else ws2.stride(0)
+    return ws.view(torch.uint8), ws2, g_stride
+
+
+def gather_gemv_scaled(w: QuantTensor, index: torch.Tensor, x: torch.Tensor, per: int,
+                       act: int = 0, up: QuantTensor | None = None) -> torch.Tensor:
+    """:func:`gather_gemv` for a format of :data:`SCALED`: ``w`` (S, R, K) with its codes
+    (S, R, K // block * block_bytes) and scales (any slot and row strides). With ``act``, up's
+    tensor ``up`` (its codes and scales strided as ``w``'s, anywhere) and
+    ``out[p] = act(w @ x) * (up @ x)``."""
+    import triton
+
+    from freetoken.kernels import triton_gemv
+
+    if w.fmt not in SCALED:
+        raise ValueError(f"{w.fmt} keeps no scales apart: use gather_gemv")
+    spec = _launch_on(w.fmt, x.device)
+    nb = _blocks_per_row(spec, w.data, x)
+    ws, ws2, g_stride = _scale_views(w)
+    wu, su, gu = w.data, ws, ws2
+    if act:
+        if up is None or not paired(w, up):
+            raise ValueError("act needs up's tensor, of gate's format, shape and strides")
+        wu, su, gu = up.data, *_scale_views(up)[:2]
+    elif up is not None:
+        raise ValueError("up is read only with act")
+    R = w.data.shape[1]
+    out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
+    rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
+    grid = (index.numel(), triton.cdiv(R, rows))
+    triton_gemv.gather_gemv_scaled[grid](
+        w.data, ws, ws2, wu, su, gu, index, x, out, R, per, w.data.stride(0), w.data.stride(1),
+        ws.stride(0), ws.stride(1), g_stride, x.stride(0), out.stride(0), FMT=w.fmt, NB=nb,
+        BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits, num_warps=spec.warps)
+    return out
+
+
+def paired(gate: QuantTensor, up: QuantTensor) -> bool:
+    """Whether ``gate`` and ``up`` (a format of :data:`SCALED`) can share one launch: the same
+    format and shape, their codes and scales alike strided."""
+    if gate.fmt != up.fmt or gate.fmt not in SCALED or gate.shape != up.shape:
+        return False
+    if gate.data.stride() != up.data.stride() or gate.scales.keys() != up.scales.keys():
+        return False
+    return all(s.stride() == up.scales[k].stride() and s.shape == up.scales[k].shape
+               for k, s in gate.scales.items())
+
+
+def gemv(qt: QuantTensor, index: torch.Tensor, x: torch.Tensor, per: int) -> torch.Tensor:
+    """``out[p] = W[index[p]] @ x[p // per]`` for the stack ``qt``: its format's kernel."""
+    if qt.fmt in SCALED:
+        return gather_gemv_scaled(qt, index, x, per)
+    return gather_gemv(qt.fmt, qt.data, index, x, per)
 
 
 DENSE_TOKENS = 8  # rows of x a dense Q8_0x8 product takes through its kernel (decode)
@@ -217,17 +303,18 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
     code = glu_code(act)
     if both is not None and bias is None and code:  # gate, up and act(g) * u in one launch
         h = gather_gemv(gate.fmt, gate.data, index, x, A, act=code)
+    elif paired(gate, up) and bias is None and code:  # the same, up through its own pointers
+        h = gather_gemv_scaled(gate, index, x, A, act=code, up=up)
     else:
         if both is not None:  # one launch for both: each row's sum is the same either way
             gu = gather_gemv(gate.fmt, both, index, x, A)
             g, u = gu[:, : gate.data.shape[1]], gu[:, gate.data.shape[1]:]
         else:
-            g = gather_gemv(gate.fmt, gate.data, index, x, A)
-            u = gather_gemv(up.fmt, up.data, index, x, A)
+            g, u = gemv(gate, index, x, A), gemv(up, index, x, A)
         if bias is not None:
             g, u = g + bias.gate.to(g.dtype), u + bias.up.to(u.dtype)
         h = glu(act, g, u)
-    y = gather_gemv(down.fmt, down.data, index, h, 1)  # (T*A, H)
+    y = gemv(down, index, h, 1)  # (T*A, H)
     if bias is not None:
         y = y + bias.down.to(y.dtype)
     return weigh_pairs(y, w)
@@ -235,8 +322,11 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
 
 def stacked(gate: QuantTensor, up: QuantTensor) -> torch.Tensor | None:
     """gate's and up's blocks as one (S, 2I, row bytes) stack where up's rows follow gate's in
-    every slot (as an expert row lays them out: same format, no gap), else None."""
+    every slot (as an expert row lays them out: same format, no gap), else None (also for a
+    format whose scales are apart: its codes alone do not make a stack)."""
     g, u = gate.data, up.data
+    if gate.fmt in SCALED:
+        return None
     if gate.fmt != up.fmt or g.shape != u.shape or g.stride() != u.stride() or g.dim() != 3:
         return None
     if g.stride(1) != g.shape[2] or u.data_ptr() != g.data_ptr() + g.shape[1] * g.stride(1):

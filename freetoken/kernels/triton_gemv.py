@@ -7,6 +7,11 @@ The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (p
 stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
 sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu).
 
+``gather_gemv_scaled`` is the same for a format whose scales are kept apart from its codes
+(nvfp4): a scale byte per block at ``slot * s_slot_stride + row * s_row_stride + block`` of
+``s_ptr``, a global scale per slot at ``g_ptr + slot * g_slot_stride``; with ACT, up's
+codes and scales come through pointers of their own (the same strides), not after gate's.
+
 The helpers carry no type annotations: compiled code may read only constexpr globals, and the
 compiler counts an annotation such as ``Any`` as a read (the interpreter does not).
 """
@@ -192,6 +197,41 @@ def _mxfp4_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.conste
 
 
 @triton.jit
+def _e4m3(b):
+    """e4m3 bytes (int32) as float32, exact: exponent and mantissa shifted into float32's
+    places under bias 120 give 2**(e - 7) * (1 + m / 8); for e = 0 (subnormal: m * 2**-9)
+    that is 2**-7 * (1 + m / 8), so twice it less 2**-6. Bit 7 the sign; 0x7F (NaN) reads
+    as 480."""
+    v = (((b & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where((b & 0x78) == 0, 2.0 * v - 0.015625, v)
+    return (v.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_rows(w_ptr, s_ptr, base, s_base, row_ok, x_row, NB: tl.constexpr,
+                BLOCK_R: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
+    # mxfp4's sums over 16-weight blocks: codes u8[8] a block along the row (byte j: weight
+    # 2j in the low nibble, 2j + 1 in the high), one e4m3 scale byte a block apart from them;
+    # the row's sum without the global scale
+    j = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_R, STEP, 8], dtype=tl.float32)
+    for b0 in range(0, NB, STEP):
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB)[None, :]
+        sb = tl.load(s_ptr + s_base[:, None] + blocks[None, :], mask=ok, other=0)
+        d = _e4m3(sb.to(tl.int32))  # (BLOCK_R, STEP)
+        at = base[:, None] + blocks[None, :] * 8
+        qs = tl.load(w_ptr + at[:, :, None] + j[None, None, :], mask=ok[:, :, None],
+                     other=0).to(tl.int32)
+        xi = tl.broadcast_to(blocks[None, :, None] * 16 + 2 * j[None, None, :], (BLOCK_R, STEP, 8))
+        x_lo = _as_f32(x_row, xi, ok[:, :, None], BITS)
+        x_hi = _as_f32(x_row, xi + 1, ok[:, :, None], BITS)
+        dot = _e2m1_doubled(qs & 15, BITS) * x_lo + _e2m1_doubled(qs >> 4, BITS) * x_hi
+        acc += dot * d[:, :, None]
+    return tl.sum(tl.sum(acc, axis=2), axis=1) * 0.5  # the codes' values were doubled
+
+
+@triton.jit
 def _k4_scale_min(at, s, ok):
     """Six-bit scale and min of sub-blocks ``s`` (scales: a = [0:4], b = [4:8], c = [8:12]
     after the two f16s) for the rows whose blocks start at ``at``."""
@@ -292,10 +332,13 @@ def _q6_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
+def _rows(FMT: tl.constexpr, w_ptr, s_ptr, base, s_base, row_ok, x_row, NB: tl.constexpr,
           BLOCK_R: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr):
-    """The rows' sums of format FMT (chosen when the kernel is compiled)."""
-    if FMT == "q8_0":
+    """The rows' sums of format FMT (chosen when the kernel is compiled); ``s_ptr + s_base``:
+    the rows' scales where the format keeps them apart (nvfp4), unread otherwise."""
+    if FMT == "nvfp4":
+        acc = _nvfp4_rows(w_ptr, s_ptr, base, s_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    elif FMT == "q8_0":
         acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "q8_0x8":
         acc = _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
@@ -318,10 +361,32 @@ def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_strid
                 STEP: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr = False):
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
-    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    acc = _rows(FMT, w_ptr, w_ptr, base, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     if ACT:
-        up = _rows(FMT, w_ptr, base + R * row_stride, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+        up_base = base + R * row_stride
+        up = _rows(FMT, w_ptr, w_ptr, up_base, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
         acc = _glu(acc, up, ACT)
+    tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def gather_gemv_scaled(w_ptr, s_ptr, g_ptr, wu_ptr, su_ptr, gu_ptr, index_ptr, x_ptr, out_ptr,
+                       R, per, slot_stride, row_stride, s_slot_stride, s_row_stride,
+                       g_slot_stride, x_stride, out_stride, FMT: tl.constexpr,
+                       NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
+                       ACT: tl.constexpr, BITS: tl.constexpr = False):
+    """:func:`gather_gemv` for codes with scales apart (module docstring); the row sums times
+    the slot's global scale. With ACT, up's codes, scales and global scales at wu_ptr, su_ptr
+    and gu_ptr."""
+    p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
+                                              x_stride, BLOCK_R)
+    slot = tl.load(index_ptr + p).to(tl.int64)
+    s_base = slot * s_slot_stride + rows.to(tl.int64) * s_row_stride
+    acc = _rows(FMT, w_ptr, s_ptr, base, s_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    acc = acc * tl.load(g_ptr + slot * g_slot_stride).to(tl.float32)
+    if ACT:
+        up = _rows(FMT, wu_ptr, su_ptr, base, s_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+        acc = _glu(acc, up * tl.load(gu_ptr + slot * g_slot_stride).to(tl.float32), ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 

@@ -1,5 +1,8 @@
 """The fused gather-GEMV kernels against the gguf package's dequantisation (float64 math) and
-against their slow twin; on the CPU through Triton's interpreter, on the GPU compiled."""
+against their slow twin; on the CPU through Triton's interpreter, on the GPU compiled.
+
+nvfp4 (its scales apart from its codes) is laid out as the expert cache holds it: one byte row
+a slot, each projection's codes then its scales, 64-byte aligned (:func:`_experts`)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from freetoken.quant import QuantTensor, get_format
+from freetoken.quant import QuantTensor, get_format, gguf_quantize, gguf_read
 from tests.kernels.conftest import compile_for_sm90
 
 triton = pytest.importorskip("triton")
@@ -48,6 +51,57 @@ def _pool(slots: int, projections: list[tuple[str, int, int]], seed: int,
     return views
 
 
+def _nvfp4(x: torch.Tensor) -> tuple[QuantTensor, np.ndarray | None]:
+    """``x`` (R, K) as nvfp4: a GGUF file's NVFP4 blocks (returned too) read in where a row is
+    whole 64-weight blocks (global scale 1), else ModelOpt's quantiser (a global scale)."""
+    if x.shape[-1] % 64:
+        return get_format("nvfp4").quantize(x), None
+    raw = gguf_quantize("nvfp4", x)
+    return gguf_read("nvfp4", raw, tuple(x.shape)), raw.numpy()
+
+
+def _experts(slots: int, projections: list[tuple[str, int, int]], seed: int,
+             device: str = "cpu") -> list[QuantTensor]:
+    """As :func:`_pool`, each projection an (S, R, K) QuantTensor; with an nvfp4 projection
+    every one is laid out as the expert cache holds it (codes, then each scale, 64-byte
+    aligned; a global scale per slot, of its own where it comes from ModelOpt's quantiser)."""
+    if all(f != "nvfp4" for f, _, _ in projections):
+        return [QuantTensor(f, (slots, r, k), v) for (f, r, k), v in
+                zip(projections, _pool(slots, projections, seed, device), strict=True)]
+    g = torch.Generator().manual_seed(seed)
+    return _slots([[_nvfp4(torch.randn(r, k, generator=g) * (1 + s))[0] if f == "nvfp4"
+                    else get_format(f).quantize(torch.randn(r, k, generator=g))
+                    for f, r, k in projections] for s in range(slots)], device)
+
+
+def _slots(experts: list[list[QuantTensor]], device: str) -> list[QuantTensor]:
+    """Experts' projections (a list an expert) in one byte row a slot, each projection's
+    codes then its scales, 64-byte aligned; each projection as an (S, R, K) QuantTensor."""
+    slots = len(experts)
+    parts, offset = [], 0
+    for qt in experts[0]:
+        for key, t in (("data", qt.data), *sorted(qt.scales.items())):
+            parts.append((key, t.dtype, t.shape if t.numel() > 1 else (1, 1), offset))
+            offset = -(-(offset + t.numel() * t.element_size()) // 64) * 64
+    rows = torch.zeros(slots, offset, dtype=torch.uint8)
+    for s, one in enumerate(experts):
+        pieces = [t for qt in one for _, t in (("data", qt.data), *sorted(qt.scales.items()))]
+        for (_, _, _, at), t in zip(parts, pieces, strict=True):
+            raw = t.reshape(-1).view(torch.uint8)
+            rows[s, at:at + raw.numel()] = raw
+    rows = rows.to(device)
+    out, i = [], 0
+    for qt in experts[0]:
+        views = {}
+        for _ in range(1 + len(qt.scales)):
+            key, dtype, shape, at = parts[i]
+            n = torch.Size(shape).numel() * dtype.itemsize
+            views[key] = rows[:, at:at + n].view(dtype).view(slots, *shape)
+            i += 1
+        out.append(QuantTensor(qt.fmt, (slots, *qt.shape), views.pop("data"), views))
+    return out
+
+
 def _gguf_weights(fmt: str, view: torch.Tensor, slot: int) -> np.ndarray:
     raw = view[slot].contiguous().cpu().numpy()
     return dequantize(raw, GGUF_TYPE[fmt]).reshape(view.shape[1], -1).astype(np.float64)
@@ -76,16 +130,14 @@ def test_gemv_matches_gguf_dequantisation(kernels, device, fmt, R, K, T, A):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("formats", [("q8_0", "q8_0", "q8_0"), ("q4_k", "q4_k", "q6_k"),
                                      ("q5_0", "q5_0", "q8_0"), ("q5_k", "q5_k", "q6_k"),
-                                     ("mxfp4", "mxfp4", "mxfp4")])
+                                     ("mxfp4", "mxfp4", "mxfp4"), ("nvfp4", "nvfp4", "nvfp4")])
 def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     """gate/up -> silu -> down, weighted and summed per token, as the dequantise + matmul path
     computes it (mixed formats as in Q4_K_M and Q5_K_M files); pairs whose weight is 0 (masked
     by the slot table) add nothing."""
     H, I_ = 512, 256  # two super-blocks per gate/up row
-    views = _pool(5, [(formats[0], I_, H), (formats[1], I_, H), (formats[2], H, I_)], seed=3,
-                  device=device)
-    qts = [QuantTensor(f, (5, v.shape[1], H if i < 2 else I_), v, {})
-           for i, (f, v) in enumerate(zip(formats, views, strict=True))]
+    qts = _experts(5, [(formats[0], I_, H), (formats[1], I_, H), (formats[2], H, I_)], seed=3,
+                   device=device)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, H, generator=g).to(device, dtype)
     w = torch.rand(2, 3, generator=g)
@@ -98,7 +150,7 @@ def test_gathered_experts_match_the_slow_twin(kernels, device, dtype, formats):
     torch.testing.assert_close(fused.float(), slow.float(), rtol=tol, atol=tol * slow.abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4", "nvfp4"])
 def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
     """The interpreter takes at least INTERPRETER_ROWS rows a program (its time goes by
     programs); the GPU's own choice (one row of gate and one of up a program for q8_0) gives
@@ -107,9 +159,7 @@ def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
         pytest.skip("needs the interpreter on the CPU")
     from freetoken.kernels import gather_gemv as kernels
 
-    views = _pool(3, [(fmt, 32, 64), (fmt, 32, 64), (fmt, 64, 32)], seed=5)
-    qts = [QuantTensor(fmt, (3, v.shape[1], 64 if i < 2 else 32), v, {})
-           for i, v in enumerate(views)]
+    qts = _experts(3, [(fmt, 32, 64), (fmt, 32, 64), (fmt, 64, 32)], seed=5)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(2, 64, generator=g)
     w, index = torch.rand(2, 2, generator=g), torch.tensor([0, 2, 1, 1])
@@ -125,14 +175,12 @@ def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q8_0", "mxfp4", "nvfp4"])
 def test_bit_operations_give_the_same_bits(kernels, monkeypatch, device, dtype, fmt):
-    """The ``bits`` launch turns q8_0's int8s or mxfp4's e2m1 codes (and bf16 activations)
-    into float32 by bit operations: the same values, so the same sums to the bit, masked
-    blocks too."""
-    views = _pool(3, [(fmt, 32, 96), (fmt, 32, 96), (fmt, 96, 32)], seed=9, device=device)
-    qts = [QuantTensor(fmt, (3, v.shape[1], 96 if i < 2 else 32), v, {})
-           for i, v in enumerate(views)]
+    """The ``bits`` launch turns q8_0's int8s or mxfp4's and nvfp4's e2m1 codes (and bf16
+    activations) into float32 by bit operations: the same values, so the same sums to the bit,
+    masked blocks too."""
+    qts = _experts(3, [(fmt, 32, 96), (fmt, 32, 96), (fmt, 96, 32)], seed=9, device=device)
     g = torch.Generator().manual_seed(10)
     x = torch.randn(2, 96, generator=g).to(device, dtype)
     w, index = torch.rand(2, 2, generator=g).to(device), torch.tensor([0, 2, 1, 1]).to(device)
@@ -157,6 +205,9 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="rows of 144-byte blocks"):
         gather_gemv("q4_k", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
     assert fused(("q4_k", "q4_k", "q6_k")) and not fused(("q4_k", "q4_k", "bf16"))
+    assert fused(("nvfp4", "nvfp4", "nvfp4"))
+    with pytest.raises(ValueError, match="gather_gemv_scaled"):  # its scales are apart
+        gather_gemv("nvfp4", rows, torch.zeros(1, dtype=torch.long), torch.zeros(1, 64), 1)
 
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
@@ -176,6 +227,23 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
                       "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4")})
 
 
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("act", [0, 1, 2])
+def test_the_scaled_kernel_compiles_for_a_gpu(dtype: str, act: int) -> None:
+    from freetoken.kernels.gather_gemv import KERNELS
+
+    spec = KERNELS["nvfp4"]
+    sig = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "wu_ptr": "*u8", "su_ptr": "*u8",
+           "gu_ptr": "*fp32", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
+           "per": "i32", "slot_stride": "i64", "row_stride": "i32", "s_slot_stride": "i64",
+           "s_row_stride": "i32", "g_slot_stride": "i64", "x_stride": "i32",
+           "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
+           "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv_scaled", sig,
+                     {"FMT": "nvfp4", "NB": 2816 // spec.block, "BLOCK_R": spec.rows,
+                      "STEP": spec.step, "ACT": act, "BITS": spec.bits})
+
+
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
     """An expert row holds up's blocks right after gate's: the two are one launch over 2I
     rows, with the bits of two launches."""
@@ -188,6 +256,8 @@ def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
                    QuantTensor("q8_0", (3, 8, 64), gate)) is None  # up does not follow
     assert stacked(QuantTensor("q8_0", (3, 8, 64), gate),
                    QuantTensor("q5_0", (3, 8, 64), up)) is None
+    gate, up, _ = _experts(3, [("nvfp4", 8, 64), ("nvfp4", 8, 64), ("nvfp4", 64, 64)], seed=1)
+    assert stacked(gate, up) is None  # the codes alone: their scales are apart
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -207,23 +277,25 @@ def test_one_stack_has_the_bits_of_two_launches(kernels, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("fmt,K", [("q8_0", 96), ("q5_0", 96), ("q4_k", 256), ("q5_k", 256),
-                                   ("q6_k", 256)])
+                                   ("q6_k", 256), ("nvfp4", 128), ("nvfp4", 96)])
 def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fmt, K):
     """gate, up and act(g) * u in one launch where the activation has a code (gelu without
-    the tanh has none: torch applies it), close to the two sums rounded then combined."""
+    the tanh has none: torch applies it), close to the two sums rounded then combined. nvfp4's
+    up is not after gate's codes (its scales are between): its launch reads it where it is
+    (K 128: GGUF blocks, global scale 1; K 96: ModelOpt's, gate's and up's own)."""
     from freetoken.kernels.activation import ACTIVATIONS, glu
 
-    gate, up, down = _pool(4, [(fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)], seed=3,
-                           device=device)
-    qts = [QuantTensor(f, (4, r, k), v) for v, (f, r, k) in
-           zip((gate, up, down), ((fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)), strict=True)]
+    qts = _experts(4, [(fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)], seed=3, device=device)
+    down = qts[2].data
+    assert (kernels.stacked(*qts[:2]) is not None) == (fmt != "nvfp4")
+    assert kernels.paired(*qts[:2]) == (fmt == "nvfp4")
     x = torch.randn(2, K, device=device)
     w = torch.rand(2, 2, device=device)
     index = torch.tensor([0, 3, 2, 1], device=device)
     fn = ACTIVATIONS[act]
     assert kernels.glu_code(fn) == {"silu": 1, "gelu_pytorch_tanh": 2, "gelu": 0}[act]
     got = kernels.gathered_fused(x, w, index, *qts, fn)
-    g, u = (kernels.gather_gemv(fmt, q.data, index, x, 2) for q in qts[:2])
+    g, u = (kernels.gemv(q, index, x, 2) for q in qts[:2])
     want = kernels.weigh_pairs(kernels.gather_gemv("q8_0", down, index, glu(fn, g, u), 1), w)
     # compiled, the kernel's exp is the GPU's fast one: a few float32 ulps of the activation
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
@@ -269,3 +341,53 @@ def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K
     np.testing.assert_allclose(out.cpu().double().numpy(), want, rtol=tol, atol=tol * 10)
     q8 = kernels.gather_gemv("q8_0", view, index.to(device), x.to(device), 3)
     torch.testing.assert_close(out, q8, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("R,K", [(21, 320), (9, 1024)])
+@pytest.mark.parametrize("T,A", [(1, 3), (2, 2)])
+def test_nvfp4_gemv_matches_gguf_dequantisation(kernels, device, R, K, T, A):
+    """A GGUF file's NVFP4 blocks read into nvfp4, in cache slots after another projection,
+    against the gguf package's dequantisation of those blocks: rows off the row block, blocks
+    off the loop step (320: 20 blocks of 16)."""
+    g = torch.Generator().manual_seed(R + K)
+    blocks = [gguf_quantize("nvfp4", torch.randn(R, K, generator=g)) for _ in range(4)]
+    _, qt = _slots([[get_format("q5_0").quantize(torch.randn(3, 32, generator=g)),
+                     gguf_read("nvfp4", b, (R, K))] for b in blocks], device)
+    x = torch.randn(T, K, generator=g)
+    index = torch.randint(0, 4, (T * A,), generator=g)
+    out = kernels.gather_gemv_scaled(qt, index.to(device), x.to(device), A).cpu()
+    want = np.stack([dequantize(blocks[int(s)].numpy(), GGMLQuantizationType.NVFP4)
+                     .reshape(R, K).astype(np.float64) @ x[p // A].double().numpy()
+                     for p, s in enumerate(index)])
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shared", [False, True])
+def test_nvfp4_reads_every_scale_byte_and_the_global_scale(kernels, device, shared):
+    """Each of the 254 e4m3 scale bytes (NaN's two left out: no quantiser writes them) alone
+    on a row of one block, subnormals and negatives too, times a global scale one per slot
+    or one for all: the kernel's sums against the format's dequantiser in float64. Codes
+    and x positive, so no sum cancels and each row is checked to its own magnitude."""
+    scale = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(1, 8, (2, 254, 16), generator=g, dtype=torch.uint8)
+    data = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    ws2 = torch.tensor(0.375) if shared else torch.tensor([[[3.0]], [[0.0078125]]])
+    qt = QuantTensor("nvfp4", (2, 254, 16), data.to(device), {
+        "weight_scale": scale.expand(2, 254).reshape(2, 254, 1).view(torch.float8_e4m3fn)
+        .to(device), "weight_scale_2": ws2.to(device)})
+    x = torch.rand(1, 16, generator=g) + 0.5
+    index = torch.tensor([1, 0])
+    out = kernels.gather_gemv_scaled(qt, index.to(device), x.to(device), 2).cpu()
+    ref = QuantTensor("nvfp4", (2, 254, 16), data, {
+        "weight_scale": qt.scales["weight_scale"].cpu(),
+        "weight_scale_2": ws2 if shared else ws2.reshape(2, 1, 1)})
+    dense = get_format("nvfp4").dequantize(ref).double() if shared else torch.stack(
+        [get_format("nvfp4").dequantize(QuantTensor("nvfp4", (254, 16), data[e], {
+            "weight_scale": ref.scales["weight_scale"][e],
+            "weight_scale_2": ws2[e].reshape(())})).double() for e in range(2)])
+    want = dense[index] @ x[0].double()
+    assert want.count_nonzero() == 2 * 252 and (want < 0).any()  # scale bytes 0, 0x80: 0
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), rtol=2e-6, atol=0)

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from freetoken.moe.host_banks import PROJECTIONS, BankBuilder
 from freetoken.quant import QuantTensor, get_format, gguf_quantize, gguf_read
 from tests.kernels.conftest import compile_for_sm90
 
@@ -391,3 +392,27 @@ def test_nvfp4_reads_every_scale_byte_and_the_global_scale(kernels, device, shar
     want = dense[index] @ x[0].double()
     assert want.count_nonzero() == 2 * 252 and (want < 0).any()  # scale bytes 0, 0x80: 0
     np.testing.assert_allclose(out.double().numpy(), want.numpy(), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_experts_from_the_engines_own_bank(kernels, device):
+    """nvfp4 experts laid out by the engine's own :class:`BankBuilder` (the rows of the host
+    bank, the expert cache's slots and resident blocks; gate and up GGUF blocks, down from
+    ModelOpt's quantiser with a global scale of its own) read by the fused kernels through
+    ``layout.quant``: the dequantise + matmul twin's result."""
+    E, H, I_ = 4, 128, 48
+    g = torch.Generator().manual_seed(11)
+    builder = BankBuilder(0, E, H, I_)
+    for e in range(E):
+        for proj in PROJECTIONS:
+            builder.add(proj, _nvfp4(torch.randn(*builder.want(proj), generator=g))[0], e)
+    bank = builder.build(pinned=False, device=torch.device(device))
+    views = [bank.layout.quant(bank.rows, p) for p in PROJECTIONS]
+    assert "weight_scale_2" in views[2].scales
+    x = torch.randn(2, H, generator=g).to(device)
+    w = torch.rand(2, 3, generator=g).to(device)
+    index = torch.tensor([3, 0, 2, 1, 1, 3]).to(device)
+    act = torch.nn.functional.silu
+    fused = kernels.gathered_fused(x, w, index, *views, act)
+    slow = kernels.gathered_reference(x, w, index, *views, act)
+    torch.testing.assert_close(fused, slow, rtol=1e-4, atol=1e-4 * slow.abs().max())

@@ -108,7 +108,8 @@ static inline void block_scales(__m256 a, __m256 c, __m256& ws, __m256& wm) {
 // and two blocks' quants at a time.
 template <class D, int NV, int R, int L>
 void q8_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* const* xq,
-              const float* const* xdl, const int32_t* const* xgs, float* res, int64_t ahead) {
+              const float* const* xdl, const int32_t* const* xgs, float* res, int64_t ahead,
+              const Apart& apart) {
   __m256 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
@@ -144,13 +145,17 @@ void q8_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* c
       __m256 ws[R], wm[R];
       for (int r = 0; r < R; ++r) {
         wm[r] = _mm256_setzero_ps();
-        D::block(row + r * row_bytes, b, w[r], ws[r], wm[r]);
+        if constexpr (std::is_same_v<D, q8::NVFP4>)
+          D::block(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b, w[r], ws[r],
+                   wm[r]);
+        else
+          D::block(row + r * row_bytes, b, w[r], ws[r], wm[r]);
       }
       block_dots<D, NV, R>(w, ws, wm, b, xq, xdl, xgs, acc);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) res[r * NV + v] = hsum(acc[r][v]);
+    for (int v = 0; v < NV; ++v) res[r * NV + v] = hsum(acc[r][v]) * apart.scale2;
 }
 
 template <class D, int NV>
@@ -194,7 +199,8 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
   prefetch_start(m.data + r0 * m.row_bytes, (r1 - r0) * m.row_bytes, ahead, level);
   with_level(level, [&](auto L) {
     for_row_groups<NV>(m, r0, r1, v0, out, ldo, [&](const uint8_t* row, auto R, float* res) {
-      q8_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgs, res, ahead);
+      q8_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgs, res, ahead,
+                            apart_at(m, row, std::is_same_v<D, q8::NVFP4>));
     });
   });
 }
@@ -499,6 +505,7 @@ void register_avx2(KernelTable& t) {
   t.fn[F_Q4_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q4_0>;
   t.fn[F_Q5_0][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q5_0>;
   t.fn[F_MXFP4][ACT_Q8][ISA_AVX2] = gemv_q8<q8::MXFP4>;
+  t.fn[F_NVFP4][ACT_Q8][ISA_AVX2] = gemv_q8<q8::NVFP4>;
   t.fn[F_Q4_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q4_K>;
   t.fn[F_Q5_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q5_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_AVX2] = gemv_q8<q8::Q6_K>;

@@ -36,11 +36,21 @@ static inline void q8_0_pair(const uint8_t* p, __m512i& w, __m512& ws) {
   w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
+// Block b of a row (and, for nvfp4, of its scale row srow) as D decodes it.
+template <class D>
+static inline void one_block(const uint8_t* row, const uint8_t* srow, int64_t b, __m256i& w,
+                             __m256& ws, __m256& wm) {
+  if constexpr (std::is_same_v<D, q8::NVFP4>)
+    D::block(row, srow, b, w, ws, wm);
+  else
+    D::block(row, b, w, ws, wm);
+}
+
 // Blocks b and b + 1 of a row as one 512-bit vector of bytes (raw quants where kRaw<D>, else
 // moved to unsigned by to_u8), with their scales (and mins / 128) per lane.
 template <class D>
-static inline void q8_pair_weights(const uint8_t* row, int64_t b, __m512i& w, __m512& ws,
-                                   __m512& wm) {
+static inline void q8_pair_weights(const uint8_t* row, const uint8_t* srow, int64_t b,
+                                   __m512i& w, __m512& ws, __m512& wm) {
   if constexpr (std::is_same_v<D, q8::Q8_0>) {
     q8_0_pair(row + b * D::kBlockBytes, w, ws);
   } else if constexpr (std::is_same_v<D, q8::Q5_0>) {
@@ -48,8 +58,8 @@ static inline void q8_pair_weights(const uint8_t* row, int64_t b, __m512i& w, __
   } else {
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
-    D::block(row, b, w0, s0, m0);
-    D::block(row, b + 1, w1, s1, m1);
+    one_block<D>(row, srow, b, w0, s0, m0);
+    one_block<D>(row, srow, b + 1, w1, s1, m1);
     if constexpr (!q8::kRaw<D>) {
       w0 = to_u8<D>(w0);
       w1 = to_u8<D>(w1);
@@ -123,7 +133,7 @@ static inline void pair_dots(const __m512i* w, const __m512* ws, const __m512* w
 template <class D, int NV, int R, int L>
 void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* const* xq,
                   const float* const* xdl, const int32_t* const* xgb, float* res,
-                  int64_t ahead) {
+                  int64_t ahead, const Apart& apart) {
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -136,7 +146,8 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
     __m512 ws[R], wm[R];
     for (int r = 0; r < R; ++r) {
       wm[r] = _mm512_setzero_ps();
-      q8_pair_weights<D>(row + r * row_bytes, b, w[r], ws[r], wm[r]);
+      q8_pair_weights<D>(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b,
+                         w[r], ws[r], wm[r]);
     }
     pair_dots<D, NV, R>(w, ws, wm, b, xq, xdl, xgb, acc);
   }
@@ -145,7 +156,7 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
     for (int r = 0; r < R; ++r) {
       __m256i w;
       __m256 ws, wm = _mm256_setzero_ps();
-      D::block(row + r * row_bytes, b, w, ws, wm);
+      one_block<D>(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b, w, ws, wm);
       w = to_u8<D>(w);
       wm = _mm256_mul_ps(wm, _mm256_set1_ps(1.0f / 128));
       for (int v = 0; v < NV; ++v) {
@@ -161,7 +172,8 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) res[r * NV + v] = _mm512_reduce_add_ps(acc[r][v]) + tail[r][v];
+    for (int v = 0; v < NV; ++v)
+      res[r * NV + v] = (_mm512_reduce_add_ps(acc[r][v]) + tail[r][v]) * apart.scale2;
 }
 
 // The R-row group for super-block formats: each row's scales decoded once per super-block
@@ -219,7 +231,8 @@ void q8_rows(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
       if constexpr (D::kSuper)
         q8_super_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
       else
-        q8_row_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead);
+        q8_row_group<D, NV, R, L>(row, m.row_bytes, cols / 32, xq, xdl, xgb, res, ahead,
+                                  apart_at(m, row, std::is_same_v<D, q8::NVFP4>));
     });
   });
 }
@@ -291,6 +304,7 @@ void register_avx512_vnni(KernelTable& t) {
   t.fn[F_Q4_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q4_0>;
   t.fn[F_Q5_0][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q5_0>;
   t.fn[F_MXFP4][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::MXFP4>;
+  t.fn[F_NVFP4][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::NVFP4>;
   t.fn[F_Q4_K][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q4_K>;
   t.fn[F_Q5_K][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q5_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_AVX512_VNNI] = gemv_q8<q8::Q6_K>;

@@ -217,7 +217,9 @@ void gemv_q8(const Mat& m, int64_t cols, int64_t r0, int64_t r1, const Act& a,
           }
         }
       }
-      for (int v = 0; v < nv; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = (float)acc[v];
+      // nvfp4's global scale (decode_int leaves it out, as the panels do)
+      const double g = FMT == F_NVFP4 ? (double)m.scale2 : 1.0;
+      for (int v = 0; v < nv; ++v) out[(int64_t)(v0 + v) * ldo + (r - r0)] = (float)(acc[v] * g);
     }
   }
 }
@@ -295,6 +297,7 @@ void register_scalar(KernelTable& t) {
   t.fn[F_Q5_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q5_K>;
   t.fn[F_Q6_K][ACT_Q8][ISA_SCALAR] = gemv_q8<F_Q6_K>;
   t.fn[F_MXFP4][ACT_Q8][ISA_SCALAR] = gemv_q8<F_MXFP4>;
+  t.fn[F_NVFP4][ACT_Q8][ISA_SCALAR] = gemv_q8<F_NVFP4>;
   for (int f : {F_Q8_0, F_Q4_0, F_Q5_0, F_Q4_K, F_Q5_K, F_Q6_K, F_MXFP4})
     t.batch[f][ISA_SCALAR] = batch_ref;
 }

@@ -4,7 +4,8 @@
 //   weight[i] = ws[i / 4] * (w[i] - kOff) - wm[i / 4].
 // The super-block formats (kSuper: q4_k, q5_k, q6_k) give a super-block's scales at once and
 // the quants of its pairs of blocks instead.
-// kSigned: w holds signed int8 (q8_0); otherwise unsigned bytes below 64.
+// kSigned: w holds signed int8 (q8_0); otherwise unsigned bytes below 64. nvfp4's block reads
+// its scales from a row of their own as well (the kernels pass it: row_groups.h's Apart).
 // Included by ISA translation units only; everything is static inline (one copy per tier).
 #pragma once
 
@@ -84,6 +85,50 @@ struct MXFP4 {
                                          4, 0);
     ws = _mm256_set1_ps(e8m0_half(p[0]));
     w = _mm256_shuffle_epi8(lut, nibbles32(p + 1));
+  }
+};
+
+// nvfp4 (its e4m3 scales kept apart from the codes, in `srow`, one per 16 weights; the
+// global scale is the caller's): 32 codes in 16 bytes, byte j holding weight 2j in its low
+// nibble and 2j + 1 in its high one, put in order and looked up as mxfp4's doubled e2m1 values
+// plus 12; lanes 0-3 (weights 0-15) get sub-block 2b's scale, lanes 4-7 sub-block 2b + 1's,
+// halved for the doubling. The scale of byte 0x7F (NaN) reads as 240: no quantiser writes it.
+static inline float e4m3_half(uint8_t s) {
+  const int e = (s >> 3) & 15, m = s & 7;
+  float v = (float)m * (1.0f / 1024.0f);  // subnormal: m/8 * 2^-6, halved
+  if (e) {
+    uint32_t bits = (uint32_t)(e + 119) << 23 | (uint32_t)m << 20;
+    std::memcpy(&v, &bits, 4);
+  }
+  return (s & 0x80) ? -v : v;
+}
+
+// e4m3_half of every byte, looked up (one table per translation unit).
+struct E4M3Halves {
+  float v[256];
+  E4M3Halves() {
+    for (int i = 0; i < 256; ++i) v[i] = e4m3_half((uint8_t)i);
+  }
+};
+static const E4M3Halves kE4M3Halves;
+
+struct NVFP4 {
+  static constexpr bool kSuper = false;
+  static constexpr int kBlockBytes = 2 * FMT_INFO[F_NVFP4].block_bytes;  // codes of 32 weights
+  static constexpr int kOff = 12;
+  static constexpr bool kSigned = false, kMins = false;
+  static inline void block(const uint8_t* row, const uint8_t* srow, int64_t b, __m256i& w,
+                           __m256& ws, __m256&) {
+    const __m128i c = _mm_loadu_si128((const __m128i*)(row + kBlockBytes * b));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(c, m), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m);
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4,
+                                         0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6,
+                                         4, 0);
+    w = _mm256_shuffle_epi8(
+        lut, _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+    ws = _mm256_setr_m128(_mm_set1_ps(kE4M3Halves.v[srow[2 * b]]),
+                          _mm_set1_ps(kE4M3Halves.v[srow[2 * b + 1]]));
   }
 };
 

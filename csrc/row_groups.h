@@ -12,6 +12,22 @@
 
 namespace ft {
 
+// What a row group reads besides its rows where a format keeps its scales apart (nvfp4): the
+// group's first scale row, the bytes from one scale row to the next, and the global scale the
+// row sums are multiplied by (1 for every other format, which leaves their bits alone).
+struct Apart {
+  const uint8_t* scales = nullptr;
+  int64_t scale_row_bytes = 0;
+  float scale2 = 1.0f;
+};
+
+// The Apart of the group starting at `row` of m (nothing unless `apart`).
+static inline Apart apart_at(const Mat& m, const uint8_t* row, bool apart) {
+  if (!apart) return {};
+  const int64_t r = (row - m.data) / m.row_bytes;
+  return {m.scale + r * m.scale_row_bytes, m.scale_row_bytes, m.scale2};
+}
+
 // Rows read at once for NV vectors (more vectors leave fewer registers).
 constexpr int group_rows(int nv) { return nv <= 2 ? 4 : 2; }
 

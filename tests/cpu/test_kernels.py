@@ -25,7 +25,7 @@ SHAPES = {
     "q4_k": (256, 512),
     "q5_k": (256, 512),
     "q6_k": (256, 512),
-    "nvfp4": (80, 48),
+    "nvfp4": (96, 160),  # int8 activations from AVX2 and VNNI; float on the AVX-512 tier
     "fp8_block": (200, 136),
     "f32": (83, 41),  # odd: the 16/8-wide loops' masked and scalar tails
 }

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_model, git_state, save_result  # noqa: E402
+from benchmarks.common import host as machine  # noqa: E402
 from freetoken.config import MOE_CPU_SPIN_US  # noqa: E402
 from freetoken.cpu import executor as cx  # noqa: E402
 from freetoken.quant import QuantTensor, get_format  # noqa: E402
@@ -253,7 +254,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "usable_cores": len(cx.usable_cores()), "l3_bytes": l3, "working_set_bytes": ws,
         "ceiling_buffer_bytes": buf.numel(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "params": vars(args), "results": rows,
+        "params": vars(args), "settings": machine()["settings"], "results": rows,
     }
     print(f"wrote {save_result(Path(args.out), f'cpu_moe-{host}', result)}")
 

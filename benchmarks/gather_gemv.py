@@ -3,10 +3,13 @@ their slow twin (gather, dequantise, batched matmul), next to a device copy of t
 bytes measured in the same run (the HBM ceiling for reading them).
 
 One call = one MoE layer's pairs (--pairs, distinct experts) of gate/up/down read from a pool of
---slots expert slots, as the expert cache holds them. Each call is timed eagerly and inside a
-CUDA graph of 20 calls (as decode runs it: no launch overhead). ``--sweep`` times the fused
-call in a graph for every output-rows / blocks-per-step / warps choice of its kernels and
-reports the fastest (the values ``kernels/gather_gemv.py:KERNELS`` should carry).
+--slots expert slots, laid out as the expert cache holds them (the engine's bank rows: gate's
+and up's blocks one stack where they follow each other, nvfp4's scales beside its codes).
+Each call is timed eagerly and inside a CUDA graph of 20 calls (as decode runs it: no launch
+overhead). ``--sweep`` times the fused call in a graph for every output-rows / blocks-per-step /
+warps choice of its kernels and reports the fastest (the values
+``kernels/gather_gemv.py:KERNELS`` should carry). Its figures in docs/benchmarks.md up to
+2026-12-06 timed the projections as separate stacks (gate and up in two launches).
 
     python benchmarks/gather_gemv.py --formats q8_0,q4_k/q6_k,q5_0/q8_0 --shape 2048x768
 """
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import git_state, host, save_result  # noqa: E402
 from freetoken.kernels import gather_gemv  # noqa: E402
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference  # noqa: E402
+from freetoken.moe.host_banks import PROJECTIONS, BankBuilder  # noqa: E402
 from freetoken.quant import QuantTensor, get_format  # noqa: E402
 
 
@@ -62,7 +66,7 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
 
 SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
          "bits": (False, True)}
-BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4"}  # kernels with a bits choice
+BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4", "nvfp4"}  # kernels with a bits choice
 
 
 def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list[dict[str, Any]]:
@@ -101,19 +105,30 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list
     return sorted(rows, key=lambda d: d["graph_us"])
 
 
+def slot_stacks(formats: tuple[str, str, str], H: int, I_: int, slots: int,
+                device: str = "cuda") -> tuple[list[QuantTensor], int]:
+    """``slots`` copies of one random expert laid out as the expert cache holds them (the
+    engine's own bank rows: gate, up and down with their scales, where a format keeps them
+    apart), each projection's (slots, rows, cols) view, and the bytes of one expert."""
+    g = torch.Generator().manual_seed(0)
+    builder = BankBuilder(0, slots, H, I_)
+    one = [get_format(f).quantize(torch.randn(*builder.want(p), generator=g) * 0.02)
+           for f, p in zip(formats, PROJECTIONS, strict=True)]
+    for e in range(slots):
+        for p, q in zip(PROJECTIONS, one, strict=True):
+            builder.add(p, q, e)
+    bank = builder.build(pinned=False, device=torch.device(device))
+    return [bank.layout.quant(bank.rows, p) for p in PROJECTIONS], bank.expert_bytes
+
+
 def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: int,
             reps: int, do_sweep: bool = False, budget_s: float = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(0)
-    shapes = ((I_, H), (I_, H), (H, I_))
-    one = [get_format(f).quantize(torch.randn(r, k, generator=g) * 0.02)
-           for f, (r, k) in zip(formats, shapes, strict=True)]
-    stacks = [QuantTensor(q.fmt, (slots, *q.shape), q.data.unsqueeze(0).repeat(
-        slots, *(1,) * q.data.dim()).cuda(), {}) for q in one]
+    stacks, expert_bytes = slot_stacks(formats, H, I_, slots)
     x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
     w = torch.rand(1, pairs, device="cuda")
     index = torch.randperm(slots)[:pairs].cuda()
     act = torch.nn.functional.silu
-    nbytes = pairs * sum(q.data.numel() for q in one)
+    nbytes = pairs * expert_bytes
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_s = seconds_per_call(lambda: dst.copy_(src), reps)

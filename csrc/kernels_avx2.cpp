@@ -145,11 +145,8 @@ void q8_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_t* c
       __m256 ws[R], wm[R];
       for (int r = 0; r < R; ++r) {
         wm[r] = _mm256_setzero_ps();
-        if constexpr (std::is_same_v<D, q8::NVFP4>)
-          D::block(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b, w[r], ws[r],
-                   wm[r]);
-        else
-          D::block(row + r * row_bytes, b, w[r], ws[r], wm[r]);
+        q8::block_at<D>(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b, w[r],
+                        ws[r], wm[r]);
       }
       block_dots<D, NV, R>(w, ws, wm, b, xq, xdl, xgs, acc);
     }

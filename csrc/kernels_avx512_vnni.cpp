@@ -36,16 +36,6 @@ static inline void q8_0_pair(const uint8_t* p, __m512i& w, __m512& ws) {
   w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
-// Block b of a row (and, for nvfp4, of its scale row srow) as D decodes it.
-template <class D>
-static inline void one_block(const uint8_t* row, const uint8_t* srow, int64_t b, __m256i& w,
-                             __m256& ws, __m256& wm) {
-  if constexpr (std::is_same_v<D, q8::NVFP4>)
-    D::block(row, srow, b, w, ws, wm);
-  else
-    D::block(row, b, w, ws, wm);
-}
-
 // Blocks b and b + 1 of a row as one 512-bit vector of bytes (raw quants where kRaw<D>, else
 // moved to unsigned by to_u8), with their scales (and mins / 128) per lane.
 template <class D>
@@ -58,8 +48,8 @@ static inline void q8_pair_weights(const uint8_t* row, const uint8_t* srow, int6
   } else {
     __m256i w0, w1;
     __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
-    one_block<D>(row, srow, b, w0, s0, m0);
-    one_block<D>(row, srow, b + 1, w1, s1, m1);
+    q8::block_at<D>(row, srow, b, w0, s0, m0);
+    q8::block_at<D>(row, srow, b + 1, w1, s1, m1);
     if constexpr (!q8::kRaw<D>) {
       w0 = to_u8<D>(w0);
       w1 = to_u8<D>(w1);
@@ -156,7 +146,7 @@ void q8_row_group(const uint8_t* row, int64_t row_bytes, int64_t nb, const int8_
     for (int r = 0; r < R; ++r) {
       __m256i w;
       __m256 ws, wm = _mm256_setzero_ps();
-      one_block<D>(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b, w, ws, wm);
+      q8::block_at<D>(row + r * row_bytes, apart.scales + r * apart.scale_row_bytes, b, w, ws, wm);
       w = to_u8<D>(w);
       wm = _mm256_mul_ps(wm, _mm256_set1_ps(1.0f / 128));
       for (int v = 0; v < NV; ++v) {

@@ -11,6 +11,8 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "common.h"
 
 namespace ft {
@@ -131,6 +133,17 @@ struct NVFP4 {
                           _mm_set1_ps(kE4M3Halves.v[srow[2 * b + 1]]));
   }
 };
+
+// Block b of a row as D decodes it; nvfp4's reads its scales from `srow`, the row's scale row
+// (row_groups.h's Apart), which the other formats leave unread.
+template <class D>
+static inline void block_at(const uint8_t* row, const uint8_t* srow, int64_t b, __m256i& w,
+                            __m256& ws, __m256& wm) {
+  if constexpr (std::is_same_v<D, NVFP4>)
+    D::block(row, srow, b, w, ws, wm);
+  else
+    D::block(row, b, w, ws, wm);
+}
 
 struct Q4_K {
   static constexpr int kOff = 0;

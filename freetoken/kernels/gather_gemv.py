@@ -147,8 +147,6 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     unit stride along K. Returns (P, R) in ``x``'s dtype. With ``act`` (:func:`glu_code`),
     ``data`` is gate's rows with up's R rows right after them in every slot, and
     ``out[p] = act(gate @ x) * (up @ x)``."""
-    import triton
-
     from freetoken.kernels import triton_gemv
 
     if fmt in SCALED:
@@ -156,14 +154,23 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     spec = _launch_on(fmt, x.device)
     nb = _blocks_per_row(spec, data, x)
     R = data.shape[1]
-    out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
-    rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
-    grid = (index.numel(), triton.cdiv(R, rows))
+    out, rows, grid = _launch_shape(spec, index, x, R, act)
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
         FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
         num_warps=spec.warps)
     return out
+
+
+def _launch_shape(spec: FusedKernel, index: torch.Tensor, x: torch.Tensor, R: int,
+                  act: int) -> tuple[torch.Tensor, int, tuple[int, int]]:
+    """A gather-GEMV launch's output (P, R) in ``x``'s dtype, the output rows a program takes
+    (half of ``spec``'s with ``act``: it reads gate's and up's) and the grid."""
+    import triton
+
+    out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
+    rows = max(1, spec.rows // 2) if act else spec.rows
+    return out, rows, (index.numel(), triton.cdiv(R, rows))
 
 
 def _blocks_per_row(spec: FusedKernel, data: torch.Tensor, x: torch.Tensor) -> int:
@@ -202,8 +209,6 @@ def gather_gemv_scaled(w: QuantTensor, index: torch.Tensor, x: torch.Tensor, per
     (S, R, K // block * block_bytes) and scales (any slot and row strides). With ``act``, up's
     tensor ``up`` (its codes and scales strided as ``w``'s, anywhere) and
     ``out[p] = act(w @ x) * (up @ x)``."""
-    import triton
-
     from freetoken.kernels import triton_gemv
 
     if w.fmt not in SCALED:
@@ -219,9 +224,7 @@ def gather_gemv_scaled(w: QuantTensor, index: torch.Tensor, x: torch.Tensor, per
     elif up is not None:
         raise ValueError("up is read only with act")
     R = w.data.shape[1]
-    out = torch.empty(index.numel(), R, dtype=x.dtype, device=x.device)
-    rows = max(1, spec.rows // 2) if act else spec.rows  # with act a program reads 2x rows
-    grid = (index.numel(), triton.cdiv(R, rows))
+    out, rows, grid = _launch_shape(spec, index, x, R, act)
     triton_gemv.gather_gemv_scaled[grid](
         w.data, ws, ws2, wu, su, gu, index, x, out, R, per, w.data.stride(0), w.data.stride(1),
         ws.stride(0), ws.stride(1), g_stride, x.stride(0), out.stride(0), FMT=w.fmt, NB=nb,

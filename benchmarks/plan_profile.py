@@ -64,6 +64,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (0: greedy; 1: what chat clients send)")
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--hold", choices=("fetch", "split", "cpu"),
+                   help="hybrid: the wall check held at this arm from the start (implies "
+                   "--online): fetch times a hybrid whose split has gone all-fetch")
     p.add_argument("--trace", action="store_true", help="also a torch.profiler run: GPU busy "
                    "time against the wall, CUDA runtime calls; the trace saved (gzip)")
     p.add_argument("--cprofile", action="store_true", help="also a run under cProfile: the "
@@ -82,8 +85,13 @@ def main() -> None:
                        moe_strategy=args.strategy, max_seq_len=args.tokens + 256,
                        cuda_graph_max_bs=16 if args.device == "cuda" else 0,
                        moe_cache=CacheSizing("mem", parse_bytes(args.moe_cache_mem)),
-                       moe_hybrid_online=args.online)
+                       moe_hybrid_online=args.online or args.hold is not None)
     engine = Engine(cfg)
+    if args.hold is not None:
+        for m in engine.model.modules():
+            check = m.policy.costs.check if isinstance(m, HybridExperts) else None
+            if check is not None:
+                check.hold(args.hold)
     ids = engine.encode("The history of computing")
     engine.generate(ids, sampling(args, 8))
     cls = HybridExperts if args.strategy == "hybrid" else OffloadExperts
@@ -117,7 +125,8 @@ def main() -> None:
     if args.cprofile:
         result["cprofile"] = profiled(engine, ids, args)
     print(json.dumps(result, indent=1))
-    save_result(args.out, f"plan_profile-{Path(args.model).stem}-{args.strategy}", result)
+    hold = f"-{args.hold}" if args.hold else ""
+    save_result(args.out, f"plan_profile-{Path(args.model).stem}-{args.strategy}{hold}", result)
 
 
 def traced(engine: Any, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 # per plan step, and a torch.profiler run (GPU busy time against the wall, the kernels that fill it, CUDA runtime
 # calls; the trace gzipped). PRESET (default gemma4-26b-a4b), LAYERS (default: the preset's),
 # ROUTER (default the skewed router "--router-skew 1 --router-locality 0.5"; "" for the
-# default one), STRATEGIES, TOKENS and TEMPERATURE (default 1) vary it; CPROFILE=1 adds a
+# default one), STRATEGIES (hybrid-fetch, hybrid-split, hybrid-cpu: hybrid with its wall check
+# held at that arm), TOKENS and TEMPERATURE (default 1) vary it; CPROFILE=1 adds a
 # cProfile run (the Python functions with the most own time per token).
 # Run as: GIT_SHA=<commit> bash benchmarks/device/plan_trace.sh (the copied tree has no .git).
 set -uo pipefail
@@ -16,7 +17,8 @@ M=/tmp/$PRESET-${LAYERS:-all}-$FORMAT.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET ${LAYERS:+--layers $LAYERS} \
   --expert-format $FORMAT --device cuda ${ROUTER---router-skew 1 --router-locality 0.5} --out $M 2>&1 | tail -1
 for s in ${STRATEGIES:-offload hybrid}; do
-  python3 benchmarks/plan_profile.py --model $M --strategy $s --tokens ${TOKENS:-24} --trace \
+  hold=${s#*-}; [ "$hold" = "$s" ] && hold=
+  python3 benchmarks/plan_profile.py --model $M --strategy ${s%%-*} ${hold:+--hold $hold} --tokens ${TOKENS:-24} --trace \
     --temperature ${TEMPERATURE:-1} ${CPROFILE:+--cprofile} \
     --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | tr '\r' '\n' | grep -v "^Loading" > "$OUT/trace_$s.log"
   grep -E "^(WARNING|ERROR)|GPU expert kernel" "$OUT/trace_$s.log"

@@ -22,11 +22,19 @@ runs its part between replays:
 The dense part of every layer stays captured. With ``FREETOKEN_CPU_HOST_NODE=on`` experts the
 CPU pool computes without a plan (cpu) stay in the piece too, their job a host node
 (:meth:`PiecewiseCapture.node`).
+
+Where layers may leave host work running (hybrid), each size is captured twice: as above, and
+for steps in which every layer fetches every miss (hybrid's split held at all-fetch, a greedy
+step), whose hybrid layers plan as offload's do, from the routed ids alone and with no late
+step. A step runs the second set when every such layer says its next call fetches all
+(:meth:`~freetoken.moe.offload.OffloadExperts.fetches_next_step`); all-fetch hybrid then costs
+what offload does.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +50,17 @@ log = logging.getLogger(__name__)
 def graph_sizes(max_bs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < max_bs]
     return sizes + [max_bs]
+
+
+@dataclass
+class _Pieces:
+    """One capture of a step in pieces: the pieces, the host's work between them, the CPU
+    pool's jobs held as host nodes, the logits buffer."""
+
+    pieces: list[torch.cuda.CUDAGraph]
+    breaks: list[Break | HostStep | LateStep]
+    nodes: HostNodes | None
+    out: torch.Tensor
 
 
 class _Graph:
@@ -65,9 +84,8 @@ class _Graph:
             masks=self.masks, decode=True)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
-        self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.breaks: list[Break | HostStep | LateStep] = []
-        self.nodes: HostNodes | None = None  # the CPU pool's jobs inside the pieces
+        self.split: _Pieces | None = None  # the step in pieces around host-planned experts
+        self.fetching: _Pieces | None = None  # the same for steps that fetch every miss
 
 
 class DecodeGraphs:
@@ -80,6 +98,10 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.recorders = list({id(r): r for m in model.modules() if isinstance(m, Experts)
                                and (r := m.recorder()) is not None}.values())
+        # layers that may leave host work running after their plan (hybrid): the steps in
+        # which all of them fetch every miss run graphs made for that
+        self.late = [m for m in model.modules()
+                     if isinstance(m, Experts) and getattr(m, "FINISHES_LATE", False)]
         pool = torch.cuda.graph_pool_handle()
         for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first
             g = _Graph(bs, max_len, windows, kv, device)
@@ -90,7 +112,9 @@ class DecodeGraphs:
                 for _ in range(2):  # warm up: lazy inits must not land in the graph
                     model(g.ids, g.ctx)
             if self.recorders:
-                self._capture_pieces(g, pool, stream)
+                g.split = self._capture_pieces(g, pool, stream, fetching=False)
+                if self.late:
+                    g.fetching = self._capture_pieces(g, pool, stream, fetching=True)
             else:
                 torch.cuda.current_stream().wait_stream(stream)
                 g.graph = torch.cuda.CUDAGraph()
@@ -98,28 +122,30 @@ class DecodeGraphs:
                     g.out = model(g.ids, g.ctx)
             self.graphs[bs] = g
         self.sizes = sorted(self.graphs)
-        pieces = len(next(iter(self.graphs.values())).pieces) or 1
-        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s)",
+        split = next(iter(self.graphs.values())).split
+        pieces = 1 if split is None else len(split.pieces)
+        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s%s)",
                  self.sizes, max_len, f"; {pieces} pieces around host-planned experts"
-                 if pieces > 1 else "")
+                 if pieces > 1 else "", "; again for steps that fetch every miss"
+                 if self.late else "")
 
-    def _capture_pieces(self, g: _Graph, pool: tuple[int, int],
-                        stream: torch.cuda.Stream) -> None:
+    def _capture_pieces(self, g: _Graph, pool: tuple[int, int], stream: torch.cuda.Stream,
+                        fetching: bool) -> _Pieces:
         rows = next((r.rows for r in self.recorders if r.rows is not None), None)
-        cap = PiecewiseCapture(pool, rows)
+        cap = PiecewiseCapture(pool, rows, fetching)
         for rt in self.recorders:
             rt.capture = cap
         torch.cuda.synchronize()
         try:
             with torch.cuda.stream(stream), torch.inference_mode():
                 cap.begin()
-                g.out = self.model(g.ids, g.ctx)
+                out = self.model(g.ids, g.ctx)
                 cap.end()
         finally:
             for rt in self.recorders:
                 rt.capture = None
         torch.cuda.current_stream().wait_stream(stream)
-        g.pieces, g.breaks, g.nodes = cap.pieces, cap.breaks, cap.nodes
+        return _Pieces(cap.pieces, cap.breaks, cap.nodes, out)
 
     def fits(self, segments: list[Segment]) -> bool:
         return len(segments) <= self.sizes[-1] and all(s.count == 1 for s in segments)
@@ -148,18 +174,20 @@ class DecodeGraphs:
             m[:n, ..., S:] = False
             m[:n, ..., :S].copy_(cpu.masks[w], non_blocking=True)
         self._pad(g, n)
-        assert g.out is not None
-        if g.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
-            g.nodes.check()
-            g.nodes.set_rows(n)
-        if g.pieces:
-            for i, piece in enumerate(g.pieces):
-                piece.replay()
-                if i < len(g.breaks):
-                    g.breaks[i].run(n)
-        else:
-            assert g.graph is not None
+        if g.split is None:
+            assert g.graph is not None and g.out is not None
             g.graph.replay()
-        if g.nodes is not None:
-            g.nodes.wait()
-        return g.out[:n]
+            return g.out[:n]
+        p = g.split
+        if g.fetching is not None and all(m.fetches_next_step() for m in self.late):
+            p = g.fetching
+        if p.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
+            p.nodes.check()
+            p.nodes.set_rows(n)
+        for i, piece in enumerate(p.pieces):
+            piece.replay()
+            if i < len(p.breaks):
+                p.breaks[i].run(n)
+        if p.nodes is not None:
+            p.nodes.wait()
+        return p.out[:n]

@@ -164,7 +164,8 @@ class HybridExperts(OffloadExperts):
         meanwhile. Between graph pieces the split writes the CPU's pairs straight into the
         host job's ids."""
         assert self.executor is not None
-        job = None if host is None else self.host_jobs.get(self.executor, host)
+        job = None if host is None or not host.inputs else self.host_jobs.get(self.executor,
+                                                                              host)
         n = self._count(flat, routed)
         cpu_ids = torch.empty_like(flat) if job is None else job.ids
         split = pool.split(self.shape.layer, flat, routed, n, cpu_ids)
@@ -193,8 +194,11 @@ class HybridExperts(OffloadExperts):
 
     def _make_call(self, host: HostCopies, job: HostJob | None = None) -> LayerCall | None:
         """Offload's, submitting the CPU's job on the host copies (None where the job reads
-        float32 copies of copies of another dtype: the Python plan converts them)."""
+        float32 copies of copies of another dtype: the Python plan converts them); offload's
+        own on copies of the ids alone (a step that fetches every miss)."""
         assert self.executor is not None
+        if not host.inputs:
+            return super()._make_call(host)
         job = self.host_jobs.get(self.executor, host)
         if job.x is not host.x or job.w is not host.w:
             return None
@@ -212,16 +216,38 @@ class HybridExperts(OffloadExperts):
                  t0: float) -> torch.Tensor | None:
         """What follows the library's plan: the probe it made, the CPU job's future, look-ahead
         and the pending call for :meth:`_finish` (as :meth:`_plan_misses` ends)."""
-        assert self.executor is not None and call.job is not None
+        assert self.executor is not None
         c = call.c
         self.policy.probed(PROBINGS[c.probing])
-        future = self.executor.adopt(c.ticket, call.job.job) if c.n_cpu else None
+        future = None
+        if c.n_cpu:
+            assert call.job is not None
+            future = self.executor.adopt(c.ticket, call.job.job)
         self.calls.table_empty = False
         if self.lookahead is not None:
             self._prefetch(x, call.routed(), call.split(), host)
         self._pend(x, c.n_needed - c.misses, c.n_fetched, c.n_cpu, call.fetch, future,
                    c.submit_ns / 1e9, host, t0)
         return None
+
+    def _plan_fetching(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                       host: HostCopies) -> torch.Tensor | None:
+        """Offload's plan in a step made to fetch every miss (its graphs have no late step):
+        the split held at all-fetch for the call, which the wall check counts as one of the
+        arm it holds, then the call collected at once (its CPU share is none)."""
+        self.policy.fetching = True
+        try:
+            early = self._plan(x, ids, w, host)
+        finally:
+            self.policy.fetching = False
+        late = self._finish()
+        assert late is None, "a call that fetches every miss left a CPU share"
+        return early
+
+    def fetches_next_step(self) -> bool:
+        """Whether the next decode step's call fetches every miss (:meth:`SplitPolicy.
+        fetches_next` over the kind's calls in one step)."""
+        return self.policy.fetches_next(self.policy.costs.layers)
 
     def _plan_all_on_cpu(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                          host: HostCopies | None) -> None:

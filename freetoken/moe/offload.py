@@ -122,6 +122,9 @@ class OffloadExperts(Experts):
         if rt.capture is not None:
             la = self.lookahead  # the next layer's picks made in the piece, for look-ahead
             picks = la.route(x) if la is not None and la.budget(x.shape[0]) else None
+            if rt.capture.fetching:  # a step that fetches every miss: offload's one step
+                static = rt.capture.host(self._plan_fetching, x, ids, w, False, picks)
+                return self._from_table(x, ids, w) + static
             static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS, picks)
             out = self._from_table(x, ids, w) + static
             if self.FINISHES_LATE:
@@ -139,6 +142,18 @@ class OffloadExperts(Experts):
         """The result of what the last :meth:`_plan` left running (nothing here; hybrid's CPU
         share), called once the device's compute is queued."""
         return None
+
+    def _plan_fetching(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                       host: HostCopies) -> torch.Tensor | None:
+        """The plan of a call that fetches every miss, between the pieces of a decode graph
+        made for such steps (``host`` holds the routed ids, not x or w): nothing is left
+        running, so no step follows the device's compute."""
+        return self._plan(x, ids, w, host)
+
+    def fetches_next_step(self) -> bool:
+        """Whether this layer's call in the next decode step fetches every miss, so that the
+        step may run in graphs made for that (hybrid: while its split is all-fetch)."""
+        return True
 
     def _route(self, ids: torch.Tensor) -> tuple[torch.Tensor, SlotPool, Routed]:
         """The routed ids on the host (int64, flat; a sync if they are on the device), and the

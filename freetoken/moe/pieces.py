@@ -62,6 +62,11 @@ class HostCopies:
     cpu_out: torch.Tensor
     predicted: torch.Tensor | None = None
 
+    @property
+    def inputs(self) -> bool:
+        """Whether x and w were copied (a plan that reads only the ids gets them empty)."""
+        return self.x.shape[0] == self.ids.shape[0]
+
 
 class _Landing:
     """A static buffer ``out`` (shaped like ``like``) that the next piece adds, and what a host
@@ -168,8 +173,12 @@ class PiecewiseCapture:
     CPU pool computes without a plan call :meth:`node`, which stays in the piece.
     """
 
-    def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None) -> None:
+    def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None,
+                 fetching: bool = False) -> None:
         self.pool, self.copier = pool, copier
+        # the graph is for steps in which every layer fetches every miss: hybrid layers plan
+        # as offload's, from the ids alone, with no late step (``engine/graph.py``)
+        self.fetching = fetching
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
         self.nodes: HostNodes | None = None  # made by the first node()

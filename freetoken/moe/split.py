@@ -181,6 +181,9 @@ class SplitPolicy:
     probe_fraction: float = 0.5  # fetched share of a CPU probe's misses
     costs: SplitCosts = field(default_factory=SplitCosts)
     probing: str = ""  # "cpu" or "pcie": n_fetch gave that idle side work to time it
+    # this call runs in a decode graph made for steps that fetch every miss (it has no CPU
+    # share to collect): set around the call by HybridExperts._plan_fetching
+    fetching: bool = False
     _seen_pcie: int = 0
 
     @property
@@ -188,7 +191,7 @@ class SplitPolicy:
         """The fetched share the kind's wall check has calls use now (all-fetch's 1.0, the cpu
         arm's 0.0 or the profile's; 1.0 in a step that fetches every miss), or None: the
         policy's own ``fraction``."""
-        if self.costs.fetch_all:
+        if self.costs.fetch_all or self.fetching:
             return 1.0
         check = self.costs.check
         return check.fraction if self.online and check is not None else None
@@ -230,6 +233,20 @@ class SplitPolicy:
                 check.skip()
             else:
                 check.tick(rows)
+                if self.fetching and check.phase != "wait":  # an arm began in a step made to
+                    check.skip()  # fetch every miss (none should): it starts again after it
+
+    def fetches_next(self, calls: int) -> bool:
+        """Whether the kind's next ``calls`` calls (a decode step's, one per layer) all fetch
+        every miss with no probe: a greedy step's, all-fetch held by the wall check with no
+        arm due among them, or a fixed split that fetches all. Such a step can run in decode
+        graphs without a CPU share (``engine/graph.py``)."""
+        if self.costs.fetch_all:
+            return True
+        check = self.costs.check
+        if self.online:
+            return check is not None and check.holds_fetch(calls)
+        return self.fraction is not None and self.fraction >= 1.0 and self.max_fetch is None
 
     def n_fetch(self, misses: int, rows: int = 1) -> int:
         """Misses to fetch of a call's ``misses`` (``rows`` token rows): :meth:`start` and

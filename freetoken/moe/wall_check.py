@@ -106,6 +106,12 @@ class WallCheck:
             return None
         return 1.0 if arm == "fetch" else 0.0 if arm == "cpu" else self.profile
 
+    def holds_fetch(self, calls: int) -> bool:
+        """Whether all-fetch is held through the next ``calls`` decode calls: no arm begins
+        among them (:meth:`tick` starts the first after ``wait`` calls of each layer)."""
+        return (self.phase == "wait" and self.choice == "fetch" and not self._restart
+                and self._calls + calls <= self._wait * self.layers)
+
     def hold(self, arm: str) -> None:
         """Hold ``arm`` with no check to come (a benchmark or test of one arm)."""
         self.choice, self._wait = arm, 2**62

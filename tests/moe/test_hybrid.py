@@ -393,6 +393,41 @@ def test_steps_that_fetch_every_miss_are_not_timed_by_the_wall_check():
         {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
 
 
+def test_a_step_said_to_fetch_every_miss_does_so_and_no_arm_begins_in_it():
+    """Decode graphs made for steps that fetch every miss run a step only when each hybrid
+    layer says its next call will (``fetches_next``: the kind's calls of one step). Over a
+    run where all-fetch wins every check, a step said to fetch all fetches 8 of 8 misses in
+    every layer and no arm begins inside it; every step of the waits between checks is said
+    to, and the checks still come (each a step that is not)."""
+    layers = 5
+    clock = _Clock()
+    check = WallCheck(layers=layers, clock=clock)
+    costs = SplitCosts(layers=layers, check=check)
+    policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
+    said = []
+    for _ in range(CHECK_FIRST + 3 * ARM + 2 * CHECK_FIRST + 2 * ARM + 4 * CHECK_FIRST):
+        fetching = all(p.fetches_next(costs.layers) for p in policies)
+        said.append(fetching)
+        phases = set()
+        for policy in policies:
+            n = policy.n_fetch(8)
+            phases.add(check.phase)
+            assert n == 8 or not fetching
+            clock.now += {8: 100e-6, 4: 110e-6, 0: 200e-6}[n]
+        assert phases == {"wait"} or not fetching
+    assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
+    first = CHECK_FIRST + 3 * ARM  # the first check's verdict falls in this step
+    assert not any(said[:first + 1])  # the model's split, then the arms
+    wait = said[first + 1:first + 2 * CHECK_FIRST]  # the wait, up to the next arm's step
+    assert all(wait) and not said[first + 2 * CHECK_FIRST]
+    assert said[-1]  # the wait after the second check
+    fixed = SplitPolicy(1.0, None, online=False)
+    assert fixed.fetches_next(layers) and not SplitPolicy(0.5, None, online=False
+                                                          ).fetches_next(layers)
+    greedy = SplitCosts(layers=layers, check=WallCheck(layers=layers), fetch_all=True)
+    assert SplitPolicy(0.5, None, costs=greedy).fetches_next(layers)
+
+
 def test_noisy_cpu_times_are_split_by_the_kinds_costs():
     """Twelve layers on a small box: the CPU costs 2.6 a job plus 2.6 an expert against the
     link's 1.0, times vary by +-50 %, and one CPU job in ten takes four times as long (a
@@ -665,6 +700,43 @@ def test_the_cpu_arm_between_graph_pieces_equals_its_eager_call(q8_gguf, tmp_pat
     for m in layers:
         stats = m.runtime.stats.snapshot()
         assert stats["cpu_experts"] == 8 and stats["hits"] == 0 and stats["bytes_fetched"] == 0
+
+
+def test_a_plan_in_a_fetching_graph_fetches_every_miss_from_the_ids_alone(
+        q8_gguf, tmp_path, monkeypatch, gather_on_cpu):
+    """In a decode graph made for steps that fetch every miss, a hybrid layer's plan gets host
+    copies of the routed ids only: it plans as the same layer held at all-fetch does (the
+    same fetches, the same device result), gives the CPU nothing though its own split would,
+    is collected at once, and its call counts in the wall check's wait."""
+    from freetoken.moe.pieces import HostCopies
+
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]
+    for m in layers:  # held at all-fetch, layer 0 would fetch for the next layer's calls
+        m.lookahead = None
+    layers[0].policy.costs.check.hold("fetch")
+    check = layers[1].policy.costs.check
+    check.hold("split")  # its own split gives the CPU a share
+    layers[1].policy.fraction, layers[1].policy.max_fetch = 0.5, None
+    g = torch.Generator().manual_seed(5)
+    for call in range(6):
+        x = torch.randn(1, layers[0].shape.hidden, generator=g)
+        ids = torch.randperm(layers[0].shape.num_experts, generator=g)[:2].view(1, 2)
+        w = torch.rand(1, 2, generator=g)
+        assert layers[0]._plan(x, ids, w) is None and layers[0]._finish() is None
+        H = x.shape[1]
+        host = HostCopies(torch.empty(0, H), ids.clone(), torch.empty(0, 2),
+                          torch.empty(0, H))
+        assert not host.inputs
+        nan = float("nan")
+        assert layers[1]._plan_fetching(torch.full_like(x, nan), ids, torch.full_like(w, nan),
+                                        host) is None
+        assert not layers[1].policy.fetching and layers[1].calls.pending is None
+        assert check._calls == call + 1  # counted, in the wait
+        assert torch.equal(layers[1]._from_table(x, ids, w), layers[0]._from_table(x, ids, w))
+    a, b = (m.runtime.stats.snapshot() for m in layers)
+    assert b["cpu_experts"] == 0 and b["misses"] == a["misses"] > 0
+    assert b["bytes_fetched"] == a["bytes_fetched"]
 
 
 def test_each_observation_sees_its_own_calls_probe(q8_gguf, tmp_path, monkeypatch,

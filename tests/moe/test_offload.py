@@ -388,14 +388,16 @@ def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, mo
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("strategy,kernel", [("offload", "dequant"), ("offload", "fused"),
-                                             ("hybrid", "auto")])
+                                             ("hybrid", "auto"), ("hybrid-fetching", "dequant")])
 def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy, kernel):
     """Captured pieces with the experts planned between them: offload with the dequantise +
     matmul kernel gives eager resident's logits bit for bit; with the fused kernel, and hybrid,
-    within tolerance."""
+    within tolerance. Hybrid's steps that fetch every miss (here greedy ones) run the graphs
+    captured for them, without a late step, and give resident's logits bit for bit too."""
     from freetoken.config import EngineConfig
     from freetoken.engine.runner import ModelRunner
     from freetoken.layers.context import Segment
+    from freetoken.moe.pieces import HostStep, LateStep
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)
@@ -404,6 +406,9 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
                     "--expert-format", "q8_0", "--out", str(model)], check=True,
                    capture_output=True, timeout=300)
     logits = {}
+    fetching = strategy == "hybrid-fetching"
+    strategy = strategy.split("-")[0]
+    ran: list[str] = []  # the host's steps between pieces, in the fetching graphs' run
     for name, strat, graphs in (("eager", "resident", 0), ("graphs", strategy, 4)):
         cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
                            moe_strategy=strat, max_seq_len=256, cuda_graph_max_bs=graphs,
@@ -412,12 +417,28 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
         runner = ModelRunner(cfg, kv_tokens=512, progress=False)
         if graphs:
             assert runner.graphs is not None
-            # 2 MoE layers -> 3 pieces; hybrid waits for the CPU between two more
-            assert len(runner.graphs.graphs[1].pieces) == (3 if strategy == "offload" else 5)
+            g = runner.graphs.graphs[1]
+            # 2 MoE layers -> 3 pieces; hybrid waits for the CPU between two more, except in
+            # the graphs of steps that fetch every miss
+            assert g.split is not None and len(g.split.pieces) == (
+                3 if strategy == "offload" else 5)
+            assert (g.fetching is None) == (strategy == "offload")
+            assert g.fetching is None or len(g.fetching.pieces) == 3
+            if fetching:
+                runner.greedy_step(True)
+                layers = runner.graphs.late
+                assert layers and all(m.fetches_next_step() for m in layers)
+                for step in (HostStep, LateStep):
+                    monkeypatch.setattr(step, "run", lambda self, n, run=step.run, seen=ran: (
+                        seen.append(type(self).__name__), run(self, n))[1])
         pages = runner.kv.allocate(runner.pages_for(len(IDS)))
         # each step's logits are copied out: with graphs they live in a static buffer
         logits[name] = torch.cat([runner.forward([[t]], [Segment(pages, i, 1)]).float().cpu()
                                   for i, t in enumerate(IDS)])
+    if fetching:  # every step in the fetching graphs: two plans, no late step
+        assert ran == ["HostStep"] * (2 * len(IDS))
+        stats = offload_stats(runner.model)
+        assert stats is not None and stats["cpu_experts"] == 0 and stats["misses"] > 0
     if kernel == "dequant":
         assert torch.equal(logits["graphs"], logits["eager"])
     else:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +26,9 @@ from freetoken import env
 from freetoken.cpu import executor as cx
 from freetoken.cpu.abi import PROBINGS, FetchRule
 from freetoken.cpu.gpu_wait import to_host
-from freetoken.cpu.jobs import CpuMoeFuture, JobLog
+from freetoken.cpu.jobs import CpuMoeFuture
 from freetoken.errors import ConfigError
+from freetoken.moe.cpu_share import Calls, Pending, submit_share
 from freetoken.moe.expert_cache import Routed, SlotPool, Split
 from freetoken.moe.host_banks import PROJECTIONS
 from freetoken.moe.host_job import HostJob, HostJobs
@@ -44,34 +44,6 @@ from freetoken.moe.wall_check import WallCheck
 from freetoken.quant import QuantTensor, get_format
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class _Pending:
-    """A planned call whose CPU share is still running: what :meth:`HybridExperts._finish`
-    needs to collect it and record the call."""
-
-    x: torch.Tensor
-    fetched: int
-    on_cpu: int
-    fetch: Span | None
-    future: CpuMoeFuture | None
-    overhead: float
-    host: HostCopies | None
-    split: bool  # a split's call, whose times the split's model learns from
-
-
-class _Calls:
-    """A layer's state between its calls: the last call's times for the policy, the planned
-    call whose CPU share is running, the pinned buffer of the CPU's result (eager CUDA), the
-    CPU share's timed jobs, whether the slot table on the device is empty."""
-
-    def __init__(self) -> None:
-        self.last: tuple[int, float, int, Span | None, float] | None = None
-        self.pending: _Pending | None = None
-        self.staged: torch.Tensor | None = None
-        self.jobs = JobLog()  # the CPU share's jobs, with the pool's timing on
-        self.table_empty = False  # the device's slot table was last published empty
-
 
 class HybridExperts(OffloadExperts):
     """Offload's bank and cache, plus the CPU executor for the misses it does not fetch."""
@@ -94,7 +66,7 @@ class HybridExperts(OffloadExperts):
         super().__init__(shape)
         self.policy = SplitPolicy()
         self.executor: cx.CpuMoeExecutor | None = None
-        self.calls = _Calls()  # per-call state, kept off nn.Module's slow attribute setter
+        self.calls = Calls()  # per-call state, kept off nn.Module's slow attribute setter
         self.host_jobs = HostJobs(shape.layer)  # the CPU's share between graph pieces
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
@@ -185,7 +157,7 @@ class HybridExperts(OffloadExperts):
         recorded now, while the engine thread's caches are its own (after its wait for the
         CPU they hold expert weights), its CPU time by :meth:`_finish`."""
         self._record(x, hits, fetched, on_cpu, fetch, None, 0.0, time.perf_counter() - t0)
-        self.calls.pending = _Pending(x, fetched, on_cpu, fetch, future, overhead, host, split)
+        self.calls.pending = Pending(x, fetched, on_cpu, fetch, future, overhead, host, split)
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
         """Offload's, with the CPU's job; the Python plan while the pool has no room."""
@@ -268,7 +240,7 @@ class HybridExperts(OffloadExperts):
             flat = host.ids
         else:
             flat = (to_host(ids.reshape(-1)) if ids.is_cuda else ids.reshape(-1)).long()
-            future = self._submit(x, ids, w, flat)
+            future = submit_share(self.executor, x, ids, w, flat, self.shape.layer)
         experts = flat.numel() if x.shape[0] == 1 else len(set(flat.reshape(-1).tolist()))
         self._pend(x, 0, 0, experts, None, future, time.perf_counter() - t0, host, t0,
                    split=False)
@@ -353,17 +325,8 @@ class HybridExperts(OffloadExperts):
         t0 = time.perf_counter()
         if job is not None:
             return job.submit(all_pairs=False), time.perf_counter() - t0
-        return self._submit(x, ids, w, cpu_ids), time.perf_counter() - t0
-
-    def _submit(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                cpu_ids: torch.Tensor) -> CpuMoeFuture:
-        """The pairs ``cpu_ids`` (of ``ids``' shape once viewed; -1: not the CPU's) on the
-        pool, from x and w on any device."""
-        assert self.executor is not None
-        if x.is_cuda:  # one transfer (one sync) for both
-            both = to_host(torch.cat([x.float(), w.float()], dim=1))
-            x, w = both[:, :x.shape[1]], both[:, x.shape[1]:]
-        return self.executor.submit(x, cpu_ids.view(ids.shape), w, self.shape.layer)
+        return (submit_share(self.executor, x, ids, w, cpu_ids, self.shape.layer),
+                time.perf_counter() - t0)
 
     def _collect(self, future: CpuMoeFuture | None, experts: int, x: torch.Tensor,
                  overhead: float, host: HostCopies | None = None,
@@ -379,20 +342,8 @@ class HybridExperts(OffloadExperts):
         self.calls.jobs.add(future, experts)
         t0 = time.perf_counter()
         if host is None:  # else the pool wrote host.cpu_out, which the graph step copies in
-            out = self._to_device(out, x)
+            out = self.calls.to_device(out, x)
         return out, future.seconds, overhead + time.perf_counter() - t0
-
-    def _to_device(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The CPU's result in ``x``'s dtype on its device (through the pinned buffer)."""
-        if not x.is_cuda:
-            return out.to(dtype=x.dtype)
-        T, H = out.shape
-        c = self.calls
-        if c.staged is None or c.staged.shape[0] < T:
-            c.staged = torch.empty(max(T, 16), H, dtype=x.dtype, pin_memory=True)
-        staged = c.staged[:T]
-        staged.copy_(out)
-        return staged.to(x.device, non_blocking=True)
 
     def _record(self, x: torch.Tensor, hits: int, fetched: int, on_cpu: int,
                 fetch: Span | None, compute: Span | None, t_cpu: float,

@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
 import torch
+
+from freetoken.cpu.gpu_wait import to_host
 
 PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
 PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
@@ -74,6 +77,33 @@ class Lookahead:
         (T, k) int64 on x's device."""
         logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
+
+    def fetch(self, rt: Any, x: torch.Tensor, keep: np.ndarray,
+              picks: torch.Tensor | None) -> None:
+        """The experts the target's router picks for the tokens ``x`` fetched into the cache
+        now, on ``rt``'s copy stream behind the calling layer's copies, into slots other than
+        ``keep`` (the calling layer's, which its compute still reads), as many as the target's
+        share of its predicted misses (:meth:`budget` at most). ``picks``: made in the graph
+        piece before (with the host's copies); None: routed here (on a GPU the host has synced
+        on the routed ids already). Calls of more tokens than look-ahead predicts for, and a
+        target that does not take predictions now (:meth:`active`), do nothing."""
+        if not (budget := self.budget(x.shape[0])) or not self.active():
+            return
+        if picks is None:
+            picks = to_host(self.route(x))
+        pool = rt.cache.pool(self.layer)
+        target = self.target
+        got = pool.prefetch(self.layer, picks, keep,
+                            lambda misses: min(target.prefetch_share(misses), budget))
+        came = target.incoming
+        came.predicted = set(got.predicted.tolist())
+        if not got.fetched.size:
+            return
+        came.prefetched = set(got.fetched.tolist())
+        bank = target.bank
+        span = rt.fetch(pool.data, got.slots, bank, got.fetched, wait=False)
+        rt.stats.record_prefetch(self.layer, got.fetched.size,
+                                 got.fetched.size * bank.expert_bytes, span)
 
     def budget(self, tokens: int) -> int:
         """Predicted misses fetched for a call of ``tokens`` at most (0: too many tokens to

@@ -321,39 +321,17 @@ class OffloadExperts(Experts):
 
     def _prefetch(self, x: torch.Tensor, routed: Routed, split: Split,
                   host: HostCopies | None = None) -> None:
-        """Look-ahead (:mod:`.lookahead`): the experts the next layer's router picks for ``x``
-        fetched into the cache now, on the copy stream behind this call's copies, into slots
-        other than this call's (``routed``'s hits and ``split``'s fetches, which its compute
-        still reads). Calls of more tokens than look-ahead predicts for, or when no layer
-        follows, do nothing. Between graph pieces the picks come with ``host`` (the piece
-        before ran the next router); an eager call runs it here (on a GPU: the host has synced
-        on the routed ids already)."""
+        """Look-ahead (:meth:`Lookahead.fetch`) after this call's plan: this call's slots
+        (``routed``'s hits and ``split``'s fetches, which its compute still reads) stay. Between
+        graph pieces the picks come with ``host``; an eager call routes them there."""
         la, rt = self.lookahead, self.runtime
-        if la is None or rt is None or not (budget := la.budget(x.shape[0])) \
-                or not la.active():
+        if la is None or rt is None or (host is not None and host.predicted is None):
             return
-        if host is not None:
-            if host.predicted is None:
-                return
-            picks = host.predicted
-        else:
-            picks = to_host(la.route(x))
-        pool = rt.cache.pool(la.layer)
-        # this call's slots (its hits and fetches; a miss's -1 is ignored) stay
+        # a miss's -1 in routed.slot is ignored
         keep = (np.concatenate((routed.slot, split.slots))
-                if pool is rt.cache.pool(self.shape.layer) else split.slots[:0])
-        target = la.target
-        got = pool.prefetch(la.layer, picks, keep,
-                            lambda misses: min(target.prefetch_share(misses), budget))
-        came = target.incoming
-        came.predicted = set(got.predicted.tolist())
-        if not got.fetched.size:
-            return
-        came.prefetched = set(got.fetched.tolist())
-        bank = target.bank
-        span = rt.fetch(pool.data, got.slots, bank, got.fetched, wait=False)
-        rt.stats.record_prefetch(la.layer, got.fetched.size, got.fetched.size * bank.expert_bytes,
-                                 span)
+                if rt.cache.pool(la.layer) is rt.cache.pool(self.shape.layer)
+                else split.slots[:0])
+        la.fetch(rt, x, keep, None if host is None else host.predicted)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
                  slot_of: dict[int, int]) -> torch.Tensor:

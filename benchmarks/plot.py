@@ -258,6 +258,36 @@ def split_runs_plot() -> None:
     plt.close(fig)
 
 
+def hybrid_vs_offload_plot() -> None:
+    """Hybrid (and auto) against offload on the 12-layer Gemma-4 fp4 files, run by run (the
+    wall check's arms fall in some runs): look-ahead under the split (e66b140) and decode
+    graphs for steps that fetch every miss (2f8d14c)."""
+    bars: list[tuple[str, list[float]]] = []
+    for f in sorted((ROOT / "benchmarks/results").glob("decode_moe-g4-*-12l-h100-cuda-*.json")):
+        d = json.loads(f.read_text())
+        fmt = d["label"].split("-")[1]
+        for r in d["strategies"]:
+            runs = [x["decode_tokens_per_s"] for x in r["runs"]]
+            bars.append((f"{fmt} {r['strategy']} ({d['sha']})", runs))
+    if not bars:
+        return
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for i, (_, runs) in enumerate(bars):
+        for k, t in enumerate(runs):
+            ax.bar(i + (k - 0.5) * 0.38, t, width=0.36,
+                   color="#888888" if "offload" in bars[i][0] else "#3a6ea5",
+                   alpha=1.0 if k else 0.55)
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], rotation=35, fontsize=6,
+                  ha="right")
+    ax.set_ylim(100, None)
+    ax.set_ylabel("decode tok/s, runs 1 and 2")
+    ax.set_title("12-layer gemma4-26b-a4b fp4 files, 1.6 GB cache, temperature 1, H100",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(ROOT / "docs/img/hybrid_vs_offload_12l.png", dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     generate_plot()
     serve_plot()
@@ -275,4 +305,6 @@ if __name__ == "__main__":
     peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-mxfp4-30l", "gemma4-26b-a4b mxfp4")
+    peer_sitting_plot("e59c795", "gemma4-26b-a4b-nvfp4-30l", "gemma4-26b-a4b nvfp4")
+    hybrid_vs_offload_plot()
     split_runs_plot()

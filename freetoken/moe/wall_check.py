@@ -29,6 +29,10 @@ CHECK_LONGEST = 1024
 CHECK_MARGIN = 0.03
 CHECK_DROP = 0.2
 CHECK_SITOUT = 8
+# an arm already CHECK_EARLY slower than the fastest arm this check has timed, half-way through
+# its timed calls, stops there: it would lose (on the H100 the fp4 files' losing arms were
+# 15-45 % slower than all-fetch, and the search cost a 64-token run 6 %)
+CHECK_EARLY = 0.15
 DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
 IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
 
@@ -49,7 +53,8 @@ class WallCheck:
     profile gave the kind a split (:meth:`use_profile`), ``profile`` (that share, fixed; held
     from the start). After ``wait`` decode calls of each of the kind's ``layers``, each arm runs
     CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed by the wall between calls (a call's
-    whole cycle: the GPU, the link, the CPU, the host). An arm CHECK_MARGIN faster than the held
+    whole cycle: the GPU, the link, the CPU, the host); an arm CHECK_EARLY slower than the
+    fastest one so far after half of them stops there. An arm CHECK_MARGIN faster than the held
     one is held instead: the calls until the next check use its share (all-fetch benches the
     CPU: no share, no probes), while the model keeps learning from the split's calls; either way
     the wait doubles, and an arm CHECK_DROP slower than the chosen one sits the next check out,
@@ -141,9 +146,9 @@ class WallCheck:
             if self._calls >= CHECK_SETTLE * self.layers:
                 self._settling, self._calls, self._t0 = False, 0, now
             return
-        if self._calls < CHECK_ARM * self.layers:
+        if self._calls < CHECK_ARM * self.layers and not self._behind(now):
             return
-        # this call is the first after the arm
+        # this call is the first after the arm (or after the half that shows it losing)
         self._seconds[self.phase] = (now - self._t0) / self._calls
         arms = self._arms
         if self.phase != arms[-1]:
@@ -157,6 +162,13 @@ class WallCheck:
         holds): the arm it falls in starts again, as for a prompt's call."""
         self._last = self.clock()
         self._restart = self.phase != "wait"
+
+    def _behind(self, now: float) -> bool:
+        """Whether the arm, half-way through its timed calls, is already CHECK_EARLY slower
+        than the fastest arm this check has timed (it stops there)."""
+        if self._calls != CHECK_ARM // 2 * self.layers or not self._seconds:
+            return False
+        return (now - self._t0) / self._calls > (1 + CHECK_EARLY) * min(self._seconds.values())
 
     def _sits(self, arm: str) -> bool:
         """Whether ``arm`` sits this check out (counting it off)."""

@@ -36,6 +36,7 @@ from tests.models.helpers import load_ours, our_logits
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8]
 
 ARM = CHECK_SETTLE + CHECK_ARM  # a wall check arm's tokens: its untimed start, then timed
+CUT = CHECK_SETTLE + CHECK_ARM // 2  # an arm's tokens when it is CHECK_EARLY behind at half
 
 
 def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
@@ -232,15 +233,15 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
 def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     """The model says the CPU pays, the steps say all-fetch is 10 % faster (the small box:
     hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens all-fetch, as many split
-    and as many all on the CPU, the CPU gets nothing; the next check comes twice as late
-    and confirms it (the cpu arm, twice as slow, sits it out)."""
+    and half as many timed all on the CPU (twice as slow, it stops half-way), the CPU gets
+    nothing; the next check comes twice as late and confirms it (the cpu arm sits it out)."""
     layers = 6
-    first = CHECK_FIRST + 3 * ARM
+    first = CHECK_FIRST + 2 * ARM + CUT
     _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 2 * ARM + 4,
                                          split_s=110e-6, fetch_s=100e-6)
     assert fetched_all[:CHECK_FIRST] == [0] * CHECK_FIRST  # the model's split
     assert fetched_all[CHECK_FIRST:CHECK_FIRST + ARM] == [layers] * ARM
-    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * 2 * ARM  # the split's, the cpu's
+    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * (ARM + CUT)  # the split's, the cpu's
     assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
         2 * CHECK_FIRST)
     assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
@@ -253,12 +254,12 @@ def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
 def test_the_wall_check_keeps_a_cpu_share_that_pays():
     """The steps agree with the model (the split 15 % faster): after each check the model's
     split runs again, and the wait doubles up to CHECK_LONGEST tokens; the cpu arm (twice as
-    slow) sits every other check out."""
+    slow) stops half-way and sits every other check out."""
     _, check, fetched_all = _checked_run(4, 400, split_s=85e-6, fetch_s=100e-6)
     assert not check.benched
     # four fetch arms, each wait twice the last (16, 32, 64, 128 tokens); 3, 2, 3 arms between
     assert sum(1 for c in fetched_all if c) == 4 * ARM
-    last = 15 * CHECK_FIRST + 8 * ARM
+    last = 15 * CHECK_FIRST + 6 * ARM + 2 * CUT
     assert fetched_all[last:last + ARM] == [4] * ARM and not any(fetched_all[last + ARM:])
     assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
 
@@ -268,16 +269,18 @@ def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
     (a quarter) beats both, as on the H100 box (the model's early split took 740 us a layer
     call, the profile's 440): the profile's 2 fetched a call are held from the start; the
     first check times every arm and keeps it, and at the next only the model's split runs
-    beside it (the others lost by more than CHECK_DROP). The model's own fraction is kept
+    beside it (the others lost by more than CHECK_DROP; the model's and the cpu's stopped
+    half-way at the first, CHECK_EARLY behind all-fetch). The model's own fraction is kept
     for its arm."""
     layers, counts = 4, []
-    first = CHECK_FIRST + 4 * ARM
+    first = CHECK_FIRST + 2 * ARM + 2 * CUT
     second = first + 2 * CHECK_FIRST
     policies, check, _ = _checked_run(layers, second + 2 * ARM + 4, split_s=130e-6,
                                       fetch_s=100e-6, profile=0.25, profile_s=80e-6,
                                       counts=counts)
     assert counts[:CHECK_FIRST] == [[2] * layers] * CHECK_FIRST
-    arms = [[n] * layers for n in (8, 4, 0, 2) for _ in range(ARM)]
+    arms = [[n] * layers for n, calls in ((8, ARM), (4, CUT), (0, CUT), (2, ARM))
+            for _ in range(calls)]
     assert counts[CHECK_FIRST:first] == arms
     assert counts[first:second] == [[2] * layers] * (2 * CHECK_FIRST)
     assert counts[second:] == [[4] * layers] * ARM + [[2] * layers] * (ARM + 4)
@@ -285,6 +288,28 @@ def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
     assert check.verdicts[0].seconds == pytest.approx(
         {"fetch": 100e-6, "split": 130e-6, "cpu": 200e-6, "profile": 80e-6})
     assert all(p.fraction == 0.5 and p.share == 0.25 and not p.all_fetch for p in policies)
+
+
+def test_an_arm_clearly_behind_at_half_way_stops_there():
+    """An arm CHECK_EARLY slower than the fastest this check has timed, half-way through its
+    timed calls, stops (its time so far goes to the verdict); one slower by less runs whole,
+    and so does the first arm, with nothing to compare it with."""
+    layers, counts = 3, []
+    end = CHECK_FIRST + 3 * ARM + 1
+    _, check, _ = _checked_run(layers, end, split_s=112e-6, fetch_s=130e-6, cpu_s=300e-6,
+                               counts=counts)
+    fetched = [row[0] for row in counts]
+    assert fetched[CHECK_FIRST:CHECK_FIRST + ARM] == [8] * ARM  # the first arm: whole
+    assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + 2 * ARM] == [4] * ARM  # faster: whole
+    cpu = fetched[CHECK_FIRST + 2 * ARM:]
+    assert cpu[:CUT] == [0] * CUT and cpu[CUT] == 4  # 2.7x the split's: half, then held
+    assert [v.choice for v in check.verdicts] == ["split"]
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 130e-6, "split": 112e-6, "cpu": 300e-6})
+    counts = []
+    _checked_run(layers, end, split_s=112e-6, fetch_s=100e-6, counts=counts)
+    fetched = [row[0] for row in counts]
+    assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + 2 * ARM] == [4] * ARM  # 12 % behind: whole
 
 
 def test_an_arm_must_beat_the_held_one_by_the_margin():
@@ -343,8 +368,8 @@ def test_a_prefill_call_restarts_the_arm_it_falls_in():
     _, check, fetched_all = _checked_run(4, tokens, split_s=110e-6,
                                          fetch_s=100e-6, prefill_at=CHECK_FIRST + 2)
     assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + ARM)
-    assert fetched_all[arm:arm + 2 * ARM] == [0] * 2 * ARM  # the split's arm, the cpu's
-    assert check.benched and fetched_all[arm + 2 * ARM:] == [4] * (tokens - arm - 2 * ARM)
+    assert fetched_all[arm:arm + ARM + CUT] == [0] * (ARM + CUT)  # the split's, the cpu's
+    assert check.benched and fetched_all[arm + ARM + CUT:] == [4] * (tokens - arm - ARM - CUT)
 
 
 def test_an_idle_engine_inside_an_arm_restarts_it():
@@ -405,7 +430,8 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_no_arm_begins_in_it():
     costs = SplitCosts(layers=layers, check=check)
     policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
     said = []
-    for _ in range(CHECK_FIRST + 3 * ARM + 2 * CHECK_FIRST + 2 * ARM + 4 * CHECK_FIRST):
+    first = CHECK_FIRST + 2 * ARM + CUT  # the first check's verdict falls in this step
+    for _ in range(first + 2 * CHECK_FIRST + 2 * ARM + 2 * CHECK_FIRST):
         fetching = all(p.fetches_next(costs.layers) for p in policies)
         said.append(fetching)
         phases = set()
@@ -416,7 +442,6 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_no_arm_begins_in_it():
             clock.now += {8: 100e-6, 4: 110e-6, 0: 200e-6}[n]
         assert phases == {"wait"} or not fetching
     assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
-    first = CHECK_FIRST + 3 * ARM  # the first check's verdict falls in this step
     assert not any(said[:first + 1])  # the model's split, then the arms
     wait = said[first + 1:first + 2 * CHECK_FIRST]  # the wait, up to the next arm's step
     assert all(wait) and not said[first + 2 * CHECK_FIRST]

@@ -51,6 +51,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_state, host, save_result  # noqa: E402
+from benchmarks.moe_readings import (  # noqa: E402
+    fetching_steps,
+    hybrid_roofline_gbps,
+    moe_delta,
+    pool_jobs,
+    search_tokens,
+    split_costs,
+)
 from freetoken.config import CacheSizing, EngineConfig  # noqa: E402
 from freetoken.engine.engine import Engine, GenerationStats  # noqa: E402
 from freetoken.engine.resolve import parse_bytes  # noqa: E402
@@ -59,8 +67,13 @@ from freetoken.moe.cpu import CpuExperts, host_step_totals  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 from freetoken.moe.resident import ResidentExperts  # noqa: E402
 
-COUNTERS = ("tokens", "hits", "misses", "streamed", "bytes_fetched", "fetch_s", "compute_s",
-            "cpu_experts", "cpu_s", "plan_s", "prefetched", "lookahead_used", "lookahead_needed")
+VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online, graphs)
+    "offload-eager": ("offload", "auto", True, False),
+    "cpu-eager": ("cpu", "auto", True, False),
+    "hybrid-cap1": ("hybrid", 1, False, True),
+    "hybrid-profile": ("hybrid", "auto", False, True),
+    "hybrid-online": ("hybrid", "auto", True, True),
+}
 
 
 def sync(device: torch.device) -> None:
@@ -93,87 +106,6 @@ def gather_bytes_per_s(engine: Engine, experts: int, seconds: float = 2.0) -> fl
         moved += experts * m.bank.expert_bytes
     sync(rt.device)
     return moved / (time.perf_counter() - t0)
-
-
-def moe_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
-    if not before or not after:
-        return {}
-    d = {k: after[k] - before[k] for k in COUNTERS}
-    lookups = d["hits"] + d["misses"] + d["cpu_experts"]
-    d["hit_rate"] = d["hits"] / lookups if lookups else 0.0
-    d["bytes_per_token"] = d["bytes_fetched"] / d["tokens"] if d["tokens"] else 0.0
-    d["lookahead_hit_rate"] = (d["lookahead_used"] / d["lookahead_needed"]
-                               if d["lookahead_needed"] else None)
-    d["layers"] = {
-        k: {c: after["layers"][k][c] - before["layers"][k][c] for c in COUNTERS[1:]}
-        for k in after["layers"]}
-    return d
-
-
-VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online, graphs)
-    "offload-eager": ("offload", "auto", True, False),
-    "cpu-eager": ("cpu", "auto", True, False),
-    "hybrid-cap1": ("hybrid", 1, False, True),
-    "hybrid-profile": ("hybrid", "auto", False, True),
-    "hybrid-online": ("hybrid", "auto", True, True),
-}
-
-
-def hybrid_roofline_gbps(engine: Engine) -> float | None:
-    """Overlapped CPU + PCIe GB/s of the model's first hybrid layer kind, from the profile."""
-    from freetoken.moe.hybrid import HybridExperts
-    from freetoken.moe.profile import load_profile_or_empty, lookup
-
-    layers = [m for m in engine.model.modules() if isinstance(m, HybridExperts)]
-    if not layers or layers[0].executor is None:
-        return None
-    match = lookup(load_profile_or_empty(), layers[0].kind(), layers[0].executor.threads)
-    if match.row is None:
-        return None
-    return match.row.cpu_overlapped_gbps + match.row.pcie_overlapped_gbps
-
-
-def split_costs(engine: Engine) -> dict[str, dict[str, Any]]:
-    """Per hybrid layer, the costs its online split uses (microseconds; layers of one kind
-    share them), its fetched share and its kind's wall checks so far (each check's
-    microseconds a layer call under each arm, and the arm it chose)."""
-    from freetoken.moe.hybrid import HybridExperts
-
-    def us(v: float | None) -> float | None:
-        return None if v is None else round(v * 1e6, 1)
-
-    def checks(m: HybridExperts) -> list[dict[str, Any]]:
-        c = m.policy.costs.check
-        return [] if c is None else [{**{f"{arm}_us": us(t) for arm, t in v.seconds.items()},
-                                      "choice": v.choice} for v in c.verdicts]
-
-    return {str(m.shape.layer): {"cpu_per_expert": us(m.policy.costs.c_cpu),
-                                 "cpu_per_job": us(m.policy.costs.l_cpu),
-                                 "pcie_per_expert": us(m.policy.costs.c_pcie),
-                                 "overhead": us(m.policy.costs.o),
-                                 "fraction": m.policy.fraction,
-                                 "held": m.policy.held,
-                                 "wall_checks": checks(m)}
-            for m in engine.model.modules() if isinstance(m, HybridExperts)}
-
-
-def pool_jobs(engine: Engine, workers: int) -> dict[str, float]:
-    """The timed jobs of every hybrid and cpu layer (``+timing``), in means (us): their
-    experts, the pool's time, the first item's start, each phase's end and busy time (see
-    ``cpu_moe.py``), and the pool's time per expert."""
-    from benchmarks.cpu_moe import breakdown
-    from freetoken.moe.hybrid import HybridExperts
-
-    jobs = [j for m in engine.model.modules()
-            for j in (m.calls.jobs.jobs if isinstance(m, HybridExperts)
-                      else m.jobs.jobs if isinstance(m, CpuExperts) else ())]
-    if not jobs:
-        return {}
-    experts = sum(e for _, _, e in jobs) / len(jobs)
-    pool_s = sum(s for _, s, _ in jobs) / len(jobs)
-    return {"jobs": len(jobs), "experts": round(experts, 2),
-            **breakdown([t for t, _, _ in jobs], pool_s, workers),
-            "pool_us_per_expert": round(1e6 * pool_s / experts, 1) if experts else 0.0}
 
 
 def prefill_tokens_per_s(engine: Engine, n: int, repeats: int) -> float:
@@ -253,6 +185,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     for _ in range(args.repeats):
         before = rt.stats.snapshot() if rt else None
         steps_before = host_step_totals(cpu_layers)
+        search_before, fetching_before = search_tokens(engine), fetching_steps(engine)
         stats = GenerationStats()
         t = time.perf_counter()
         engine.generate(ids, SamplingParams(max_tokens=args.tokens, **sampling), stats=stats)
@@ -261,7 +194,10 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
         steps = {k: v - steps_before[k] for k, v in host_step_totals(cpu_layers).items()}
         runs.append({"decode_tokens_per_s": stats.decode_tokens_per_s,
                      "prefill_s": stats.prefill_s, "wall_s": wall,
-                     "moe": moe_delta(before, after), "cpu_host_steps": steps})
+                     "moe": moe_delta(before, after), "cpu_host_steps": steps,
+                     # hybrid: tokens in the wall check's arms, steps in all-fetch graphs
+                     "search_tokens": search_tokens(engine) - search_before,
+                     "fetching_steps": fetching_steps(engine) - fetching_before})
     best = max(runs, key=lambda r: r["decode_tokens_per_s"])
     prefill_tps = {str(n): prefill_tokens_per_s(engine, n, args.repeats) for n in prefill}
     if best["cpu_host_steps"]["calls"]:  # cpu between graph pieces: where its wall went

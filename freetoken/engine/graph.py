@@ -102,6 +102,7 @@ class DecodeGraphs:
         # which all of them fetch every miss run graphs made for that
         self.late = [m for m in model.modules()
                      if isinstance(m, Experts) and getattr(m, "FINISHES_LATE", False)]
+        self.fetching_steps = 0  # steps run in the graphs for steps that fetch every miss
         pool = torch.cuda.graph_pool_handle()
         for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first
             g = _Graph(bs, max_len, windows, kv, device)
@@ -181,6 +182,7 @@ class DecodeGraphs:
         p = g.split
         if g.fetching is not None and all(m.fetches_next_step() for m in self.late):
             p = g.fetching
+            self.fetching_steps += 1
         if p.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
             p.nodes.check()
             p.nodes.set_rows(n)

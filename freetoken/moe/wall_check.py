@@ -85,6 +85,7 @@ class WallCheck:
     _lost: dict[str, int] = field(default_factory=dict)  # an arm's losses in a row
     _seconds: dict[str, float] = field(default_factory=dict)  # this check's arms so far
     verdicts: list[Verdict] = field(default_factory=list)  # the last 16 checks
+    arm_calls: int = 0  # decode calls made under an arm (not the held choice), all checks
 
     def use_profile(self, share: float | None) -> None:
         """The profile's fetched share: an arm, and held until a check finds a faster one
@@ -136,6 +137,7 @@ class WallCheck:
             self._restart, self._calls, self._t0 = False, 0, now
             return
         self._calls += 1
+        self.arm_calls += self.phase != "wait"
         if self.phase == "wait":
             if self._calls > self._wait * self.layers:  # this call starts the first arm
                 self._arms = tuple(a for a in self.arms if not self._sits(a))

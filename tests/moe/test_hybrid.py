@@ -249,6 +249,7 @@ def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     assert check.verdicts[0].seconds == pytest.approx(
         {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
     assert set(check.verdicts[1].seconds) == {"fetch", "split"}
+    assert check.arm_calls == (4 * ARM + CUT) * layers  # the search, in calls
 
 
 def test_the_wall_check_keeps_a_cpu_share_that_pays():

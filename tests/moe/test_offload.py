@@ -438,6 +438,7 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
                                   for i, t in enumerate(IDS)])
     if fetching:  # every step in the fetching graphs: two plans, no late step
         assert ran == ["HostStep"] * (2 * len(IDS))
+        assert runner.graphs is not None and runner.graphs.fetching_steps == len(IDS)
         stats = offload_stats(runner.model)
         assert stats is not None and before is not None
         assert stats["cpu_experts"] == before["cpu_experts"]  # the CPU got none of the steps'

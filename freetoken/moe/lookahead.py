@@ -78,17 +78,20 @@ class Lookahead:
         logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
 
-    def fetch(self, rt: Any, x: torch.Tensor, keep: np.ndarray,
-              picks: torch.Tensor | None) -> None:
+    def wanted(self, tokens: int) -> int:
+        """:meth:`budget` for a call of ``tokens``, or 0 while the target takes no predictions
+        (:meth:`active`): then there is nothing to fetch."""
+        budget = self.budget(tokens)
+        return budget if budget and self.active() else 0
+
+    def fetch(self, rt: Any, x: torch.Tensor, keep: np.ndarray, picks: torch.Tensor | None,
+              budget: int) -> None:
         """The experts the target's router picks for the tokens ``x`` fetched into the cache
         now, on ``rt``'s copy stream behind the calling layer's copies, into slots other than
         ``keep`` (the calling layer's, which its compute still reads), as many as the target's
-        share of its predicted misses (:meth:`budget` at most). ``picks``: made in the graph
-        piece before (with the host's copies); None: routed here (on a GPU the host has synced
-        on the routed ids already). Calls of more tokens than look-ahead predicts for, and a
-        target that does not take predictions now (:meth:`active`), do nothing."""
-        if not (budget := self.budget(x.shape[0])) or not self.active():
-            return
+        share of its predicted misses (``budget`` at most: :meth:`wanted`). ``picks``: made in
+        the graph piece before (with the host's copies); None: routed here (on a GPU the host
+        has synced on the routed ids already)."""
         if picks is None:
             picks = to_host(self.route(x))
         pool = rt.cache.pool(self.layer)

@@ -325,13 +325,14 @@ class OffloadExperts(Experts):
         (``routed``'s hits and ``split``'s fetches, which its compute still reads) stay. Between
         graph pieces the picks come with ``host``; an eager call routes them there."""
         la, rt = self.lookahead, self.runtime
-        if la is None or rt is None or (host is not None and host.predicted is None):
+        if la is None or rt is None or (host is not None and host.predicted is None) \
+                or not (budget := la.wanted(x.shape[0])):
             return
         # a miss's -1 in routed.slot is ignored
         keep = (np.concatenate((routed.slot, split.slots))
                 if rt.cache.pool(la.layer) is rt.cache.pool(self.shape.layer)
                 else split.slots[:0])
-        la.fetch(rt, x, keep, None if host is None else host.predicted)
+        la.fetch(rt, x, keep, None if host is None else host.predicted, budget)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
                  slot_of: dict[int, int]) -> torch.Tensor:

@@ -167,7 +167,7 @@ class MoEStats:
             seconds = span.done()
             if seconds is None:
                 break
-            setattr(self.layers[layer], kind, getattr(self.layers[layer], kind) + seconds)
+            self._add(layer, kind, seconds)
             n += 1
         if n:
             del pending[:n]
@@ -181,8 +181,12 @@ class MoEStats:
             if seconds is None:
                 keep.append((layer, kind, span))
             else:
-                setattr(self.layers[layer], kind, getattr(self.layers[layer], kind) + seconds)
+                self._add(layer, kind, seconds)
         self._pending = keep
+
+    def _add(self, layer: int, kind: str, seconds: float) -> None:
+        """A read span's seconds added to its layer's ``kind`` (``fetch_s``, ``compute_s``)."""
+        setattr(self.layers[layer], kind, getattr(self.layers[layer], kind) + seconds)
 
     def snapshot(self, per_layer: bool = True) -> dict[str, Any]:
         """Totals (hit rate, bytes per token over the link, seconds) and, if asked, per layer."""

@@ -9,6 +9,9 @@ plan and for the late step after the device's share (hybrid: the CPU share colle
 ``--lookahead on`` each layer also prefetches for the next one, from router picks given with
 its copies (a decode graph's piece makes them on the device). Strategy ``hybrid-cpuarm`` holds
 the wall check's cpu arm instead of a split (every routed pair on the pool, no routing).
+``--fetching`` plans as a decode graph made for steps that fetch every miss does (the host
+copies hold the ids alone, the call goes through ``_plan_fetching``: hybrid held at all-fetch
+with nothing left to collect), the plan offload and hybrid should cost alike.
 
     python benchmarks/plan_host.py --model q3-4layers.gguf --strategies hybrid,offload
 """
@@ -63,7 +66,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         check = m.policy.costs.check if isinstance(m, HybridExperts) else None
         if args.strategy == "hybrid-cpuarm" and check is not None:
             check.hold("cpu")
-        elif isinstance(m, HybridExperts):
+        elif isinstance(m, HybridExperts) and not args.fetching:
             m.policy = SplitPolicy(args.fetch_fraction, None, online=False)
     shape = layers[0].shape
     g = torch.Generator().manual_seed(0)
@@ -73,14 +76,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                              torch.rand(1, shape.top_k, generator=g).to(dtype),
                              torch.zeros(1, shape.hidden))
     x, ids, w = (t.clone() for t in (host_copies.x, host_copies.ids, host_copies.w))
+    if args.fetching:  # the ids alone on the host, as a fetching graph's host step copies
+        none = torch.zeros(0, shape.hidden)
+        host_copies = HostCopies(none, host_copies.ids, none[:, :shape.top_k], none)
     routes = [torch.randperm(shape.num_experts, generator=g)[:shape.top_k].view(1, -1)
               for _ in range(64)]
     # with look-ahead, each layer's copies bring the next router's picks for one of 64 hidden
     # states (the graph piece before the plan makes them on the device: not the plan's time)
     xs = [torch.randn(1, shape.hidden, generator=g).to(dtype) for _ in range(len(routes))]
     copies = {(m.shape.layer, i): host_copies if m.lookahead is None else dataclasses.replace(
-        host_copies, x=xs[i], predicted=m.lookahead.route(xs[i])) for m in layers
-        for i in range(len(routes))}
+        host_copies, x=host_copies.x if args.fetching else xs[i],
+        predicted=m.lookahead.route(xs[i])) for m in layers for i in range(len(routes))}
+    method = "_plan_fetching" if args.fetching else "_plan"
     os.sched_setaffinity(0, {0})  # the engine thread's core (the pool's worker has core 1)
 
     def rounds(n: int) -> float:
@@ -90,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 at = (7 * i + m.shape.layer) % len(routes)
                 host_copies.ids.copy_(routes[at])
                 t0 = time.perf_counter()
-                m._plan(x, ids, w, copies[m.shape.layer, at])
+                getattr(m, method)(x, ids, w, copies[m.shape.layer, at])
                 t1 = time.perf_counter()
                 m._finish()
                 plan += t1 - t0
@@ -99,7 +106,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     rounds(50)  # warm-up: the first calls fill the cache and make the CPU jobs
     best, late = min(rounds(args.calls) for _ in range(5))
-    return {"strategy": args.strategy, "slots": os.environ.get("FREETOKEN_EXPERT_SLOTS"),
+    return {"strategy": args.strategy, "fetching": args.fetching,
+            "slots": os.environ.get("FREETOKEN_EXPERT_SLOTS"),
             "layer_call": os.environ.get("FREETOKEN_LAYER_CALL"),
             "pool": type(layers[0].runtime.cache.pool(shape.layer)).__name__,
             "us_per_layer_call": 1e6 * best / (args.calls * len(layers)),
@@ -121,6 +129,8 @@ def main() -> None:
     p.add_argument("--lookahead", default="off", choices=["off", "on"],
                    help="--moe-lookahead (on: each layer also predicts and fetches the next "
                    "layer's experts)")
+    p.add_argument("--fetching", action="store_true",
+                   help="plan as a decode graph for steps that fetch every miss does")
     p.add_argument("--host-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the dtype of the host copies of x and w (a graph step casts them to "
                    "float32 in the piece; before 2026-12-05 they were the model's bfloat16)")
@@ -140,7 +150,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", "--model", args.model, "--strategy",
                    strategy, "--calls", str(args.calls), "--moe-cache-mem", args.moe_cache_mem,
                    "--fetch-fraction", str(args.fetch_fraction), "--lookahead", args.lookahead,
-                   "--host-dtype", args.host_dtype]
+                   "--host-dtype", args.host_dtype] + ["--fetching"] * args.fetching
             env = os.environ | {"FREETOKEN_EXPERT_SLOTS": slots, "FREETOKEN_LAYER_CALL": call,
                                 "FREETOKEN_LOG_LEVEL": "error"}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)

@@ -180,6 +180,8 @@ class HybridExperts(OffloadExperts):
         """The split's count for this call (the last call's times observed first), over the
         misses there would have been without look-ahead (as :meth:`_count`)."""
         self._observe_last()
+        if self.policy.fetching:  # a call without the CPU's job fetches every miss anyway
+            return
         self.policy.rule(rule)
         came = self.incoming.prefetched
         rule.arrived = len(came & set(host.ids.view(-1).tolist())) if came else 0
@@ -187,15 +189,23 @@ class HybridExperts(OffloadExperts):
     def _planned(self, x: torch.Tensor, call: LayerCall, host: HostCopies,
                  t0: float) -> torch.Tensor | None:
         """What follows the library's plan: the probe it made, the CPU job's future, look-ahead
-        and the pending call for :meth:`_finish` (as :meth:`_plan_misses` ends)."""
+        and the pending call for :meth:`_finish` (as :meth:`_plan_misses` ends). A call that
+        fetches every miss (:meth:`_plan_fetching`) ends as offload's, with nothing pending:
+        only its times are kept for the split's model."""
         assert self.executor is not None
         c = call.c
+        self.calls.table_empty = False
+        if self.policy.fetching:  # offload's, the call kept for the split's model to learn from
+            super()._planned(x, call, host, t0)
+            self.policy.probing = ""
+            self.calls.last = (0, 0.0, c.n_fetched, call.fetch, 0.0)
+            self._runtime().stats.set_fraction(self.shape.layer, 1.0)
+            return None
         self.policy.probed(PROBINGS[c.probing])
         future = None
         if c.n_cpu:
             assert call.job is not None
             future = self.executor.adopt(c.ticket, call.job.job)
-        self.calls.table_empty = False
         if self.lookahead is not None:
             self._prefetch(x, call.routed(), call.split(), host)
         self._pend(x, c.n_needed - c.misses, c.n_fetched, c.n_cpu, call.fetch, future,

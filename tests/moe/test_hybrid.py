@@ -758,6 +758,8 @@ def test_a_plan_in_a_fetching_graph_fetches_every_miss_from_the_ids_alone(
         assert layers[1]._plan_fetching(torch.full_like(x, nan), ids, torch.full_like(w, nan),
                                         host) is None
         assert not layers[1].policy.fetching and layers[1].calls.pending is None
+        last = layers[1].calls.last  # its times kept for the split's model: no CPU share
+        assert last is not None and last[:2] == (0, 0.0) and not layers[1].policy.probing
         assert check._calls == call + 1  # counted, in the wait
         assert torch.equal(layers[1]._from_table(x, ids, w), layers[0]._from_table(x, ids, w))
     a, b = (m.runtime.stats.snapshot() for m in layers)

@@ -29,7 +29,7 @@ from freetoken.bench import bandwidth as bw
 from freetoken.checkpoint.synth.presets import PRESETS, hf_config, resolve_spec
 from freetoken.config import ModelConfig
 from freetoken.cpu import executor as cx
-from freetoken.cpu.cores import cpu_model
+from freetoken.cpu.cores import core_plan, cpu_model, usable_cores
 from freetoken.errors import CheckpointError, ConfigError
 from freetoken.moe.profile import (
     HYBRID_MARGIN,
@@ -189,6 +189,12 @@ def bench_kinds(targets: Sequence[Target], threads: int = 0, device: str = "auto
     if reason is not None:
         raise ConfigError(f"ft bench bw needs the CPU MoE library, but {reason}")
     dev = resolve_device(device)
+    # the pool `ft serve` would run with the flag: one that would leave the main thread no
+    # core of its own is cut to the cores there are, and its row is keyed by what is left
+    cores = core_plan(usable_cores(), True, threads or None)
+    if cores.shrink_note():
+        log.warning("%s", cores.shrink_note())
+    threads = len(cores.workers)
     if experts is not None and experts < 1:
         raise ConfigError(f"--experts must be positive, got {experts}")
     for t in targets:
@@ -227,7 +233,7 @@ def _bench_one(t: Target, threads: int, dev: torch.device, seconds: float,
     running("banks")
     bank = bw.synthetic_bank(t.kind, experts, t.experts, pinned=dev.type == "cuda")
     bar.update()
-    ex = cx.CpuMoeExecutor(threads=threads or None)  # what `ft serve` does with the flag
+    ex = cx.CpuMoeExecutor(threads=threads)  # what `ft serve` does with the flag
     try:
         try:
             bench = bw.LayerBench(t.kind, bank, ex, dev, t.activation, bias=t.bias)

@@ -95,6 +95,25 @@ def test_threads_resolve_like_serving(bw_path: Path) -> None:
     assert len(rows[f"bf16:64x32:top2:t{workers}"].meta["cores"]) == workers
 
 
+def test_threads_for_every_core_shrink_as_the_served_pool_does(
+        bw_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--threads equal to the usable cores would leave the main thread none: the bench's pool
+    is cut as `ft serve`'s is (the core plan), and its row keyed by that pool's workers, so
+    that auto finds the row on the box it was measured on."""
+    from freetoken.cpu.cores import core_plan
+
+    usable = usable_cores()
+    if len(usable) < 2:
+        pytest.skip("one usable core: the pool shares it and nothing is cut")
+    served = core_plan(usable, True, len(usable))  # what plan_moe starts with that flag
+    with caplog.at_level("WARNING", logger="freetoken.bench.bw"):
+        rows = bench_kinds(collect_targets(presets=["tiny"]), threads=len(usable),
+                           device="cpu", seconds=0.02, experts=8)
+    assert list(rows) == [f"bf16:64x32:top2:t{len(served.workers)}"]
+    assert len(served.workers) == len(usable) - 1
+    assert served.shrink_note() in caplog.text
+
+
 def test_help_documents_thread_resolution(capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside flag names

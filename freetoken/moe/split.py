@@ -233,14 +233,16 @@ class SplitPolicy:
                 check.skip()
             else:
                 check.tick(rows)
-                if self.fetching and check.phase != "wait":  # an arm began in a step made to
-                    check.skip()  # fetch every miss (none should): it starts again after it
+                # an arm other than all-fetch began in a step made to fetch every miss (none
+                # should): it starts again after it
+                if self.fetching and check.phase not in ("wait", "fetch"):
+                    check.skip()
 
     def fetches_next(self, calls: int) -> bool:
         """Whether the kind's next ``calls`` calls (a decode step's, one per layer) all fetch
         every miss with no probe: a greedy step's, all-fetch held by the wall check with no
-        arm due among them, or a fixed split that fetches all. Such a step can run in decode
-        graphs without a CPU share (``engine/graph.py``)."""
+        arm due among them or its all-fetch arm's, or a fixed split that fetches all. Such a
+        step can run in decode graphs without a CPU share (``engine/graph.py``)."""
         if self.costs.fetch_all:
             return True
         check = self.costs.check

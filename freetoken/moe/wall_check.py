@@ -113,10 +113,26 @@ class WallCheck:
         return 1.0 if arm == "fetch" else 0.0 if arm == "cpu" else self.profile
 
     def holds_fetch(self, calls: int) -> bool:
-        """Whether all-fetch is held through the next ``calls`` decode calls: no arm begins
-        among them (:meth:`tick` starts the first after ``wait`` calls of each layer)."""
-        return (self.phase == "wait" and self.choice == "fetch" and not self._restart
-                and self._calls + calls <= self._wait * self.layers)
+        """Whether the next ``calls`` decode calls all fetch every miss: all-fetch is held
+        and no arm begins among them (:meth:`tick` starts the first after ``wait`` calls of
+        each layer), or all of them fall in the all-fetch arm, which is then timed as held
+        all-fetch runs (in a decode graph with no CPU share)."""
+        if self._restart:
+            return False
+        if self.phase == "wait":
+            return self.choice == "fetch" and self._calls + calls <= self._wait * self.layers
+        return self.phase == "fetch" and calls <= self._left()
+
+    def _left(self) -> int:
+        """Calls still to come in the arm under way, at least (the first call of the next arm
+        is the one whose tick ends this one: at its end, or half-way when it may stop
+        there, :meth:`_behind`)."""
+        half = CHECK_ARM // 2 * self.layers
+        end = half if self._seconds and (self._settling or self._calls < half) else (
+            CHECK_ARM * self.layers)
+        if self._settling:
+            return CHECK_SETTLE * self.layers - self._calls + end - 1
+        return end - 1 - self._calls
 
     def hold(self, arm: str) -> None:
         """Hold ``arm`` with no check to come (a benchmark or test of one arm)."""

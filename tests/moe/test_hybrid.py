@@ -419,12 +419,14 @@ def test_steps_that_fetch_every_miss_are_not_timed_by_the_wall_check():
         {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
 
 
-def test_a_step_said_to_fetch_every_miss_does_so_and_no_arm_begins_in_it():
+def test_a_step_said_to_fetch_every_miss_does_so_and_is_timed_in_the_all_fetch_arm():
     """Decode graphs made for steps that fetch every miss run a step only when each hybrid
     layer says its next call will (``fetches_next``: the kind's calls of one step). Over a
     run where all-fetch wins every check, a step said to fetch all fetches 8 of 8 misses in
-    every layer and no arm begins inside it; every step of the waits between checks is said
-    to, and the checks still come (each a step that is not)."""
+    every layer, and each of its calls falls in the wait or in the all-fetch arm: no other arm
+    begins inside it. Every step of the waits between checks is said to, and so is every step
+    of the all-fetch arm but the one it begins in, so that arm is timed as held all-fetch runs;
+    its calls, made as such steps make them (``fetching``), still count in it."""
     layers = 5
     clock = _Clock()
     check = WallCheck(layers=layers, clock=clock)
@@ -437,15 +439,22 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_no_arm_begins_in_it():
         said.append(fetching)
         phases = set()
         for policy in policies:
+            policy.fetching = fetching
             n = policy.n_fetch(8)
+            policy.fetching = False
             phases.add(check.phase)
             assert n == 8 or not fetching
             clock.now += {8: 100e-6, 4: 110e-6, 0: 200e-6}[n]
-        assert phases == {"wait"} or not fetching
+        assert phases <= {"wait", "fetch"} or not fetching
     assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
-    assert not any(said[:first + 1])  # the model's split, then the arms
-    wait = said[first + 1:first + 2 * CHECK_FIRST]  # the wait, up to the next arm's step
-    assert all(wait) and not said[first + 2 * CHECK_FIRST]
+    assert check.verdicts[0].seconds == pytest.approx(
+        {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
+    assert not any(said[:CHECK_FIRST + 1])  # the model's split, the step the arm begins in
+    assert all(said[CHECK_FIRST + 1:CHECK_FIRST + ARM])  # the all-fetch arm
+    assert not any(said[CHECK_FIRST + ARM:first + 1])  # the other arms
+    second = first + 2 * CHECK_FIRST  # the second check's all-fetch arm begins here
+    assert all(said[first + 1:second]) and not said[second]
+    assert all(said[second + 1:second + ARM]) and not said[second + ARM]
     assert said[-1]  # the wait after the second check
     fixed = SplitPolicy(1.0, None, online=False)
     assert fixed.fetches_next(layers) and not SplitPolicy(0.5, None, online=False

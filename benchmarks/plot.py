@@ -288,6 +288,35 @@ def hybrid_vs_offload_plot() -> None:
     plt.close(fig)
 
 
+def small_box_plot(sha: str = "31231cc", layers: int = 48) -> None:
+    """The second seed's box emulated: offload, hybrid and auto per row (cores, ISA, pool
+    threads), each row with its own ``ft bench bw`` profile, from one sitting's JSON files."""
+    rows = []
+    for f in sorted((ROOT / "benchmarks/results").glob(
+            f"small_box-qwen3-30b-a3b-{layers}l-*.json")):
+        d = json.loads(f.read_text())
+        if str(d.get("sha", "")).startswith(sha):
+            rows += d["rows"]
+    if not rows:
+        return
+    names = ("offload", "hybrid-online", "auto")
+    colors = ("#888888", "#3a6ea5", "#6a9955")
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i, row in enumerate(rows):
+        for k, (name, color) in enumerate(zip(names, colors, strict=True)):
+            ax.bar(i + (k - 1) * 0.27, row["medians"][name], width=0.25, color=color,
+                   label=name if i == 0 else None)
+    ax.set_xticks(range(len(rows)), [f"{r['cores']} cores, {r['isa']}, {r['threads']} threads"
+                                     for r in rows], fontsize=7)
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title(f"{layers}-layer qwen3-30b-a3b q8_0 under taskset, 4 GB cache, H100 ({sha})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / f"docs/img/small_box_{layers}l_{sha}.png", dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     generate_plot()
     serve_plot()
@@ -302,9 +331,11 @@ if __name__ == "__main__":
     peer_sitting_plot("d4e7cd0")
     peer_sitting_plot("62b52bb")
     peer_sitting_plot("e2f4c22")
+    peer_sitting_plot("31231cc")
     peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-mxfp4-30l", "gemma4-26b-a4b mxfp4")
     peer_sitting_plot("e59c795", "gemma4-26b-a4b-nvfp4-30l", "gemma4-26b-a4b nvfp4")
     hybrid_vs_offload_plot()
     split_runs_plot()
+    small_box_plot()

@@ -53,13 +53,14 @@ class WallCheck:
     profile gave the kind a split (:meth:`use_profile`), ``profile`` (that share, fixed; held
     from the start). After ``wait`` decode calls of each of the kind's ``layers``, each arm runs
     CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed by the wall between calls (a call's
-    whole cycle: the GPU, the link, the CPU, the host); an arm CHECK_EARLY slower than the
-    fastest one so far after half of them stops there. An arm CHECK_MARGIN faster than the held
-    one is held instead: the calls until the next check use its share (all-fetch benches the
-    CPU: no share, no probes), while the model keeps learning from the split's calls; either way
-    the wait doubles, and an arm CHECK_DROP slower than the chosen one sits the next check out,
-    twice as many each time it loses again (the model's split never does: on a box where an arm
-    never pays, it costs one check in CHECK_SITOUT + 1 once the waits are long). The model's
+    whole cycle: the GPU, the link, the CPU, the host), the held arm first; an arm CHECK_EARLY
+    slower than the fastest one so far after half of them stops there. An arm CHECK_MARGIN
+    faster than the held one is held instead: the calls until the next check use its share
+    (all-fetch benches the CPU: no share, no probes), while the model keeps learning from the
+    split's calls; either way the wait doubles, and an arm CHECK_DROP slower than the chosen
+    one sits the next check out, twice as many each time it loses again (the model's split
+    never does: on a box where an arm never pays, it costs one check in CHECK_SITOUT + 1 once
+    the waits are long). The model's
     costs are measured per half (the pool's time on a job, the copies'), which can miss what the
     step pays (on an H100 box its early split took 740 us a layer call where the profile's took
     440); the wall does not. What would time something else is left out: a prompt's call or an
@@ -156,7 +157,10 @@ class WallCheck:
         self.arm_calls += self.phase != "wait"
         if self.phase == "wait":
             if self._calls > self._wait * self.layers:  # this call starts the first arm
-                self._arms = tuple(a for a in self.arms if not self._sits(a))
+                arms = [a for a in self.arms if not self._sits(a)]
+                # the held arm first: it goes on as the calls before it ran (no switch), and
+                # every other arm has its time to be CHECK_EARLY behind
+                self._arms = (self.choice, *(a for a in arms if a != self.choice))
                 self._start(self._arms[0], now)
                 self._rows, self._seconds = rows, {}
             return

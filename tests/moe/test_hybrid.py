@@ -232,18 +232,21 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
 
 def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     """The model says the CPU pays, the steps say all-fetch is 10 % faster (the small box:
-    hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens all-fetch, as many split
-    and half as many timed all on the CPU (twice as slow, it stops half-way), the CPU gets
-    nothing; the next check comes twice as late and confirms it (the cpu arm sits it out)."""
+    hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens of the held split, as many
+    all-fetch and half as many timed all on the CPU (twice as slow, it stops half-way), the
+    CPU gets nothing; the next check comes twice as late and confirms it (all-fetch, now
+    held, first; the cpu arm sits it out)."""
     layers = 6
     first = CHECK_FIRST + 2 * ARM + CUT
-    _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 2 * ARM + 4,
+    second = first + 2 * CHECK_FIRST
+    _, check, fetched_all = _checked_run(layers, second + 2 * ARM + 4,
                                          split_s=110e-6, fetch_s=100e-6)
-    assert fetched_all[:CHECK_FIRST] == [0] * CHECK_FIRST  # the model's split
-    assert fetched_all[CHECK_FIRST:CHECK_FIRST + ARM] == [layers] * ARM
-    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * (ARM + CUT)  # the split's, the cpu's
-    assert check.benched and fetched_all[first:first + 2 * CHECK_FIRST] == [layers] * (
-        2 * CHECK_FIRST)
+    assert fetched_all[:CHECK_FIRST + ARM] == [0] * (CHECK_FIRST + ARM)  # the model's split
+    assert fetched_all[CHECK_FIRST + ARM:CHECK_FIRST + 2 * ARM] == [layers] * ARM
+    assert fetched_all[CHECK_FIRST + 2 * ARM:first] == [0] * CUT  # the cpu's
+    assert check.benched and fetched_all[first:second + ARM] == [layers] * (
+        2 * CHECK_FIRST + ARM)
+    assert fetched_all[second + ARM:second + 2 * ARM] == [0] * ARM  # the split's
     assert fetched_all[-4:] == [layers] * 4  # confirmed at the second check
     assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
     assert check.verdicts[0].seconds == pytest.approx(
@@ -254,14 +257,17 @@ def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
 
 def test_the_wall_check_keeps_a_cpu_share_that_pays():
     """The steps agree with the model (the split 15 % faster): after each check the model's
-    split runs again, and the wait doubles up to CHECK_LONGEST tokens; the cpu arm (twice as
-    slow) stops half-way and sits every other check out."""
+    split runs again, and the wait doubles up to CHECK_LONGEST tokens; all-fetch (18 % slower
+    than the held split, timed first) stops half-way, and so does the cpu arm (twice as slow),
+    which sits every other check out."""
     _, check, fetched_all = _checked_run(4, 400, split_s=85e-6, fetch_s=100e-6)
     assert not check.benched
-    # four fetch arms, each wait twice the last (16, 32, 64, 128 tokens); 3, 2, 3 arms between
-    assert sum(1 for c in fetched_all if c) == 4 * ARM
-    last = 15 * CHECK_FIRST + 6 * ARM + 2 * CUT
-    assert fetched_all[last:last + ARM] == [4] * ARM and not any(fetched_all[last + ARM:])
+    # four fetch arms, each wait twice the last (16, 32, 64, 128 tokens); 3, 2, 3 arms before
+    assert sum(1 for c in fetched_all if c) == 4 * CUT
+    last = 15 * CHECK_FIRST + 3 * ARM + 5 * CUT  # the fourth check: the split's, all-fetch
+    assert not any(fetched_all[last:last + ARM])
+    assert fetched_all[last + ARM:last + ARM + CUT] == [4] * CUT
+    assert not any(fetched_all[last + ARM + CUT:])
     assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
 
 
@@ -269,22 +275,22 @@ def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
     """The model's split (half of 8 misses fetched) loses to all-fetch, but the profile's
     (a quarter) beats both, as on the H100 box (the model's early split took 740 us a layer
     call, the profile's 440): the profile's 2 fetched a call are held from the start; the
-    first check times every arm and keeps it, and at the next only the model's split runs
-    beside it (the others lost by more than CHECK_DROP; the model's and the cpu's stopped
-    half-way at the first, CHECK_EARLY behind all-fetch). The model's own fraction is kept
-    for its arm."""
+    first check times it first, then every other arm, each stopped half-way (CHECK_EARLY
+    behind it), and keeps it; at the next only the model's split runs beside it (the others
+    lost by more than CHECK_DROP). The model's own fraction is kept for its arm."""
     layers, counts = 4, []
-    first = CHECK_FIRST + 2 * ARM + 2 * CUT
+    first = CHECK_FIRST + ARM + 3 * CUT
     second = first + 2 * CHECK_FIRST
     policies, check, _ = _checked_run(layers, second + 2 * ARM + 4, split_s=130e-6,
                                       fetch_s=100e-6, profile=0.25, profile_s=80e-6,
                                       counts=counts)
     assert counts[:CHECK_FIRST] == [[2] * layers] * CHECK_FIRST
-    arms = [[n] * layers for n, calls in ((8, ARM), (4, CUT), (0, CUT), (2, ARM))
+    arms = [[n] * layers for n, calls in ((2, ARM), (8, CUT), (4, CUT), (0, CUT))
             for _ in range(calls)]
     assert counts[CHECK_FIRST:first] == arms
     assert counts[first:second] == [[2] * layers] * (2 * CHECK_FIRST)
-    assert counts[second:] == [[4] * layers] * ARM + [[2] * layers] * (ARM + 4)
+    assert counts[second:] == [[2] * layers] * ARM + [[4] * layers] * CUT + [
+        [2] * layers] * (ARM + 4 - CUT)
     assert [v.choice for v in check.verdicts] == ["profile", "profile"]
     assert check.verdicts[0].seconds == pytest.approx(
         {"fetch": 100e-6, "split": 130e-6, "cpu": 200e-6, "profile": 80e-6})
@@ -294,23 +300,24 @@ def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
 def test_an_arm_clearly_behind_at_half_way_stops_there():
     """An arm CHECK_EARLY slower than the fastest this check has timed, half-way through its
     timed calls, stops (its time so far goes to the verdict); one slower by less runs whole,
-    and so does the first arm, with nothing to compare it with."""
+    and so does the first arm (the held one), with nothing to compare it with."""
     layers, counts = 3, []
-    end = CHECK_FIRST + 3 * ARM + 1
+    end = CHECK_FIRST + ARM + 2 * CUT + 1
     _, check, _ = _checked_run(layers, end, split_s=112e-6, fetch_s=130e-6, cpu_s=300e-6,
                                counts=counts)
     fetched = [row[0] for row in counts]
-    assert fetched[CHECK_FIRST:CHECK_FIRST + ARM] == [8] * ARM  # the first arm: whole
-    assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + 2 * ARM] == [4] * ARM  # faster: whole
-    cpu = fetched[CHECK_FIRST + 2 * ARM:]
+    assert fetched[CHECK_FIRST:CHECK_FIRST + ARM] == [4] * ARM  # the held split: whole
+    assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + ARM + CUT] == [8] * CUT  # 16 % behind
+    cpu = fetched[CHECK_FIRST + ARM + CUT:]
     assert cpu[:CUT] == [0] * CUT and cpu[CUT] == 4  # 2.7x the split's: half, then held
     assert [v.choice for v in check.verdicts] == ["split"]
     assert check.verdicts[0].seconds == pytest.approx(
         {"fetch": 130e-6, "split": 112e-6, "cpu": 300e-6})
     counts = []
-    _checked_run(layers, end, split_s=112e-6, fetch_s=100e-6, counts=counts)
+    _checked_run(layers, CHECK_FIRST + 2 * ARM + 1, split_s=112e-6, fetch_s=125e-6,
+                 counts=counts)
     fetched = [row[0] for row in counts]
-    assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + 2 * ARM] == [4] * ARM  # 12 % behind: whole
+    assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + 2 * ARM] == [8] * ARM  # 12 % behind: whole
 
 
 def test_an_arm_must_beat_the_held_one_by_the_margin():
@@ -327,15 +334,16 @@ def test_an_arm_must_beat_the_held_one_by_the_margin():
 
 def test_every_miss_on_the_cpu_is_held_where_that_is_fastest():
     """The cpu arm (nothing fetched) 20 % faster than the model's split: it is held, and at
-    the next check all-fetch (50 % slower) sits out while the model's split runs again."""
+    the next check, timed first, all-fetch (50 % slower) sits out while the model's split runs
+    again (until half-way: 25 % behind)."""
     layers, counts = 4, []
-    first = CHECK_FIRST + 3 * ARM
+    first = CHECK_FIRST + 2 * ARM + CUT
     second = first + 2 * CHECK_FIRST
     _, check, _ = _checked_run(layers, second + 2 * ARM + 4, split_s=100e-6, fetch_s=150e-6,
                                cpu_s=80e-6, counts=counts)
-    assert counts[CHECK_FIRST + 2 * ARM:first] == [[0] * layers] * ARM  # the cpu arm
-    assert counts[first:second] == [[0] * layers] * (2 * CHECK_FIRST)  # held
-    assert counts[second:second + ARM] == [[4] * layers] * ARM  # the model's split
+    assert counts[CHECK_FIRST + ARM + CUT:first] == [[0] * layers] * ARM  # the cpu arm
+    assert counts[first:second + ARM] == [[0] * layers] * (2 * CHECK_FIRST + ARM)  # held
+    assert counts[second + ARM:second + ARM + CUT] == [[4] * layers] * CUT  # the model's
     assert [v.choice for v in check.verdicts] == ["cpu", "cpu"]
     assert set(check.verdicts[1].seconds) == {"split", "cpu"} and check.fraction == 0.0
 
@@ -368,8 +376,9 @@ def test_a_prefill_call_restarts_the_arm_it_falls_in():
     tokens = arm + 2 * ARM + 2
     _, check, fetched_all = _checked_run(4, tokens, split_s=110e-6,
                                          fetch_s=100e-6, prefill_at=CHECK_FIRST + 2)
-    assert fetched_all[CHECK_FIRST:arm] == [4] * (3 + ARM)
-    assert fetched_all[arm:arm + ARM + CUT] == [0] * (ARM + CUT)  # the split's, the cpu's
+    assert fetched_all[:arm] == [0] * arm  # the held split, its arm again after the prompt
+    assert fetched_all[arm:arm + ARM] == [4] * ARM  # all-fetch
+    assert fetched_all[arm + ARM:arm + ARM + CUT] == [0] * CUT  # the cpu's
     assert check.benched and fetched_all[arm + ARM + CUT:] == [4] * (tokens - arm - ARM - CUT)
 
 
@@ -386,12 +395,14 @@ def test_an_idle_engine_inside_an_arm_restarts_it():
 
 
 def test_a_batch_that_changes_inside_the_check_starts_both_arms_again():
-    """A request joins in the split's arm (two rows a call from then on, which take longer):
-    the fetch arm is timed again at two rows before the split's is compared with it."""
+    """A request joins in the all-fetch arm (two rows a call from then on, which take longer):
+    the held split's arm is timed again at two rows before all-fetch is compared with it."""
     restart = CHECK_FIRST + ARM + 3
     _, check, fetched_all = _checked_run(4, restart + 3 * ARM + 2, split_s=85e-6,
                                          fetch_s=100e-6, rows_from=(restart, 2))
-    assert fetched_all[restart:restart + ARM] == [4] * ARM
+    assert fetched_all[CHECK_FIRST + ARM:restart] == [4] * 3
+    assert fetched_all[restart:restart + ARM] == [0] * ARM  # the split's again
+    assert fetched_all[restart + ARM:restart + ARM + CUT] == [4] * CUT  # 18 % behind: half
     assert len(check.verdicts) == 1 and not check.benched
 
 
@@ -425,8 +436,9 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_is_timed_in_the_all_fetch_a
     run where all-fetch wins every check, a step said to fetch all fetches 8 of 8 misses in
     every layer, and each of its calls falls in the wait or in the all-fetch arm: no other arm
     begins inside it. Every step of the waits between checks is said to, and so is every step
-    of the all-fetch arm but the one it begins in, so that arm is timed as held all-fetch runs;
-    its calls, made as such steps make them (``fetching``), still count in it."""
+    of the all-fetch arm but the one it begins in (and, when it is not the held arm, the one
+    half-way), so that arm is timed as held all-fetch runs; its calls, made as such steps make
+    them (``fetching``), still count in it."""
     layers = 5
     clock = _Clock()
     check = WallCheck(layers=layers, clock=clock)
@@ -449,9 +461,12 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_is_timed_in_the_all_fetch_a
     assert [v.choice for v in check.verdicts] == ["fetch", "fetch"]
     assert check.verdicts[0].seconds == pytest.approx(
         {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
-    assert not any(said[:CHECK_FIRST + 1])  # the model's split, the step the arm begins in
-    assert all(said[CHECK_FIRST + 1:CHECK_FIRST + ARM])  # the all-fetch arm
-    assert not any(said[CHECK_FIRST + ARM:first + 1])  # the other arms
+    fetch = CHECK_FIRST + ARM  # the all-fetch arm begins here, after the held split's
+    assert not any(said[:fetch + 1])  # the model's split, its arm, the step all-fetch begins in
+    # the all-fetch arm, but for the step that crosses its half-way mark: it might stop there
+    # (CHECK_EARLY behind the split's), and that step's last calls be the cpu arm's
+    assert said[fetch + 1:fetch + ARM] == [True] * (CUT - 1) + [False] + [True] * (ARM - CUT - 1)
+    assert not any(said[fetch + ARM:first + 1])  # the cpu arm
     second = first + 2 * CHECK_FIRST  # the second check's all-fetch arm begins here
     assert all(said[first + 1:second]) and not said[second]
     assert all(said[second + 1:second + ARM]) and not said[second + ARM]

@@ -60,13 +60,12 @@ class WallCheck:
     split's calls; either way the wait doubles, and an arm CHECK_DROP slower than the chosen
     one sits the next check out, twice as many each time it loses again (the model's split
     never does: on a box where an arm never pays, it costs one check in CHECK_SITOUT + 1 once
-    the waits are long). The model's
-    costs are measured per half (the pool's time on a job, the copies'), which can miss what the
-    step pays (on an H100 box its early split took 740 us a layer call where the profile's took
-    440); the wall does not. What would time something else is left out: a prompt's call or an
-    idle gap (no request: IDLE_GAP times the arm's mean call) restarts the arm it falls in, and
-    a change of batch rows the whole check, so that every arm times the same batch. ``clock`` is
-    for tests."""
+    the waits are long). The model's costs are measured per half (the pool's time on a job,
+    the copies'), which can miss what the step pays (on an H100 box its early split took 740
+    us a layer call where the profile's took 440); the wall does not. What would time
+    something else is left out: a prompt's call or an idle gap (no request: IDLE_GAP times
+    the arm's mean call) restarts the arm it falls in, and a change of batch rows the whole
+    check, so that every arm times the same batch. ``clock`` is for tests."""
 
     name: str = ""
     layers: int = 1

@@ -66,6 +66,7 @@ from freetoken.engine.sample import SamplingParams  # noqa: E402
 from freetoken.moe.cpu import CpuExperts, host_step_totals  # noqa: E402
 from freetoken.moe.offload import OffloadExperts, OffloadRuntime  # noqa: E402
 from freetoken.moe.resident import ResidentExperts  # noqa: E402
+from freetoken.server.process import cpu_pool_part, experts_part  # noqa: E402
 
 VARIANTS = {  # name -> (strategy, --moe-hybrid-max-fetch, --moe-hybrid-online, graphs)
     "offload-eager": ("offload", "auto", True, False),
@@ -192,9 +193,15 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
         wall = time.perf_counter() - t
         after = rt.stats.snapshot() if rt else None
         steps = {k: v - steps_before[k] for k, v in host_step_totals(cpu_layers).items()}
+        moe = moe_delta(before, after)
+        # the engine log line's breakdown for this run, per generated token (prefill in it)
+        made = max(1, stats.output_tokens)
+        breakdown = (f"per token {1e3 * wall / made:.1f} ms"
+                     + (experts_part(moe, None, made) if moe else "")
+                     + cpu_pool_part(steps, None, made))
         runs.append({"decode_tokens_per_s": stats.decode_tokens_per_s,
                      "prefill_s": stats.prefill_s, "wall_s": wall,
-                     "moe": moe_delta(before, after), "cpu_host_steps": steps,
+                     "moe": moe, "cpu_host_steps": steps, "breakdown": breakdown,
                      # hybrid: tokens in the wall check's arms, steps in all-fetch graphs
                      "search_tokens": search_tokens(engine) - search_before,
                      "fetching_steps": fetching_steps(engine) - fetching_before})
@@ -218,6 +225,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
                if isinstance(m, OffloadExperts | ResidentExperts)]
     out: dict[str, Any] = {"strategy": name, "load_s": load_s, "cuda_graph_max_bs": graphs,
                            "runs": runs, "decode_tokens_per_s": best["decode_tokens_per_s"],
+                           "breakdown": best["breakdown"],
                            "prefill_tokens_per_s": prefill_tps, **out_steps,
                            "gpu_expert_kernels": {k: kernels.count(k) for k in set(kernels)}}
     if rt is not None:

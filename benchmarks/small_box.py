@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_state, host  # noqa: E402
 
-KEEP = ("decode_tokens_per_s", "hit_rate", "lookahead_hit_rate", "share_plan", "share_fetch",
-        "share_cpu_wait", "fetch_fractions", "split_costs_us", "error")
+KEEP = ("decode_tokens_per_s", "breakdown", "hit_rate", "lookahead_hit_rate", "share_plan",
+        "share_fetch", "share_cpu_wait", "fetch_fractions", "split_costs_us", "error")
 # the engine's log lines kept with a run (moe/plan.py): auto's choice, the core plan, a shrink
 SAID = ("--moe-strategy auto:", "MoE plan:", "core plan:", "no core of its own",
         "one usable core")
@@ -154,7 +154,8 @@ def main() -> None:
                 runs[s].append(run)
                 save()
                 print(f"== {cores} cores, {isa}, {threads} threads, round {r + 1}: {s} "
-                      f"{run.get('decode_tokens_per_s', run.get('error'))}", flush=True)
+                      f"{run.get('decode_tokens_per_s', run.get('error'))}; "
+                      f"{run.get('breakdown', '')}", flush=True)
         medians = {s: statistics.median(v) for s, rs in runs.items()
                    if (v := [x["decode_tokens_per_s"] for x in rs
                              if "decode_tokens_per_s" in x])}

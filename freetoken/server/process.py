@@ -72,27 +72,38 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
                      f"{parts['schedule']:.1f}, forward {parts['forward']:.1f}, sample + wait "
                      f"{parts['sample']:.1f}")
             if moe:
-                old = (before or {}).get("moe") or {}
-                line += (f" (experts: fetch {ms(moe, old, 'fetch_s'):.1f}, compute "
-                         f"{ms(moe, old, 'compute_s'):.1f}, CPU {ms(moe, old, 'cpu_s'):.1f}, "
-                         f"host plan {ms(moe, old, 'plan_s'):.1f})")
-                kinds, was_kinds = moe.get("kinds") or {}, old.get("kinds") or {}
-                if len(kinds) > 1:  # which layers the time goes to, by their expert formats
-                    parts = []
-                    for kind, k in sorted(kinds.items()):
-                        w = was_kinds.get(kind, {})
-                        parts.append(f"{kind} ({k['layers']:.0f} layers) fetch "
-                                     f"{ms(k, w, 'fetch_s'):.1f}, compute "
-                                     f"{ms(k, w, 'compute_s'):.1f}, CPU {ms(k, w, 'cpu_s'):.1f}, "
-                                     f"host plan {ms(k, w, 'plan_s'):.1f}")
-                    line += "; by layer kind: " + "; ".join(parts)
-            line += _cpu_pool_part(stats.get("cpu_pool"), (before or {}).get("cpu_pool"),
-                                   tokens)
+                line += experts_part(moe, (before or {}).get("moe"), tokens)
+            line += cpu_pool_part(stats.get("cpu_pool"), (before or {}).get("cpu_pool"),
+                                  tokens)
     return line
 
 
-def _cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
-                   tokens: int) -> str:
+def experts_part(moe: dict[str, Any], was: dict[str, Any] | None, tokens: int) -> str:
+    """The offloaded experts' share of a token since ``was`` (the MoE stats then), in ms: the
+    fetch, the device's compute, the CPU's share and the host plan, and by layer kind where
+    there are several (their expert formats)."""
+    old = was or {}
+
+    def ms(d: dict[str, Any], o: dict[str, Any], key: str) -> float:
+        return 1e3 * (d.get(key, 0.0) - o.get(key, 0.0)) / tokens
+
+    line = (f" (experts: fetch {ms(moe, old, 'fetch_s'):.1f}, compute "
+            f"{ms(moe, old, 'compute_s'):.1f}, CPU {ms(moe, old, 'cpu_s'):.1f}, "
+            f"host plan {ms(moe, old, 'plan_s'):.1f})")
+    kinds, was_kinds = moe.get("kinds") or {}, old.get("kinds") or {}
+    if len(kinds) > 1:  # which layers the time goes to, by their expert formats
+        parts = []
+        for kind, k in sorted(kinds.items()):
+            w = was_kinds.get(kind, {})
+            parts.append(f"{kind} ({k['layers']:.0f} layers) fetch {ms(k, w, 'fetch_s'):.1f}, "
+                         f"compute {ms(k, w, 'compute_s'):.1f}, CPU {ms(k, w, 'cpu_s'):.1f}, "
+                         f"host plan {ms(k, w, 'plan_s'):.1f}")
+        line += "; by layer kind: " + "; ".join(parts)
+    return line
+
+
+def cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
+                  tokens: int) -> str:
     """The cpu strategy's share of a token, where its layers ran between graph pieces: the
     pool's jobs and the host steps around them (ms per token); empty where no such step ran
     since ``was``."""

@@ -64,10 +64,8 @@ def decode_line(tokens_per_s: float, stats: dict[str, Any],
     if times:
         tokens = times["tokens"] - was.get("tokens", 0)
         if tokens > 0:
-            def ms(d: dict[str, Any], old: dict[str, Any], key: str) -> float:
-                return 1e3 * (d.get(key, 0.0) - old.get(key, 0.0)) / tokens
-
-            parts = {k: ms(times, was, f"{k}_s") for k in ("schedule", "forward", "sample")}
+            parts = {k: _ms(times, was, f"{k}_s", tokens)
+                     for k in ("schedule", "forward", "sample")}
             line += (f"; per token {sum(parts.values()):.1f} ms: schedule "
                      f"{parts['schedule']:.1f}, forward {parts['forward']:.1f}, sample + wait "
                      f"{parts['sample']:.1f}")
@@ -84,22 +82,23 @@ def experts_part(moe: dict[str, Any], was: dict[str, Any] | None, tokens: int) -
     there are several (their expert formats)."""
     old = was or {}
 
-    def ms(d: dict[str, Any], o: dict[str, Any], key: str) -> float:
-        return 1e3 * (d.get(key, 0.0) - o.get(key, 0.0)) / tokens
+    def shares(d: dict[str, Any], o: dict[str, Any]) -> str:
+        return ", ".join(f"{name} {_ms(d, o, key, tokens):.1f}" for name, key in (
+            ("fetch", "fetch_s"), ("compute", "compute_s"), ("CPU", "cpu_s"),
+            ("host plan", "plan_s")))
 
-    line = (f" (experts: fetch {ms(moe, old, 'fetch_s'):.1f}, compute "
-            f"{ms(moe, old, 'compute_s'):.1f}, CPU {ms(moe, old, 'cpu_s'):.1f}, "
-            f"host plan {ms(moe, old, 'plan_s'):.1f})")
+    line = f" (experts: {shares(moe, old)})"
     kinds, was_kinds = moe.get("kinds") or {}, old.get("kinds") or {}
     if len(kinds) > 1:  # which layers the time goes to, by their expert formats
-        parts = []
-        for kind, k in sorted(kinds.items()):
-            w = was_kinds.get(kind, {})
-            parts.append(f"{kind} ({k['layers']:.0f} layers) fetch {ms(k, w, 'fetch_s'):.1f}, "
-                         f"compute {ms(k, w, 'compute_s'):.1f}, CPU {ms(k, w, 'cpu_s'):.1f}, "
-                         f"host plan {ms(k, w, 'plan_s'):.1f}")
-        line += "; by layer kind: " + "; ".join(parts)
+        line += "; by layer kind: " + "; ".join(
+            f"{kind} ({k['layers']:.0f} layers) {shares(k, was_kinds.get(kind, {}))}"
+            for kind, k in sorted(kinds.items()))
     return line
+
+
+def _ms(d: dict[str, Any], old: dict[str, Any], key: str, tokens: int) -> float:
+    """Milliseconds a token of counter ``key`` since ``old``."""
+    return 1e3 * (d.get(key, 0.0) - old.get(key, 0.0)) / tokens
 
 
 def cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
@@ -111,12 +110,8 @@ def cpu_pool_part(pool: dict[str, Any] | None, was: dict[str, Any] | None,
     calls = (pool or {}).get("calls", 0) - was.get("calls", 0)
     if not pool or calls <= 0:
         return ""
-
-    def delta(key: str) -> float:
-        return pool.get(key, 0) - was.get(key, 0)
-
-    return (f"; CPU pool: jobs {1e3 * delta('job_s') / tokens:.1f} ms, host steps "
-            f"{1e3 * delta('step_s') / tokens:.1f} ms a token")
+    return (f"; CPU pool: jobs {_ms(pool, was, 'job_s', tokens):.1f} ms, host steps "
+            f"{_ms(pool, was, 'step_s', tokens):.1f} ms a token")
 
 
 def engine_main(cfg: ServeConfig, inbox: Connection, outbox: Connection,

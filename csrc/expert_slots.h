@@ -1,4 +1,4 @@
-// The expert cache's slot decisions (freetoken/moe/expert_cache.py's SlotPool is the twin):
+// The expert cache's slot decisions (freetoken/moe/slot_pool.py's SlotPool is the twin):
 // one LRU over a pool's slots, each layer's table expert -> slot, and a decode call's plan
 // (its routed experts, hits and misses, which misses are fetched into which victim slots and
 // which go to the CPU) in two calls instead of Python loops over sets and dicts.

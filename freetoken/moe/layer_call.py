@@ -29,11 +29,12 @@ from freetoken import env
 from freetoken.cpu import abi
 from freetoken.cpu.library import native
 from freetoken.cpu.row_copy import RowCopyError, current_stream
-from freetoken.moe.expert_cache import NativeSlotPool, Routed, SlotPool, Split
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.host_job import HostJob
+from freetoken.moe.native_slot_pool import NativeSlotPool
 from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
+from freetoken.moe.slot_pool import Routed, SlotPool, Split
 from freetoken.moe.stats import Span
 
 STREAMS = 1  # plan_layer_call's answer for a call that streams its misses instead

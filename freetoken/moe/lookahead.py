@@ -59,7 +59,7 @@ class Lookahead:
 
     The router runs where the model does (:meth:`route`: device ops, inside a decode graph's
     piece), so the host gets only its picks, with the routed ids, and the expert cache ranks
-    them (:meth:`~freetoken.moe.expert_cache.SlotPool.prefetch`)."""
+    them (:meth:`~freetoken.moe.slot_pool.SlotPool.prefetch`)."""
 
     layer: int
     weight: torch.Tensor

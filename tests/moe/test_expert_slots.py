@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from freetoken.cpu import executor as cx
-from freetoken.moe.expert_cache import NativeSlotPool, SlotPool
+from freetoken.moe.native_slot_pool import NativeSlotPool
+from freetoken.moe.slot_pool import SlotPool
 
 pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
 

@@ -12,10 +12,10 @@ import torch
 from freetoken.checkpoint import open_checkpoint
 from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
-from freetoken.moe.expert_cache import rank
 from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.lookahead import Lookahead, router_of
 from freetoken.moe.offload import OffloadExperts, offload_stats
+from freetoken.moe.slot_pool import rank
 from freetoken.moe.split import SplitPolicy
 from tests.models.helpers import load_ours, our_logits
 

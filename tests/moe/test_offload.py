@@ -15,10 +15,10 @@ from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
 from freetoken.engine.resolve import parse_bytes
 from freetoken.errors import ConfigError
-from freetoken.moe.expert_cache import SlotPool
 from freetoken.moe.host_banks import BankBuilder, check_host_memory
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.plan import ExpertGroup, plan_moe_cache
+from freetoken.moe.slot_pool import SlotPool
 from freetoken.quant import QuantTensor, get_format
 from tests.models.helpers import load_ours, our_logits
 
@@ -54,7 +54,7 @@ class ModelLRU:
 def _pool_kinds() -> list[type[SlotPool]]:
     """The Python pool, and the library's where it loads."""
     from freetoken.cpu.library import available
-    from freetoken.moe.expert_cache import NativeSlotPool
+    from freetoken.moe.native_slot_pool import NativeSlotPool
 
     return [SlotPool] + ([NativeSlotPool] if available() is None else [])
 

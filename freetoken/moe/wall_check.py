@@ -29,10 +29,12 @@ CHECK_LONGEST = 1024
 CHECK_MARGIN = 0.03
 CHECK_DROP = 0.2
 CHECK_SITOUT = 8
-# an arm already CHECK_EARLY slower than the fastest arm this check has timed, half-way through
-# its timed calls, stops there: it would lose (on the H100 the fp4 files' losing arms were
-# 15-45 % slower than all-fetch, and the search cost a 64-token run 6 %)
+# an arm already CHECK_EARLY slower than the fastest arm this check has timed, CHECK_STOP
+# calls into its timed ones (of each layer), stops there: it would lose (on the H100 the fp4
+# files' losing arms were 23-64 % slower than all-fetch, the qwen3 file's all-fetch 41-49 %
+# slower than the split, and the search cost a 64-token run 6-10 %)
 CHECK_EARLY = 0.15
+CHECK_STOP = CHECK_ARM // 4
 DECODE_ROWS = 16  # a call of more token rows (prefill) is not timed: it restarts an arm
 IDLE_GAP = 10  # a gap this many times an arm's mean call: the engine sat idle, the arm restarts
 
@@ -54,7 +56,7 @@ class WallCheck:
     from the start). After ``wait`` decode calls of each of the kind's ``layers``, each arm runs
     CHECK_SETTLE + CHECK_ARM calls, the last CHECK_ARM timed by the wall between calls (a call's
     whole cycle: the GPU, the link, the CPU, the host), the held arm first; an arm CHECK_EARLY
-    slower than the fastest one so far after half of them stops there. An arm CHECK_MARGIN
+    slower than the fastest one so far after CHECK_STOP of them stops there. An arm CHECK_MARGIN
     faster than the held one is held instead: the calls until the next check use its share
     (all-fetch benches the CPU: no share, no probes), while the model keeps learning from the
     split's calls; either way the wait doubles, and an arm CHECK_DROP slower than the chosen
@@ -125,10 +127,10 @@ class WallCheck:
 
     def _left(self) -> int:
         """Calls still to come in the arm under way, at least (the first call of the next arm
-        is the one whose tick ends this one: at its end, or half-way when it may stop
-        there, :meth:`_behind`)."""
-        half = CHECK_ARM // 2 * self.layers
-        end = half if self._seconds and (self._settling or self._calls < half) else (
+        is the one whose tick ends this one: at its end, or CHECK_STOP calls in when it may
+        stop there, :meth:`_behind`)."""
+        stop = CHECK_STOP * self.layers
+        end = stop if self._seconds and (self._settling or self._calls < stop) else (
             CHECK_ARM * self.layers)
         if self._settling:
             return CHECK_SETTLE * self.layers - self._calls + end - 1
@@ -169,7 +171,7 @@ class WallCheck:
             return
         if self._calls < CHECK_ARM * self.layers and not self._behind(now):
             return
-        # this call is the first after the arm (or after the half that shows it losing)
+        # this call is the first after the arm (or after the calls that show it losing)
         self._seconds[self.phase] = (now - self._t0) / self._calls
         arms = self._arms
         if self.phase != arms[-1]:
@@ -185,9 +187,9 @@ class WallCheck:
         self._restart = self.phase != "wait"
 
     def _behind(self, now: float) -> bool:
-        """Whether the arm, half-way through its timed calls, is already CHECK_EARLY slower
-        than the fastest arm this check has timed (it stops there)."""
-        if self._calls != CHECK_ARM // 2 * self.layers or not self._seconds:
+        """Whether the arm, CHECK_STOP calls into its timed ones, is already CHECK_EARLY
+        slower than the fastest arm this check has timed (it stops there)."""
+        if self._calls != CHECK_STOP * self.layers or not self._seconds:
             return False
         return (now - self._t0) / self._calls > (1 + CHECK_EARLY) * min(self._seconds.values())
 

@@ -28,6 +28,7 @@ from freetoken.moe.wall_check import (
     CHECK_FIRST,
     CHECK_LONGEST,
     CHECK_SETTLE,
+    CHECK_STOP,
     DECODE_ROWS,
     WallCheck,
 )
@@ -36,7 +37,7 @@ from tests.models.helpers import load_ours, our_logits
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8]
 
 ARM = CHECK_SETTLE + CHECK_ARM  # a wall check arm's tokens: its untimed start, then timed
-CUT = CHECK_SETTLE + CHECK_ARM // 2  # an arm's tokens when it is CHECK_EARLY behind at half
+CUT = CHECK_SETTLE + CHECK_STOP  # an arm's tokens when it is CHECK_EARLY behind at CHECK_STOP
 
 
 def simulate(policy: SplitPolicy, cpu_per_expert: float, pcie_per_expert: float,
@@ -233,7 +234,7 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
 def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
     """The model says the CPU pays, the steps say all-fetch is 10 % faster (the small box:
     hybrid 0.93x offload): after CHECK_FIRST tokens, ARM tokens of the held split, as many
-    all-fetch and half as many timed all on the CPU (twice as slow, it stops half-way), the
+    all-fetch and fewer timed all on the CPU (twice as slow, it stops at CHECK_STOP), the
     CPU gets nothing; the next check comes twice as late and confirms it (all-fetch, now
     held, first; the cpu arm sits it out)."""
     layers = 6
@@ -258,7 +259,7 @@ def test_the_wall_check_benches_a_cpu_share_that_slows_the_step():
 def test_the_wall_check_keeps_a_cpu_share_that_pays():
     """The steps agree with the model (the split 15 % faster): after each check the model's
     split runs again, and the wait doubles up to CHECK_LONGEST tokens; all-fetch (18 % slower
-    than the held split, timed first) stops half-way, and so does the cpu arm (twice as slow),
+    than the held split, timed first) stops at CHECK_STOP, and so does the cpu arm (2x slower),
     which sits every other check out."""
     _, check, fetched_all = _checked_run(4, 400, split_s=85e-6, fetch_s=100e-6)
     assert not check.benched
@@ -275,7 +276,7 @@ def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
     """The model's split (half of 8 misses fetched) loses to all-fetch, but the profile's
     (a quarter) beats both, as on the H100 box (the model's early split took 740 us a layer
     call, the profile's 440): the profile's 2 fetched a call are held from the start; the
-    first check times it first, then every other arm, each stopped half-way (CHECK_EARLY
+    first check times it first, then every other arm, each stopped at CHECK_STOP (CHECK_EARLY
     behind it), and keeps it; at the next only the model's split runs beside it (the others
     lost by more than CHECK_DROP). The model's own fraction is kept for its arm."""
     layers, counts = 4, []
@@ -297,9 +298,9 @@ def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():
     assert all(p.fraction == 0.5 and p.share == 0.25 and not p.all_fetch for p in policies)
 
 
-def test_an_arm_clearly_behind_at_half_way_stops_there():
-    """An arm CHECK_EARLY slower than the fastest this check has timed, half-way through its
-    timed calls, stops (its time so far goes to the verdict); one slower by less runs whole,
+def test_an_arm_clearly_behind_early_stops_there():
+    """An arm CHECK_EARLY slower than the fastest this check has timed, CHECK_STOP calls into
+    its timed ones, stops (its time so far goes to the verdict); one slower by less runs whole,
     and so does the first arm (the held one), with nothing to compare it with."""
     layers, counts = 3, []
     end = CHECK_FIRST + ARM + 2 * CUT + 1
@@ -309,7 +310,7 @@ def test_an_arm_clearly_behind_at_half_way_stops_there():
     assert fetched[CHECK_FIRST:CHECK_FIRST + ARM] == [4] * ARM  # the held split: whole
     assert fetched[CHECK_FIRST + ARM:CHECK_FIRST + ARM + CUT] == [8] * CUT  # 16 % behind
     cpu = fetched[CHECK_FIRST + ARM + CUT:]
-    assert cpu[:CUT] == [0] * CUT and cpu[CUT] == 4  # 2.7x the split's: half, then held
+    assert cpu[:CUT] == [0] * CUT and cpu[CUT] == 4  # 2.7x the split's: stopped, then held
     assert [v.choice for v in check.verdicts] == ["split"]
     assert check.verdicts[0].seconds == pytest.approx(
         {"fetch": 130e-6, "split": 112e-6, "cpu": 300e-6})
@@ -335,7 +336,7 @@ def test_an_arm_must_beat_the_held_one_by_the_margin():
 def test_every_miss_on_the_cpu_is_held_where_that_is_fastest():
     """The cpu arm (nothing fetched) 20 % faster than the model's split: it is held, and at
     the next check, timed first, all-fetch (50 % slower) sits out while the model's split runs
-    again (until half-way: 25 % behind)."""
+    again (until CHECK_STOP: 25 % behind)."""
     layers, counts = 4, []
     first = CHECK_FIRST + 2 * ARM + CUT
     second = first + 2 * CHECK_FIRST
@@ -437,8 +438,8 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_is_timed_in_the_all_fetch_a
     every layer, and each of its calls falls in the wait or in the all-fetch arm: no other arm
     begins inside it. Every step of the waits between checks is said to, and so is every step
     of the all-fetch arm but the one it begins in (and, when it is not the held arm, the one
-    half-way), so that arm is timed as held all-fetch runs; its calls, made as such steps make
-    them (``fetching``), still count in it."""
+    CHECK_STOP calls in), so that arm is timed as held all-fetch runs; its calls, made as
+    such steps make them (``fetching``), still count in it."""
     layers = 5
     clock = _Clock()
     check = WallCheck(layers=layers, clock=clock)
@@ -463,7 +464,7 @@ def test_a_step_said_to_fetch_every_miss_does_so_and_is_timed_in_the_all_fetch_a
         {"fetch": 100e-6, "split": 110e-6, "cpu": 200e-6})
     fetch = CHECK_FIRST + ARM  # the all-fetch arm begins here, after the held split's
     assert not any(said[:fetch + 1])  # the model's split, its arm, the step all-fetch begins in
-    # the all-fetch arm, but for the step that crosses its half-way mark: it might stop there
+    # the all-fetch arm, but for the step that crosses its CHECK_STOP mark: it might stop there
     # (CHECK_EARLY behind the split's), and that step's last calls be the cpu arm's
     assert said[fetch + 1:fetch + ARM] == [True] * (CUT - 1) + [False] + [True] * (ARM - CUT - 1)
     assert not any(said[fetch + ARM:first + 1])  # the cpu arm

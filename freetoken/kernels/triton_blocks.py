@@ -215,6 +215,22 @@ def _k4_scale_min(at, s, ok):
 
 
 @triton.jit
+def _k_block(acc, x_at, k, lane, q_lo, q_hi, d, dmin, sc_lo, mn_lo, sc_hi, mn_hi):
+    """``acc`` plus one q4_k / q5_k super-block of its rows: chunk k's sub-blocks 2k (codes
+    ``q_lo``) and 2k + 1 (``q_hi``), each (BLOCK_R, 4, 32), against x at ``x_at`` (the
+    block's 256 values), ``d * scale * dot - dmin * min * sum(x)`` per sub-block."""
+    x_lo = tl.load(x_at + k[:, None] * 64 + lane[None, :]).to(tl.float32)
+    x_hi = tl.load(x_at + k[:, None] * 64 + 32 + lane[None, :]).to(tl.float32)
+    dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
+    dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None], axis=2)
+    sum_lo = tl.sum(x_lo, axis=1)[None, :]
+    sum_hi = tl.sum(x_hi, axis=1)[None, :]
+    acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
+    acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+    return acc
+
+
+@triton.jit
 def _q4_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr):
     k = tl.arange(0, 4)  # qs chunk k: sub-block 2k (low nibbles), 2k + 1 (high)
     lane = tl.arange(0, 32)
@@ -230,14 +246,8 @@ def _q4_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
             mask=row_ok[:, None, None],
             other=0,
         )
-        x_lo = tl.load(x_row + b * 256 + k[:, None] * 64 + lane[None, :]).to(tl.float32)
-        x_hi = tl.load(x_row + b * 256 + k[:, None] * 64 + 32 + lane[None, :]).to(tl.float32)
-        dot_lo = tl.sum((qs & 15).to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
-        dot_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi[None], axis=2)
-        sum_lo = tl.sum(x_lo, axis=1)[None, :]
-        sum_hi = tl.sum(x_hi, axis=1)[None, :]
-        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
-        acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+        acc = _k_block(acc, x_row + b * 256, k, lane, qs & 15, qs >> 4, d, dmin, sc_lo, mn_lo,
+                       sc_hi, mn_hi)
     return acc
 
 
@@ -260,15 +270,8 @@ def _q5_k_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
         qs = tl.load(at3 + 48 + k3 * 32 + lane[None, None, :], mask=ok, other=0).to(tl.int32)
         q_lo = (qs & 15) | (((qh >> (2 * k3)) & 1) << 4)  # (BLOCK_R, 4, 32)
         q_hi = (qs >> 4) | (((qh >> (2 * k3 + 1)) & 1) << 4)
-        x_at = x_row + b * 256 + k[:, None] * 64 + lane[None, :]
-        x_lo = tl.load(x_at).to(tl.float32)
-        x_hi = tl.load(x_at + 32).to(tl.float32)
-        dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None], axis=2)  # (BLOCK_R, 4)
-        dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None], axis=2)
-        sum_lo = tl.sum(x_lo, axis=1)[None, :]
-        sum_hi = tl.sum(x_hi, axis=1)[None, :]
-        acc += d * tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=1)
-        acc -= dmin * tl.sum(mn_lo * sum_lo + mn_hi * sum_hi, axis=1)
+        acc = _k_block(acc, x_row + b * 256, k, lane, q_lo, q_hi, d, dmin, sc_lo, mn_lo, sc_hi,
+                       mn_hi)
     return acc
 
 

@@ -68,13 +68,15 @@ def bench_row(args: argparse.Namespace, cores: int, isa: str, threads: int,
     cmd = ["taskset", "-c", f"0-{cores - 1}", sys.executable, "-m", "freetoken.cli", "bench",
            "bw", "--model", args.model, "--device", args.device, "--threads", str(threads),
            "--out", str(profile)]
+    if args.decode_check:
+        cmd += ["--decode-check", args.moe_cache_mem]
     done = subprocess.run(cmd, env=row_env(cores, isa, None), capture_output=True, text=True)
     if done.returncode != 0 or not profile.exists():
         tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
         return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
     kinds = json.loads(profile.read_text()).get("layer_kinds", {})
     return {k: {m: round(v, 1) for m, v in row.items() if isinstance(v, float)}
-            for k, row in kinds.items()}
+            | ({"decode": row["decode"]} if "decode" in row else {}) for k, row in kinds.items()}
 
 
 def one_run(args: argparse.Namespace, cores: int, isa: str, threads: int,
@@ -118,6 +120,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="decode_moe.py's, best kept")
     p.add_argument("--bench-bw", action="store_true",
                    help="per row, ft bench bw --model under its limits first (auto's profile)")
+    p.add_argument("--decode-check", action="store_true",
+                   help="with --bench-bw: ft bench bw --decode-check at --moe-cache-mem "
+                   "(offload and the recommended strategy decode the model; auto offloads where "
+                   "offload was faster)")
+    p.add_argument("--profile", type=Path,
+                   help="the profile of every row: --bench-bw writes it here (else to a "
+                   "scratch file), without --bench-bw it is read as it is")
     p.add_argument("--label", default="")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -141,9 +150,9 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
         row: dict[str, Any] = {"cores": cores, "isa": isa, "threads": threads, "runs": runs}
         rows.append(row)
-        profile = None
+        profile = args.profile
         if args.bench_bw:
-            profile = Path(tempfile.mkdtemp()) / "benchbw.json"
+            profile = profile or Path(tempfile.mkdtemp()) / "benchbw.json"
             row["bench_bw"] = bench_row(args, cores, isa, threads, profile)
             save()
             print(f"== {cores} cores, {isa}, {threads} threads: ft bench bw {row['bench_bw']}",

@@ -22,10 +22,13 @@ def cpu_isa() -> str | None:
     return os.environ.get("FREETOKEN_CPU_ISA", "").strip().lower() or None
 
 
+BENCHBW_PATH = "FREETOKEN_BENCHBW_PATH"  # set for child processes that must read one profile
+
+
 def benchbw_path() -> Path | None:
     """FREETOKEN_BENCHBW_PATH: the bandwidth profile file (``ft bench bw``); unset means
     ``cache_dir() / "benchbw.json"``."""
-    value = os.environ.get("FREETOKEN_BENCHBW_PATH", "").strip()
+    value = os.environ.get(BENCHBW_PATH, "").strip()
     return Path(value).expanduser() if value else None
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,14 @@ import torch
 
 from freetoken import env
 from freetoken.bench import bandwidth as bw
+from freetoken.bench import decode_run
 from freetoken.checkpoint.synth.presets import PRESETS, hf_config, resolve_spec
 from freetoken.config import ModelConfig
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import core_plan, cpu_model, usable_cores
+from freetoken.engine.resolve import parse_bytes
 from freetoken.errors import CheckpointError, ConfigError
+from freetoken.moe.decode_check import DecodeCheck
 from freetoken.moe.profile import (
     HYBRID_MARGIN,
     LayerKind,
@@ -90,9 +93,26 @@ def add_bench_bw_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=0, metavar="N",
                    help="experts per synthetic bank (0: the layer's own count, or more so "
                    f"that the bank is at least {bw.WORKING_SET_L3}x the L3)")
+    p.add_argument("--decode-check", metavar="MEM", type=_size,
+                   help="after the rows, decode each --model itself twice, offloaded and as its "
+                   "rows recommend (hybrid or cpu), with a MEM expert cache (what you serve with "
+                   "as --moe-cache-mem, e.g. 4GB), and record both figures in its rows: "
+                   "--moe-strategy auto at that cache then offloads where offload decoded "
+                   "faster. The GB/s cannot see a GPU step long enough to hide the link (each "
+                   "run loads the model: about a minute on a 30 GB file)")
+    p.add_argument("--decode-tokens", type=int, default=128, metavar="N",
+                   help="timed tokens of each --decode-check run, at temperature 1, after "
+                   f"{decode_run.WARMUP} untimed")
     p.add_argument("--out", type=Path, default=profile_path(), metavar="PATH",
                    help="profile file to merge the rows into ($FREETOKEN_BENCHBW_PATH, else "
                    "~/.cache/freetoken/benchbw.json)")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _split(values: Iterable[str] | None) -> list[str]:
@@ -285,16 +305,63 @@ def _commit() -> str | None:
     return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def decode_check(rows: dict[str, Row], models: Sequence[str], device: str, threads: int,
+                 cache_bytes: int, tokens: int, profile: Path,
+                 progress: bool = False) -> dict[str, Row]:
+    """``rows`` with each model's own rows given its :class:`DecodeCheck`: offload and every
+    strategy those rows recommend (hybrid, cpu), decoded on the model (none where they all
+    recommend offload already) by engines that read ``profile`` (``rows`` saved there)."""
+    from tqdm import tqdm
+
+    _check_decode_args(cache_bytes, tokens)
+    dev = resolve_device(device).type
+    out = dict(rows)
+    for model in models:
+        keys = [k for k, r in rows.items() if model in r.meta.get("sources", ())]
+        wanted = sorted({rows[k].recommended for k in keys} - {"offload"})
+        if not wanted:
+            log.info("decode check of %s: its rows recommend offload, so there is nothing to "
+                     "weigh against it", model)
+            continue
+        figures: dict[str, float] = {}
+        for strategy in tqdm(["offload", *wanted], desc=f"decode check {Path(model).name}",
+                             unit="run", disable=not progress):
+            figures[strategy] = decode_run.decode_tokens_per_s(
+                model, strategy, dev, threads, cache_bytes, tokens, profile)
+        check = DecodeCheck(model, cache_bytes, tokens, figures)
+        log.info("decode check of %s: %s", model, check.words())
+        for k in keys:
+            out[k] = replace(rows[k], decode=check)
+    return out
+
+
+def _check_decode_args(cache_bytes: int, tokens: int) -> None:
+    if cache_bytes <= 0:
+        raise ConfigError(f"--decode-check must be a positive size, got {cache_bytes}")
+    if tokens < 1:
+        raise ConfigError(f"--decode-tokens must be at least 1, got {tokens}")
+
+
 def bench_bw_main(args: argparse.Namespace) -> int:
     """``ft bench bw``: bench, merge the rows into the profile, print the table and the path."""
-    targets = collect_targets(_split(args.model), _split(args.dtype), _split(args.preset))
+    models = _split(args.model)
+    if args.decode_check is not None and not models:
+        raise ConfigError("--decode-check decodes the checkpoints given with --model; pass one")
+    if args.decode_check is not None:
+        _check_decode_args(args.decode_check, args.decode_tokens)
+    targets = collect_targets(models, _split(args.dtype), _split(args.preset))
     if args.experts < 0:
         raise ConfigError(f"--experts must be >= 0, got {args.experts}")
+    progress = sys.stderr.isatty()
     rows = bench_kinds(targets, args.threads, args.device, args.seconds, args.experts or None,
-                       progress=sys.stderr.isatty())
+                       progress=progress)
     if not rows:
         raise ConfigError("no layer kind could be benched (see the warnings above)")
     path = save_rows(rows, args.out)
+    if args.decode_check is not None:  # its hybrid runs split by the rows just saved
+        rows = decode_check(rows, models, args.device, args.threads, args.decode_check,
+                            args.decode_tokens, path, progress)
+        save_rows(rows, path)
     print(format_table(rows))
     print(f"wrote {len(rows)} row{'s' if len(rows) != 1 else ''} to {path}")
     return 0

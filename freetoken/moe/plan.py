@@ -153,18 +153,20 @@ def _auto_strategies(cfg: EngineConfig, ckpt: Checkpoint, device: torch.device, 
         if cx.available() is not None:
             row = lookup(profile, kind, threads).row
             return None if row is None else "offload"
-        return auto_recommendation(profile, kind, threads, run_isa(), cpu_model())
+        return auto_recommendation(profile, kind, threads, run_isa(), cpu_model(),
+                                   cfg.moe_cache)
 
     return plan_auto(kinds, mc.num_layers, layer_bytes, budget, recommend)
 
 
 def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: str,
-                        cpu: str) -> str | None:
+                        cpu: str, cache: CacheSizing | None = None) -> str | None:
     """What ``--moe-strategy auto`` runs layers of ``kind`` as, from the profile row, on a box
-    with ``threads`` pool workers at ``isa`` on a ``cpu``: the row's recommendation, but
-    offload where the row recommends the CPU (hybrid or cpu) and was measured unlike this run
-    (another thread count, ISA or CPU), since auto must not pick a plan slower than offload on
-    the box it runs on. None when the kind has no row."""
+    with ``threads`` pool workers at ``isa`` on a ``cpu`` with a ``cache`` of experts: the
+    row's recommendation, but offload where the row recommends the CPU (hybrid or cpu) and was
+    measured unlike this run (another thread count, ISA or CPU), or its decode check (made at
+    this cache) measured that strategy slower than offload, since auto must not pick a plan
+    slower than offload on the box it runs on. None when the kind has no row."""
     match = lookup(profile, kind, threads)
     if match.row is None:
         return None
@@ -172,12 +174,26 @@ def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: st
     if rec == "offload":
         return rec
     why = match.unlike(threads, isa, cpu)
-    if why is None:
+    if why is not None:
+        log.info("--moe-strategy auto: the profile row for %s was measured %s, so it cannot "
+                 "say the CPU pays on this box; those layers offload (run `ft bench bw --model "
+                 "<checkpoint>` here to let auto weigh %s)", kind_words(kind), why, rec)
+        return "offload"
+    check = match.row.decode
+    if check is None or cache is None:
         return rec
-    log.info("--moe-strategy auto: the profile row for %s was measured %s, so it cannot say "
-             "the CPU pays on this box; those layers offload (run `ft bench bw --model "
-             "<checkpoint>` here to let auto weigh %s)", kind_words(kind), why, rec)
-    return "offload"
+    if not check.applies(cache):
+        log.info("--moe-strategy auto: the decode check of %s was made with a %s expert "
+                 "cache, not this run's (%s), so the profile's GB/s decide (%s)",
+                 kind_words(kind), human_bytes(check.cache_bytes), cache.describe(), rec)
+        return rec
+    if check.loses(rec):
+        log.info("--moe-strategy auto: the profile's GB/s recommend %s for %s, but its decode "
+                 "check on this box (%s, %s) measured %s; those layers offload",
+                 rec, kind_words(kind), check.model, human_bytes(check.cache_bytes),
+                 check.words())
+        return "offload"
+    return rec
 
 
 def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:

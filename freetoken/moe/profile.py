@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from freetoken import env
+from freetoken.config import human_bytes
 from freetoken.errors import ConfigError
+from freetoken.moe.decode_check import DecodeCheck
 from freetoken.moe.layer_kind import (  # noqa: F401  (the profile's public names)
     PROJECTIONS,
     LayerKind,
@@ -55,7 +57,8 @@ class Row:
     """One benched layer kind, GB/s: CPU MoE and PCIe gather, each alone and overlapped.
 
     ``meta`` is outside the key: isa, cores, activation, gpu, cpu_model, sources (checkpoint
-    paths or presets), threshold, time, commit.
+    paths or presets), threshold, time, commit. ``decode``: the model's decode check
+    (``ft bench bw --decode-check``), which auto weighs above the GB/s.
     """
 
     cpu_gbps: float
@@ -63,6 +66,7 @@ class Row:
     cpu_overlapped_gbps: float
     pcie_overlapped_gbps: float
     meta: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    decode: DecodeCheck | None = None
 
     def __post_init__(self) -> None:
         for name in ("cpu_gbps", "pcie_gbps", "cpu_overlapped_gbps", "pcie_overlapped_gbps"):
@@ -92,7 +96,8 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         return {"cpu_gbps": self.cpu_gbps, "pcie_gbps": self.pcie_gbps,
                 "cpu_overlapped_gbps": self.cpu_overlapped_gbps,
-                "pcie_overlapped_gbps": self.pcie_overlapped_gbps, "meta": dict(self.meta)}
+                "pcie_overlapped_gbps": self.pcie_overlapped_gbps, "meta": dict(self.meta),
+                **({"decode": self.decode.to_json()} if self.decode is not None else {})}
 
     @staticmethod
     def from_json(obj: Any) -> Row:
@@ -103,8 +108,10 @@ class Row:
         missing = [k for k in want if k not in obj]
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
+        decode = obj.get("decode")
         return Row(obj["cpu_gbps"], obj["pcie_gbps"], obj["cpu_overlapped_gbps"],
-                   obj["pcie_overlapped_gbps"], obj.get("meta", {}))
+                   obj["pcie_overlapped_gbps"], obj.get("meta", {}),
+                   None if decode is None else DecodeCheck.from_json(decode))
 
 
 @dataclass(frozen=True)
@@ -324,15 +331,28 @@ def plan_fractions(
 
 
 def format_table(rows: Mapping[str, Row]) -> str:
-    """The rows as a plain-text table (GB/s), one line per key in key order."""
+    """The rows as a plain-text table (GB/s), one line per key in key order; with a decode
+    check, its figures and what auto runs at its cache."""
     head = ("Layer kind", "CPU MoE", "PCIe gather", "Overlapped CPU / PCIe", "Fraction",
-            "Recommended")
+            "Recommended", "Decode check")
     body = [(k, f"{r.cpu_gbps:.1f}", f"{r.pcie_gbps:.1f}",
              f"{r.cpu_overlapped_gbps:.1f} / {r.pcie_overlapped_gbps:.1f}",
-             f"{100 * r.fraction:.1f}%", r.recommended) for k, r in sorted(rows.items())]
+             f"{100 * r.fraction:.1f}%", r.recommended, _check_words(r))
+            for k, r in sorted(rows.items())]
     widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
+    if not any(line[6] for line in body):
+        head, body, widths = head[:6], [line[:6] for line in body], widths[:6]
     return "\n".join(
-        "  ".join(cell.ljust(w) if i in (0, 5) else cell.rjust(w)
+        "  ".join(cell.ljust(w) if i in (0, 5, 6) else cell.rjust(w)
                   for i, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
         for line in (head, *body)
     )
+
+
+def _check_words(row: Row) -> str:
+    check = row.decode
+    if check is None:
+        return ""
+    rec = row.recommended
+    verdict = "auto offloads" if check.loses(rec) else f"auto runs {rec}"
+    return f"{check.words()} at {human_bytes(check.cache_bytes)}: {verdict}"

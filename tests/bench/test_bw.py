@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from freetoken.bench import bandwidth as bw
-from freetoken.bench.bw import CANONICAL, Target, bench_kinds, collect_targets
+from freetoken.bench.bw import CANONICAL, Target, bench_kinds, collect_targets, decode_check
 from freetoken.cli import build_parser, main
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import usable_cores
-from freetoken.moe.profile import LayerKind, cpu_format, load_profile
+from freetoken.errors import ConfigError
+from freetoken.moe.profile import LayerKind, Row, cpu_format, load_profile
 from freetoken.quant import get_format
 
 pytestmark = pytest.mark.skipif(cx.available() is not None, reason=str(cx.available()))
@@ -154,6 +155,10 @@ def test_presets_and_models_share_kinds(mixed_gguf: Path) -> None:
         (["--preset", "tiny", "--experts", "1"], "--experts 1 is fewer than top-k 2"),
         (["--preset", "tiny", "--seconds", "0"], "--seconds must be positive"),
         (["--preset", "tiny", "--threads", "-1"], "--threads must be >= 0"),
+        (["--preset", "tiny", "--decode-check", "4GB"],
+         "--decode-check decodes the checkpoints given with --model; pass one"),
+        (["--model", "/nonexistent/model.gguf", "--decode-check", "4GB", "--decode-tokens", "0"],
+         "--decode-tokens must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line(argv: list[str], message: str, bw_path: Path,
@@ -164,6 +169,36 @@ def test_bad_input_is_one_line(argv: list[str], message: str, bw_path: Path,
     err = capsys.readouterr().err
     assert err.startswith("ft bench: error: ") and message in err and "Traceback" not in err
     assert not bw_path.exists()
+
+
+def test_decode_check_size_is_checked_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "bw", "--model", "m.gguf", "--decode-check", "lots"])
+    assert "'lots' is not a size; write it like 4GB" in capsys.readouterr().err
+
+
+def test_decode_check_runs_the_model_per_recommended_strategy(tmp_path: Path) -> None:
+    """The decode check loads the model itself in a child process per strategy (the real
+    engine on the CPU here) and records offload's figure and the recommended strategy's in
+    every row of that model; rows of a model that recommend offload get none, and a run that
+    fails names its strategy and the child's error."""
+    model = tmp_path / "tiny-q8.gguf"
+    assert main(["synth", "--preset", "tiny", "--expert-format", "q8_0", "--out",
+                 str(model)]) == 0
+    hybrid = Row(100.0, 31.5, 90.0, 30.0, {"sources": [str(model)]})
+    offload = Row(40.0, 50.0, 3.0, 49.0, {"sources": ["other.gguf"]})
+    profile = tmp_path / "benchbw.json"
+    rows = decode_check({"a": hybrid, "b": offload}, [str(model), "other.gguf"], "cpu", 1,
+                        1_000_000, 8, profile)
+    check = rows["a"].decode
+    assert check is not None and set(check.tokens_per_s) == {"offload", "hybrid"}
+    assert all(v > 0 for v in check.tokens_per_s.values())
+    assert (check.model, check.cache_bytes, check.tokens) == (str(model), 1_000_000, 8)
+    assert rows["a"].cpu_gbps == 100.0 and rows["b"] is offload
+    gone = Row(100.0, 31.5, 90.0, 30.0, {"sources": [str(tmp_path / "gone.gguf")]})
+    with pytest.raises(ConfigError, match="decode check's offload run of .*gone.gguf failed"):
+        decode_check({"a": gone}, [str(tmp_path / "gone.gguf")], "cpu", 1, 1_000_000, 8,
+                     profile)
 
 
 def test_cuda_without_a_gpu(bw_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

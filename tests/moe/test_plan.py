@@ -15,6 +15,7 @@ from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import core_plan, plan_cores, usable_cores
+from freetoken.moe.decode_check import DecodeCheck
 from freetoken.moe.layer_kind import LayerKind
 from freetoken.moe.plan import (
     MoEPlan,
@@ -184,6 +185,34 @@ def test_auto_trusts_a_hybrid_row_only_where_it_was_measured(caplog):
     other = Profile(Path("p.json"), {kind.key(15): offload})
     assert auto_recommendation(other, kind, 3, "avx512_bf16", cpu) == "offload"
     assert auto_recommendation(Profile(Path("p.json"), {}), kind, 3, "avx2", cpu) is None
+
+
+def test_auto_offloads_where_the_decode_check_measured_offload_faster(caplog):
+    """A row that recommends hybrid, measured here, whose decode check at this run's expert
+    cache decoded offload faster (the nvfp4 Gemma-4 file on an H100: 65.9 against 60.1) sends
+    auto's layers to offload, saying so; a check where hybrid won keeps hybrid, and one made
+    at another cache leaves the choice to the GB/s, with a line that says so."""
+    kind = LayerKind("gguf", 2816, 704, 8, (("down_type", "8"), ("gate_up_type", "8")))
+    cpu, isa, gb4 = "Some Xeon", "avx512_bf16", 4_000_000_000
+    meta = {"isa": isa, "cpu_model": cpu}
+
+    def auto(check: DecodeCheck, cache: CacheSizing) -> str | None:
+        profile = Profile(Path("p.json"), {kind.key(15): Row(100.0, 31.5, 90.0, 30.0, meta,
+                                                             check)})
+        return auto_recommendation(profile, kind, 15, isa, cpu, cache)
+
+    caplog.set_level(logging.INFO, logger="freetoken.moe.plan")
+    lost = DecodeCheck("g4.gguf", gb4, 128, {"offload": 65.9, "hybrid": 60.1})
+    assert auto(lost, CacheSizing("mem", 4e9)) == "offload"
+    assert "measured offload 65.9, hybrid 60.1 tok/s; those layers offload" in caplog.text
+    won = DecodeCheck("q3.gguf", gb4, 128, {"offload": 25.7, "hybrid": 38.5})
+    assert auto(won, CacheSizing("mem", 4e9)) == "hybrid"
+    caplog.clear()
+    assert auto(lost, CacheSizing("mem", 8e9)) == "hybrid"
+    assert "made with a 4GB expert cache, not this run's (--moe-cache-mem 8GB)" in caplog.text
+    assert auto(lost, CacheSizing("rate", 0.5)) == "hybrid"
+    with pytest.raises(ValueError, match="offload's figure"):
+        DecodeCheck("m", gb4, 128, {"hybrid": 60.1})
 
 
 def test_auto_runs_the_cpu_where_it_alone_is_fastest():

@@ -16,6 +16,7 @@ from freetoken.checkpoint import TensorInfo, open_checkpoint
 from freetoken.checkpoint.synth import resolve_spec, write_synth
 from freetoken.config import ModelConfig
 from freetoken.errors import CheckpointError, ConfigError
+from freetoken.moe.decode_check import DecodeCheck
 from freetoken.moe.profile import (
     FETCH_CAP,
     LayerKind,
@@ -259,6 +260,10 @@ def test_concurrent_saves_keep_every_row(bw_path: Path):
     ('{"version": 6, "layer_kinds": {"bf16:64x32:top2:t1": {"cpu_gbps": -1, "pcie_gbps": 1,'
      ' "cpu_overlapped_gbps": 1, "pcie_overlapped_gbps": 1}}}', "cpu_gbps must be a positive"),
     ('{"version": 7, "layer_kinds": {}}', "newer"),
+    ('{"version": 6, "layer_kinds": {"bf16:64x32:top2:t1": {"cpu_gbps": 1, "pcie_gbps": 1,'
+     ' "cpu_overlapped_gbps": 1, "pcie_overlapped_gbps": 1, "decode": {"model": "m",'
+     ' "cache_bytes": 4000000000, "tokens": 128, "tokens_per_s": {"hybrid": 30.0}}}}}',
+     "needs offload's figure"),
 ])
 def test_unusable_file_names_itself(bw_path: Path, caplog: pytest.LogCaptureFixture, text: str,
                                     why: str):
@@ -284,6 +289,20 @@ def test_older_version_is_ignored_with_a_message(bw_path: Path,
     assert "rerun ft bench bw" in rec.getMessage()
     save_rows({BF16.key(12): row()})  # a bench run replaces the old file
     assert list(load_profile().rows) == [BF16.key(12)]
+
+
+def test_a_decode_check_round_trips_with_its_row(bw_path: Path):
+    """A row's decode check is saved and read back whole; a row benched again without one
+    replaces it (a new measurement of the box drops the old verdict)."""
+    check = DecodeCheck("/m/q3.gguf", 4_000_000_000, 128, {"offload": 25.7, "hybrid": 38.5})
+    save_rows({BF16.key(12): Row(100.0, 31.5, 90.0, 30.0, {}, check)})
+    (back,) = load_profile().rows.values()
+    assert back.decode == check and dict(back.decode.tokens_per_s) == dict(check.tokens_per_s)
+    assert "offload 25.7, hybrid 38.5 tok/s at 4GB: auto runs hybrid" in format_table(
+        {BF16.key(12): back})
+    save_rows({BF16.key(12): row()})
+    assert load_profile().rows[BF16.key(12)].decode is None
+    assert "Decode check" not in format_table(load_profile().rows)
 
 
 def test_save_moves_a_damaged_file_aside(bw_path: Path, caplog: pytest.LogCaptureFixture):

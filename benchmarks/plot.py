@@ -317,6 +317,42 @@ def small_box_plot(sha: str = "31231cc", layers: int = 48) -> None:
     plt.close(fig)
 
 
+def decode_check_plot(sha: str = "c266304") -> None:
+    """``ft bench bw --decode-check`` per file: offload and hybrid as the check measured them,
+    then offload and auto in their own processes (medians), from one sitting's small_box
+    files and the profiles they read."""
+    files = {"gemma4-26b-a4b-nvfp4-30l": "gemma4-nvfp4-30l-h100", "qwen3-30b-a3b-48l":
+             "qwen3-48l-h100"}
+    bars = []
+    for label, profile in files.items():
+        runs = [json.loads(f.read_text()) for f in sorted(
+            (ROOT / "benchmarks/results").glob(f"small_box-{label}-*.json"))]
+        runs = [d for d in runs if str(d.get("sha", "")).startswith(sha)]
+        prof = ROOT / f"benchmarks/results/benchbw-{sha}/{profile}.json"
+        if not runs or not prof.exists():
+            return
+        (row,) = json.loads(prof.read_text())["layer_kinds"].values()
+        check = row["decode"]["tokens_per_s"]
+        medians = runs[-1]["rows"][0]["medians"]
+        bars.append((label, check["offload"], check["hybrid"], medians["offload"],
+                     medians["auto"]))
+    names = ("check: offload", "check: hybrid", "offload", "auto")
+    colors = ("#bbbbbb", "#9fb8d8", "#888888", "#6a9955")
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i, (_, *values) in enumerate(bars):
+        for k, (v, name, color) in enumerate(zip(values, names, colors, strict=True)):
+            ax.bar(i + (k - 1.5) * 0.2, v, width=0.18, color=color,
+                   label=name if i == 0 else None)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title(f"ft bench bw --decode-check, then auto; 4 GB cache, 15 threads, H100 ({sha})",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ROOT / f"docs/img/decode_check_{sha}.png", dpi=120)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     generate_plot()
     serve_plot()
@@ -341,3 +377,4 @@ if __name__ == "__main__":
     split_runs_plot()
     small_box_plot()
     small_box_plot("a42b429")
+    decode_check_plot()

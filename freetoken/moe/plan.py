@@ -180,7 +180,12 @@ def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: st
                  "<checkpoint>` here to let auto weigh %s)", kind_words(kind), why, rec)
         return "offload"
     check = match.row.decode
-    if check is None or cache is None:
+    if cache is None:
+        return rec
+    if check is None:
+        log.info("--moe-strategy auto: %s runs %s from the profile's GB/s alone; `ft bench bw "
+                 "--model <checkpoint> --decode-check <--moe-cache-mem>` decodes both here "
+                 "and offloads where offload is faster", kind_words(kind), rec)
         return rec
     if not check.applies(cache):
         log.info("--moe-strategy auto: the decode check of %s was made with a %s expert "

@@ -211,6 +211,11 @@ def test_auto_offloads_where_the_decode_check_measured_offload_faster(caplog):
     assert auto(lost, CacheSizing("mem", 8e9)) == "hybrid"
     assert "made with a 4GB expert cache, not this run's (--moe-cache-mem 8GB)" in caplog.text
     assert auto(lost, CacheSizing("rate", 0.5)) == "hybrid"
+    caplog.clear()
+    unchecked = Profile(Path("p.json"), {kind.key(15): Row(100.0, 31.5, 90.0, 30.0, meta)})
+    assert auto_recommendation(unchecked, kind, 15, isa, cpu, CacheSizing("mem", 4e9)) == \
+        "hybrid"
+    assert "from the profile's GB/s alone" in caplog.text and "--decode-check" in caplog.text
     with pytest.raises(ValueError, match="offload's figure"):
         DecodeCheck("m", gb4, 128, {"hybrid": 60.1})
 

@@ -63,7 +63,7 @@ def one_length(engine: Engine, n: int, repeats: int, trace: bool) -> dict[str, A
                            "experts": moe}
     if trace:
         acts = [torch.profiler.ProfilerActivity.CPU]
-        cuda = torch.cuda.is_available() and engine.config.device == "cuda"
+        cuda = torch.cuda.is_available() and engine.runner.device.type == "cuda"
         if cuda:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=acts) as prof:

@@ -1,6 +1,10 @@
 """The prefill stream: a call that misses most of a layer's experts (a prefill chunk) reads
 them through two staging buffers on the device instead of the expert cache, which it leaves
-alone. The copy of chunk k+1 overlaps the compute of chunk k."""
+alone. The copy of chunk k+1 overlaps the compute of chunk k, and a chunk's experts are
+dequantised together, a projection at a time (the same values as one by one: the formats'
+dequantisation is elementwise), not expert by expert. On an H100 the one-by-one way filled the
+prompt's time: 8 of the 48 qwen3-30b-a3b q8_0 layers took 0.32 s for a 512-token prompt, of
+which 0.12 s were some 7,000 small copies and 0.10 s the link's 946 experts."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from freetoken.kernels.expert_matmul import Weights
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.runtime import STREAM_CHUNK, OffloadRuntime
 from freetoken.moe.stats import Span
+
+DEQUANT_BYTES = 512 << 20  # the most float32 weight bytes a stream dequantises at once
 
 
 class PrefillStream:
@@ -28,6 +34,11 @@ class PrefillStream:
         self.used: dict[int, torch.cuda.Event] = {}  # chunk -> end of its compute
         self.spans: list[Span] = []
         self.current = -1
+        # experts dequantised at once: a chunk, or fewer where their float32 weights would pass
+        # DEQUANT_BYTES (the transient memory of a prompt's layer call)
+        elements = sum(rows * cols for rows, cols in bank.layout.shapes)
+        self.group = max(1, min(STREAM_CHUNK, DEQUANT_BYTES // (4 * elements)))
+        self.dequantised: tuple[tuple[int, int], Weights] | None = None  # (chunk, group)
         if self.chunks:
             self._load(0)
 
@@ -37,6 +48,21 @@ class PrefillStream:
                                   self.bank, self.chunks[k], after)
         self.spans.append(span)
         self.loaded[k] = done
+
+    def weights(self, e: int, weights: Callable[[torch.Tensor], Weights]) -> Weights:
+        """Expert ``e``'s weights: its group's rows (``group`` of its chunk's) given to
+        ``weights`` at once (stacked projections, one row per expert) when the group is first
+        read, then its slices."""
+        k, i = self.where[e]
+        self.row(e)  # the chunk current and loaded
+        key = (k, i // self.group)
+        if self.dequantised is None or self.dequantised[0] != key:
+            lo = key[1] * self.group
+            rows = self.buffers[k % 2][lo : min(lo + self.group, len(self.chunks[k]))]
+            self.dequantised = (key, weights(rows))
+        gate, up, down = self.dequantised[1]
+        j = i % self.group
+        return gate[j], up[j], down[j]
 
     def row(self, e: int) -> torch.Tensor:
         k, i = self.where[e]
@@ -69,11 +95,12 @@ def streamed_call(rt: OffloadRuntime, bank: HostBank, layer: int, tokens: int,
                   weights: Callable[[torch.Tensor], Weights]) -> torch.Tensor:
     """One call of ``tokens`` tokens with ``misses`` streamed and ``hits`` (expert -> its
     slot's row) read in place: ``compute`` runs the call's experts, given each expert's weights
-    (``weights`` of a row); the call's counts go to the runtime's stats."""
+    (``weights`` of a row, or of stacked rows: one leading dimension more on each projection);
+    the call's counts go to the runtime's stats."""
     rt.wait_copies()  # hits that look-ahead fetched (before the stream's own copies)
     stream = PrefillStream(rt, bank, misses)
     span = rt.stats.span()
-    out = compute(lambda e: weights(hits[e] if e in hits else stream.row(e)))
+    out = compute(lambda e: weights(hits[e]) if e in hits else stream.weights(e, weights))
     rt.stats.record(layer, tokens, len(hits), 0, len(misses) * bank.expert_bytes,
                     streamed=len(misses), fetch=stream.finish(), compute=span.stop())
     return out

@@ -19,7 +19,7 @@ from freetoken.moe.host_banks import BankBuilder, check_host_memory
 from freetoken.moe.offload import offload_stats
 from freetoken.moe.plan import ExpertGroup, plan_moe_cache
 from freetoken.moe.slot_pool import SlotPool
-from freetoken.quant import QuantTensor, get_format
+from freetoken.quant import FORMATS, QuantTensor, get_format
 from tests.models.helpers import load_ours, our_logits
 
 IDS = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9, 77, 180, 2, 33, 101, 8, 19, 240,
@@ -242,6 +242,58 @@ def test_offload_logits_equal_resident_bitwise(checkpoint, slots):
             assert set(kinds) == {"q8_0", "bf16"}
         for key in ("fetch_s", "compute_s", "plan_s"):
             assert sum(k[key] for k in kinds.values()) == pytest.approx(stats[key])
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_prompt_streamed_in_dequantisation_groups_equals_resident(tiny_qwen3_moe, tmp_path,
+                                                                    monkeypatch, group):
+    """Experts too large to dequantise a whole staging chunk at once (DEQUANT_BYTES) go in
+    groups of fewer, one at a time or a group that does not divide the chunk: a prompt that
+    streams every layer's experts still gives resident's bits."""
+    from freetoken.moe import prefill_stream
+    from freetoken.moe.offload import OffloadExperts
+
+    path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
+                           lambda n, s: "q8_0" if ".experts." in n else "f32")
+    resident = our_logits(load_ours(path), IDS, prefill=len(IDS))
+    model = load_ours(path, strategy="offload", cache=CacheSizing("size", 1))
+    (bank, *_) = [m.bank for m in model.modules() if isinstance(m, OffloadExperts)]
+    elements = sum(r * c for r, c in bank.layout.shapes)
+    monkeypatch.setattr(prefill_stream, "DEQUANT_BYTES", group * 4 * elements)
+    # chunks of 5 of the 8 experts: a whole chunk and a partial one (staging holds 8 rows)
+    monkeypatch.setattr(prefill_stream, "STREAM_CHUNK", 5)
+    groups = []
+    weights = prefill_stream.PrefillStream.weights
+
+    def spy(self, e, of):
+        groups.append(self.group)
+        return weights(self, e, of)
+
+    monkeypatch.setattr(prefill_stream.PrefillStream, "weights", spy)
+    assert torch.equal(our_logits(model, IDS, prefill=len(IDS)), resident)
+    assert groups and set(groups) == {group}
+    assert bank.num_experts == 8
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_chunks_experts_dequantised_together_are_each_ones_bits(fmt, device):
+    """The prefill stream dequantises a staging chunk's experts in one go, a projection at a
+    time; each expert's slice is the same bits as that expert dequantised alone (what the
+    stream did before, and what resident holds), in every format, at float32 and bfloat16."""
+    E, H, I = 3, 512, 256
+    torch.manual_seed(0)
+    builder = BankBuilder(0, E, H, I)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        builder.add(proj, get_format(fmt).quantize(torch.randn((E, *builder.want(proj)))))
+    bank = builder.build(pinned=False)
+    rows = bank.rows.to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            together = bank.layout.weight(rows, proj, dtype)
+            assert together.shape == (E, *builder.want(proj))
+            for e in range(E):
+                assert torch.equal(together[e], bank.layout.weight(rows[e], proj, dtype))
 
 
 @pytest.mark.parametrize("slots", [4, 6])

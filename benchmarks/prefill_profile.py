@@ -2,14 +2,18 @@
 token (one untimed prompt of that length first, then the best of ``--repeats``), the expert
 stats of the timed prompt (streamed, fetched, hits, fetch and compute seconds), and a
 torch.profiler run of one more prompt: the ops with the most device time and the most host
-time, so that a prompt whose time does not follow its length shows what it waits on.
+time, so that a prompt whose time does not follow its length shows what it waits on. Each
+``--dequant`` way (FREETOKEN_PREFILL_DEQUANT: ``expert``, ``chunk``) is timed at each length
+in the same process.
 
-    python benchmarks/prefill_profile.py --model M.gguf --strategy offload --tokens 512,4096
+    python benchmarks/prefill_profile.py --model M.gguf --strategy offload --tokens 512,4096 \
+        --dequant expert,chunk
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -86,6 +90,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", default="512,4096", help="prompt lengths, comma separated")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dequant", default="expert",
+                   help="FREETOKEN_PREFILL_DEQUANT ways to time, comma separated (expert, chunk)")
     p.add_argument("--moe-cache-mem", default="4GB")
     p.add_argument("--moe-cpu-threads", type=int, default=0)
     p.add_argument("--no-trace", action="store_true", help="skip the profiler run")
@@ -103,14 +109,17 @@ def main() -> None:
     engine = Engine(cfg, progress=False)
     runs = []
     for n in lengths:
-        runs.append(one_length(engine, n, args.repeats, not args.no_trace))
-        r = runs[-1]
-        print(f"{n} tokens: {r['tokens_per_s']:.1f} tok/s ({r['first_token_s']:.2f} s); "
-              f"experts {r['experts']}", flush=True)
-        for table in ("device_ops", "host_ops"):
-            for row in r.get(table, [])[:6]:
-                print(f"  {table} {row['self_us'] / 1e3:9.1f} ms {row['calls']:6d}x "
-                      f"{row['op'][:70]}", flush=True)
+        for way in args.dequant.split(","):
+            os.environ["FREETOKEN_PREFILL_DEQUANT"] = way
+            runs.append({"dequant": way, **one_length(engine, n, args.repeats,
+                                                      not args.no_trace)})
+            r = runs[-1]
+            print(f"{n} tokens, dequant {way}: {r['tokens_per_s']:.1f} tok/s "
+                  f"({r['first_token_s']:.2f} s); experts {r['experts']}", flush=True)
+            for table in ("device_ops", "host_ops"):
+                for row in r.get(table, [])[:6]:
+                    print(f"  {table} {row['self_us'] / 1e3:9.1f} ms {row['calls']:6d}x "
+                          f"{row['op'][:70]}", flush=True)
     result = {"bench": "prefill_profile", **git_state(args.git_sha), **host(),
               "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "runs": runs}

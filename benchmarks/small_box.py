@@ -137,7 +137,8 @@ def main() -> None:
 
     def save() -> None:  # after every run: a call cut by its time limit keeps what it measured
         result = {"bench": "small_box", **git_state(args.git_sha), **host(),
-                  "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": rows}
+                  "params": {k: str(v) if isinstance(v, Path) else v
+                             for k, v in vars(args).items()}, "rows": rows}
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -144,3 +144,14 @@ def cpu_host_node() -> str:
     ``off`` (default: a host step between two graph pieces per layer) or ``on`` (each job a
     host node inside the graph, run by the CUDA driver's thread: one replay a step)."""
     return _choice("FREETOKEN_CPU_HOST_NODE", CPU_HOST_NODES)
+
+
+PREFILL_DEQUANTS = ("expert", "chunk")
+
+
+def prefill_dequant() -> str:
+    """FREETOKEN_PREFILL_DEQUANT: how a prompt's streamed experts are dequantised before their
+    matmuls: ``expert`` (default: one by one) or ``chunk`` (a staging chunk's experts
+    together, a projection at a time: fewer, larger copies, the same bits; on the CPU it took
+    2.2x as long, its large buffers fresh each time; not yet measured on a GPU)."""
+    return _choice("FREETOKEN_PREFILL_DEQUANT", PREFILL_DEQUANTS)

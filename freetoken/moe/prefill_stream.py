@@ -1,10 +1,11 @@
 """The prefill stream: a call that misses most of a layer's experts (a prefill chunk) reads
 them through two staging buffers on the device instead of the expert cache, which it leaves
-alone. The copy of chunk k+1 overlaps the compute of chunk k, and a chunk's experts are
-dequantised together, a projection at a time (the same values as one by one: the formats'
-dequantisation is elementwise), not expert by expert. On an H100 the one-by-one way filled the
-prompt's time: 8 of the 48 qwen3-30b-a3b q8_0 layers took 0.32 s for a 512-token prompt, of
-which 0.12 s were some 7,000 small copies and 0.10 s the link's 946 experts."""
+alone. The copy of chunk k+1 overlaps the compute of chunk k. Each expert is dequantised before
+its matmuls, one by one; with FREETOKEN_PREFILL_DEQUANT=chunk a chunk's experts are
+dequantised together, a projection at a time (the same values: the formats' dequantisation is
+elementwise). On an H100 the one-by-one way filled the prompt's time: 8 of the 48
+qwen3-30b-a3b q8_0 layers took 0.32 s for a 512-token prompt, of which 0.12 s were some 7,000
+small copies and 0.10 s the link's 946 experts; the chunk's way is not yet measured there."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from freetoken import env
 from freetoken.kernels.expert_matmul import Weights
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.runtime import STREAM_CHUNK, OffloadRuntime
@@ -36,8 +38,10 @@ class PrefillStream:
         self.current = -1
         # experts dequantised at once: a chunk, or fewer where their float32 weights would pass
         # DEQUANT_BYTES (the transient memory of a prompt's layer call)
+        # (FREETOKEN_PREFILL_DEQUANT=chunk; else one at a time)
         elements = sum(rows * cols for rows, cols in bank.layout.shapes)
-        self.group = max(1, min(STREAM_CHUNK, DEQUANT_BYTES // (4 * elements)))
+        self.group = (max(1, min(STREAM_CHUNK, DEQUANT_BYTES // (4 * elements)))
+                      if env.prefill_dequant() == "chunk" else 1)
         self.dequantised: tuple[tuple[int, int], Weights] | None = None  # (chunk, group)
         if self.chunks:
             self._load(0)

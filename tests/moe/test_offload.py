@@ -244,12 +244,13 @@ def test_offload_logits_equal_resident_bitwise(checkpoint, slots):
             assert sum(k[key] for k in kinds.values()) == pytest.approx(stats[key])
 
 
-@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("group", [1, 3, 8])
 def test_a_prompt_streamed_in_dequantisation_groups_equals_resident(tiny_qwen3_moe, tmp_path,
                                                                     monkeypatch, group):
-    """Experts too large to dequantise a whole staging chunk at once (DEQUANT_BYTES) go in
-    groups of fewer, one at a time or a group that does not divide the chunk: a prompt that
-    streams every layer's experts still gives resident's bits."""
+    """FREETOKEN_PREFILL_DEQUANT=chunk: a staging chunk's experts dequantised together, or in
+    groups of fewer where they would pass DEQUANT_BYTES (one at a time, or a group that does
+    not divide the chunk): a prompt that streams every layer's experts gives resident's
+    bits."""
     from freetoken.moe import prefill_stream
     from freetoken.moe.offload import OffloadExperts
 
@@ -259,6 +260,7 @@ def test_a_prompt_streamed_in_dequantisation_groups_equals_resident(tiny_qwen3_m
     model = load_ours(path, strategy="offload", cache=CacheSizing("size", 1))
     (bank, *_) = [m.bank for m in model.modules() if isinstance(m, OffloadExperts)]
     elements = sum(r * c for r, c in bank.layout.shapes)
+    monkeypatch.setenv("FREETOKEN_PREFILL_DEQUANT", "chunk")
     monkeypatch.setattr(prefill_stream, "DEQUANT_BYTES", group * 4 * elements)
     # chunks of 5 of the 8 experts: a whole chunk and a partial one (staging holds 8 rows)
     monkeypatch.setattr(prefill_stream, "STREAM_CHUNK", 5)
@@ -271,7 +273,7 @@ def test_a_prompt_streamed_in_dequantisation_groups_equals_resident(tiny_qwen3_m
 
     monkeypatch.setattr(prefill_stream.PrefillStream, "weights", spy)
     assert torch.equal(our_logits(model, IDS, prefill=len(IDS)), resident)
-    assert groups and set(groups) == {group}
+    assert groups and set(groups) == {min(group, 5)}
     assert bank.num_experts == 8
 
 
@@ -281,9 +283,9 @@ def test_a_chunks_experts_dequantised_together_are_each_ones_bits(fmt, device):
     """The prefill stream dequantises a staging chunk's experts in one go, a projection at a
     time; each expert's slice is the same bits as that expert dequantised alone (what the
     stream did before, and what resident holds), in every format, at float32 and bfloat16."""
-    E, H, I = 3, 512, 256
+    E, H, inter = 3, 512, 256
     torch.manual_seed(0)
-    builder = BankBuilder(0, E, H, I)
+    builder = BankBuilder(0, E, H, inter)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         builder.add(proj, get_format(fmt).quantize(torch.randn((E, *builder.want(proj)))))
     bank = builder.build(pinned=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -308,12 +309,17 @@ def small_box_plot(sha: str = "31231cc", layers: int = 48) -> None:
                    label=name if i == 0 else None)
     ax.set_xticks(range(len(rows)), [f"{r['cores']} cores, {r['isa']}, {r['threads']} threads"
                                      for r in rows], fontsize=7)
+    _decode_bars_done(fig, ax, f"{layers}-layer qwen3-30b-a3b q8_0 under taskset, 4 GB "
+                      f"cache, H100 ({sha})", f"small_box_{layers}l_{sha}.png")
+
+
+def _decode_bars_done(fig: Any, ax: Any, title: str, name: str) -> None:
+    """A decode tok/s bar plot's labels, legend and file (docs/img/``name``)."""
     ax.set_ylabel("decode tok/s (temperature 1)")
-    ax.set_title(f"{layers}-layer qwen3-30b-a3b q8_0 under taskset, 4 GB cache, H100 ({sha})",
-                 fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ROOT / f"docs/img/small_box_{layers}l_{sha}.png", dpi=120)
+    fig.savefig(ROOT / "docs/img" / name, dpi=120)
     plt.close(fig)
 
 
@@ -344,13 +350,8 @@ def decode_check_plot(sha: str = "c266304") -> None:
             ax.bar(i + (k - 1.5) * 0.2, v, width=0.18, color=color,
                    label=name if i == 0 else None)
     ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
-    ax.set_ylabel("decode tok/s (temperature 1)")
-    ax.set_title(f"ft bench bw --decode-check, then auto; 4 GB cache, 15 threads, H100 ({sha})",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(ROOT / f"docs/img/decode_check_{sha}.png", dpi=120)
-    plt.close(fig)
+    _decode_bars_done(fig, ax, f"ft bench bw --decode-check, then auto; 4 GB cache, 15 threads, "
+                      f"H100 ({sha})", f"decode_check_{sha}.png")
 
 
 if __name__ == "__main__":

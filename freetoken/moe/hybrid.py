@@ -104,6 +104,8 @@ class HybridExperts(OffloadExperts):
             costs.check.layers = costs.layers
             if plan.split_from and plan.online:  # the profile's split: held until beaten
                 costs.check.use_profile(f)
+            if plan.start_fetch and plan.online:  # its decode check lost to offload
+                costs.check.start_fetch()
         self.policy = SplitPolicy(f, plan.max_fetch, plan.online,
                                   probe_fraction=f if f is not None and f < 1 else 0.5,
                                   costs=costs)

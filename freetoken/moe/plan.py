@@ -241,10 +241,12 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
     matches: dict[int, Match] = plan_fractions(load_profile_or_empty(), kinds, threads,
                                                str(ckpt.path))
     cap = None if cfg.moe_hybrid_max_fetch == AUTO else int(cfg.moe_hybrid_max_fetch)
+    slower = {i for ids in kinds.values() if checked_slower(matches[ids[0]], cfg.moe_cache)
+              for i in ids}
     for i in hybrid:
         m = matches[i]
         layers[i] = LayerPlan("hybrid", m.fraction, cap if m.row else (cap or m.max_fetch),
-                              cfg.moe_hybrid_online, m.used or "")
+                              cfg.moe_hybrid_online, m.used or "", i in slower)
     for kind, ids in kinds.items():
         p = layers[ids[0]]
         what = (f"at {100 * p.fetch_fraction:.1f} % (row {p.split_from})"
@@ -254,6 +256,22 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
                  ", corrected online" if cfg.moe_hybrid_online else "",
                  "; a step with a greedy request fetches every miss (--moe-hybrid-greedy)"
                  if cfg.moe_hybrid_greedy == "fetch" else "")
+        if ids[0] in slower:
+            check = matches[ids[0]].row.decode  # type: ignore[union-attr]
+            log.warning("--moe-strategy hybrid on %s layers: the profile's decode check on this "
+                        "box (%s, %s) measured %s, so offload decodes faster here; %s",
+                        kind_words(kind), check.model, human_bytes(check.cache_bytes),
+                        check.words(), "the split starts at all-fetch (offload's pace) and the "
+                        "wall check tries the model's split now and then; --moe-strategy "
+                        "offload runs no check" if cfg.moe_hybrid_online else
+                        "--moe-strategy offload (or auto) would run it")
+
+
+def checked_slower(match: Match, cache: CacheSizing) -> bool:
+    """Whether the row's decode check, made at this ``cache``, measured hybrid slower than
+    offload on this box."""
+    check = match.row.decode if match.row is not None else None
+    return check is not None and check.applies(cache) and check.loses("hybrid")
 
 
 def _cache_budget(cfg: EngineConfig, ckpt: Checkpoint, strategies: tuple[str, ...],

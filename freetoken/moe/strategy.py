@@ -73,7 +73,10 @@ class LayerPlan:
 
     ``fetch_fraction`` and ``max_fetch`` are hybrid's split: the share of misses fetched
     (None: measured online before it is known) and the fetched experts per call at most (None:
-    no cap); ``split_from`` names the bandwidth-profile row they came from ("" for none).
+    no cap); ``split_from`` names the bandwidth-profile row they came from ("" for none);
+    ``start_fetch``: that row's decode check measured hybrid slower than offload at this
+    cache, so the split starts holding all-fetch (offload's pace) until a wall check finds
+    better.
     """
 
     strategy: str = "resident"
@@ -81,6 +84,7 @@ class LayerPlan:
     max_fetch: int | None = None
     online: bool = True
     split_from: str = ""
+    start_fetch: bool = False
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
                  prefill_at: int = -1, idle_at: int = -1, rows_from: tuple[int, int] = (-1, 1),
                  switch_s: float = 0.0, profile: float | None = None,
                  profile_s: float = 0.0, cpu_s: float = 200e-6,
-                 counts: list[list[int]] | None = None,
+                 counts: list[list[int]] | None = None, start_fetch: bool = False,
                  ) -> tuple[list[SplitPolicy], WallCheck, list[int]]:
     """``layers`` policies of one kind whose model gives the CPU half of 8 misses (a fixed
     0.5, nothing observed); each decode call takes ``split_s`` when the CPU had a share and
@@ -205,10 +205,12 @@ def _checked_run(layers: int, tokens: int, split_s: float, fetch_s: float,
     or the other way round. ``cpu_s``: a call with every miss on the CPU (the cpu arm);
     ``profile``: the profile's fetched share, an arm held from the start, whose calls
     (``profile * 8`` fetched) take ``profile_s``; ``counts`` gets each token's fetch
-    counts."""
+    counts; ``start_fetch``: the check starts holding all-fetch (a decode check lost)."""
     clock = _Clock()
     check = WallCheck(layers=layers, clock=clock)
     check.use_profile(profile)
+    if start_fetch:
+        check.start_fetch()
     costs = SplitCosts(layers=layers, check=check)
     policies = [SplitPolicy(0.5, None, costs=costs) for _ in range(layers)]
     fetched_all, was_all = [], [False] * layers
@@ -270,6 +272,27 @@ def test_the_wall_check_keeps_a_cpu_share_that_pays():
     assert fetched_all[last + ARM:last + ARM + CUT] == [4] * CUT
     assert not any(fetched_all[last + ARM + CUT:])
     assert check._wait == 16 * CHECK_FIRST <= CHECK_LONGEST
+
+
+def test_a_split_whose_decode_check_lost_starts_at_all_fetch():
+    """The profile's decode check measured hybrid slower than offload (the nvfp4 Gemma-4
+    file: the profile's split 702 us a layer call, all-fetch 566, the model's 650): all-fetch
+    is held from the first token, and the first check times it and the model's split only
+    (the profile's and the cpu arm sit it out), then holds all-fetch; the next check tries
+    every arm again."""
+    layers = 4
+    first = CHECK_FIRST + 2 * ARM
+    _, check, fetched_all = _checked_run(layers, first + 2 * CHECK_FIRST + 1, split_s=110e-6,
+                                         fetch_s=100e-6, profile=0.25, profile_s=124e-6,
+                                         start_fetch=True)
+    assert fetched_all[:CHECK_FIRST + ARM] == [layers] * (CHECK_FIRST + ARM)
+    assert fetched_all[CHECK_FIRST + ARM:first] == [0] * ARM  # the model's split, whole
+    assert fetched_all[first:] == [layers] * (2 * CHECK_FIRST + 1)
+    assert [v.choice for v in check.verdicts] == ["fetch"]
+    assert check.verdicts[0].seconds == pytest.approx({"fetch": 100e-6, "split": 110e-6})
+    # two arms' calls (the held arm's too); the check ends in the next token's first calls
+    assert 2 * ARM * layers <= check.arm_calls < (2 * ARM + 1) * layers
+    assert [a for a in check.arms if check._sits(a)] == []  # back at the next check
 
 
 def test_the_wall_check_holds_the_profiles_split_until_an_arm_beats_it():

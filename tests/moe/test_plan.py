@@ -16,7 +16,7 @@ from freetoken.config import CacheSizing, EngineConfig
 from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import core_plan, plan_cores, usable_cores
 from freetoken.moe.decode_check import DecodeCheck
-from freetoken.moe.layer_kind import LayerKind
+from freetoken.moe.layer_kind import LayerKind, layer_kinds
 from freetoken.moe.plan import (
     MoEPlan,
     auto_recommendation,
@@ -218,6 +218,44 @@ def test_auto_offloads_where_the_decode_check_measured_offload_faster(caplog):
     assert "from the profile's GB/s alone" in caplog.text and "--decode-check" in caplog.text
     with pytest.raises(ValueError, match="offload's figure"):
         DecodeCheck("m", gb4, 128, {"hybrid": 60.1})
+
+
+@needs_pool
+@pytest.mark.parametrize("hybrid_tps, online", [(38.5, True), (38.5, False), (60.1, True)])
+def test_hybrid_asked_for_starts_at_all_fetch_where_its_check_lost(
+        q8_gguf, monkeypatch, tmp_path, caplog, hybrid_tps, online):
+    """--moe-strategy hybrid runs what was asked for; where the row's decode check at this
+    cache measured it slower than offload, that is a warning naming both figures, and an
+    online split starts holding all-fetch (offload's pace) with the profile's and the cpu arm
+    sitting the first wall check out. A check hybrid won changes nothing."""
+    from freetoken.moe.hybrid import HybridExperts
+    from freetoken.moe.profile import save_rows
+    from tests.models.helpers import load_ours
+
+    path = tmp_path / "benchbw.json"
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(path))
+    threads = len(core_plan(usable_cores(), True, 1).workers)
+    (kind,) = layer_kinds(open_checkpoint(q8_gguf))
+    check = DecodeCheck(str(q8_gguf), 100_000, 128, {"offload": 50.0, "hybrid": hybrid_tps})
+    save_rows({kind.key(threads): Row(100.0, 31.5, 90.0, 30.0, {}, check)}, path)
+    lost = hybrid_tps < 50.0
+    cfg = _cfg(q8_gguf, "hybrid", moe_cpu_threads=1, moe_hybrid_online=online,
+               moe_cache=CacheSizing("mem", 100_000))
+    with caplog.at_level("INFO"):
+        plan = plan_moe(cfg, open_checkpoint(q8_gguf), torch.device("cpu"))
+    assert plan.layers[0].start_fetch == plan.layers[2].start_fetch == lost
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"measured offload 50.0, hybrid {hybrid_tps} tok/s, so offload decodes faster"
+               in m for m in said) == lost
+    if not (lost and online):
+        return
+    assert any("the split starts at all-fetch" in m for m in said)
+    model = load_ours(q8_gguf, strategy="hybrid", cache=CacheSizing("mem", 100_000))
+    (costs,) = {id(m.policy.costs): m.policy.costs for m in model.modules()
+                if isinstance(m, HybridExperts)}.values()
+    assert costs.check.choice == "fetch" and costs.check.benched
+    assert costs.check.arms == ("fetch", "split", "cpu", "profile")
+    assert [a for a in costs.check.arms if costs.check._sits(a)] == ["cpu", "profile"]
 
 
 def test_auto_runs_the_cpu_where_it_alone_is_fastest():

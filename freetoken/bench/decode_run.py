@@ -27,6 +27,7 @@ from freetoken.errors import ConfigError
 WARMUP = 16  # untimed tokens first: the first steps' graph replays and the pool waking
 PROMPT = "Tell me about the history of the printing press and how it changed Europe."
 GRAPH_BATCH = 16  # decode graphs up to this batch on a GPU, as `ft serve` captures by default
+CHILD_TIMEOUT_S = 3600.0  # a run that takes longer is stuck (a 30 GB file loads in about a minute)
 
 
 def decode_tokens_per_s(model: str, strategy: str, device: str, threads: int,
@@ -37,8 +38,15 @@ def decode_tokens_per_s(model: str, strategy: str, device: str, threads: int,
     spec = {"model": model, "strategy": strategy, "device": device, "threads": threads,
             "cache_bytes": cache_bytes, "tokens": tokens}
     child_env = {**os.environ, env.BENCHBW_PATH: str(profile)}
-    done = subprocess.run([sys.executable, "-m", "freetoken.bench.decode_run", json.dumps(spec)],
-                          capture_output=True, text=True, env=child_env)
+    try:
+        done = subprocess.run([sys.executable, "-m", "freetoken.bench.decode_run",
+                               json.dumps(spec)], capture_output=True, text=True, env=child_env,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        tail = " | ".join((said or "").strip().splitlines()[-3:]) or "nothing"
+        raise ConfigError(f"the decode check's {strategy} run of {model} did not finish in "
+                          f"{CHILD_TIMEOUT_S:g} s and was stopped; its last lines: {tail}") from e
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])

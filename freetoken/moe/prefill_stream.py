@@ -36,9 +36,8 @@ class PrefillStream:
         self.used: dict[int, torch.cuda.Event] = {}  # chunk -> end of its compute
         self.spans: list[Span] = []
         self.current = -1
-        # experts dequantised at once: a chunk, or fewer where their float32 weights would pass
-        # DEQUANT_BYTES (the transient memory of a prompt's layer call)
-        # (FREETOKEN_PREFILL_DEQUANT=chunk; else one at a time)
+        # experts dequantised at once (FREETOKEN_PREFILL_DEQUANT=chunk): a chunk, or fewer
+        # where their float32 weights would pass DEQUANT_BYTES; else one at a time
         elements = sum(rows * cols for rows, cols in bank.layout.shapes)
         self.group = (max(1, min(STREAM_CHUNK, DEQUANT_BYTES // (4 * elements)))
                       if env.prefill_dequant() == "chunk" else 1)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from freetoken.bench import bandwidth as bw
+from freetoken.bench import decode_run
 from freetoken.bench.bw import CANONICAL, Target, bench_kinds, collect_targets, decode_check
 from freetoken.cli import build_parser, main
 from freetoken.cpu import executor as cx
@@ -177,11 +178,12 @@ def test_decode_check_size_is_checked_by_the_parser(capsys: pytest.CaptureFixtur
     assert "'lots' is not a size; write it like 4GB" in capsys.readouterr().err
 
 
-def test_decode_check_runs_the_model_per_recommended_strategy(tmp_path: Path) -> None:
+def test_decode_check_runs_the_model_per_recommended_strategy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode check loads the model itself in a child process per strategy (the real
     engine on the CPU here) and records offload's figure and the recommended strategy's in
     every row of that model; rows of a model that recommend offload get none, and a run that
-    fails names its strategy and the child's error."""
+    fails or is stuck names its strategy and the child's last lines."""
     model = tmp_path / "tiny-q8.gguf"
     assert main(["synth", "--preset", "tiny", "--expert-format", "q8_0", "--out",
                  str(model)]) == 0
@@ -195,6 +197,11 @@ def test_decode_check_runs_the_model_per_recommended_strategy(tmp_path: Path) ->
     assert all(v > 0 for v in check.tokens_per_s.values())
     assert (check.model, check.cache_bytes, check.tokens) == (str(model), 1_000_000, 8)
     assert rows["a"].cpu_gbps == 100.0 and rows["b"] is offload
+    monkeypatch.setattr(decode_run, "CHILD_TIMEOUT_S", 0.5)  # a stuck run is stopped
+    with pytest.raises(ConfigError, match=r"offload run of .*tiny-q8.gguf did not finish in "
+                       r"0.5 s and was stopped"):
+        decode_check({"a": hybrid}, [str(model)], "cpu", 1, 1_000_000, 8, profile)
+    monkeypatch.undo()
     gone = Row(100.0, 31.5, 90.0, 30.0, {"sources": [str(tmp_path / "gone.gguf")]})
     with pytest.raises(ConfigError, match="decode check's offload run of .*gone.gguf failed"):
         decode_check({"a": gone}, [str(tmp_path / "gone.gguf")], "cpu", 1, 1_000_000, 8,

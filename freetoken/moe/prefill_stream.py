@@ -55,7 +55,9 @@ class PrefillStream:
     def weights(self, e: int, weights: Callable[[torch.Tensor], Weights]) -> Weights:
         """Expert ``e``'s weights: its group's rows (``group`` of its chunk's) given to
         ``weights`` at once (stacked projections, one row per expert) when the group is first
-        read, then its slices."""
+        read, then its slices; one at a time, the row itself."""
+        if self.group == 1:
+            return weights(self.row(e))
         k, i = self.where[e]
         self.row(e)  # the chunk current and loaded
         key = (k, i // self.group)

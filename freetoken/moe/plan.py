@@ -241,8 +241,9 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
     matches: dict[int, Match] = plan_fractions(load_profile_or_empty(), kinds, threads,
                                                str(ckpt.path))
     cap = None if cfg.moe_hybrid_max_fetch == AUTO else int(cfg.moe_hybrid_max_fetch)
-    slower = {i for ids in kinds.values() if checked_slower(matches[ids[0]], cfg.moe_cache)
-              for i in ids}
+    lost = {k: c for k, ids in kinds.items()
+            if (c := matches[ids[0]].check_at(cfg.moe_cache)) and c.loses("hybrid")}
+    slower = {i for k in lost for i in kinds[k]}
     for i in hybrid:
         m = matches[i]
         layers[i] = LayerPlan("hybrid", m.fraction, cap if m.row else (cap or m.max_fetch),
@@ -256,8 +257,7 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
                  ", corrected online" if cfg.moe_hybrid_online else "",
                  "; a step with a greedy request fetches every miss (--moe-hybrid-greedy)"
                  if cfg.moe_hybrid_greedy == "fetch" else "")
-        if ids[0] in slower:
-            check = matches[ids[0]].row.decode  # type: ignore[union-attr]
+        if (check := lost.get(kind)) is not None:
             log.warning("--moe-strategy hybrid on %s layers: the profile's decode check on this "
                         "box (%s, %s) measured %s, so offload decodes faster here; %s",
                         kind_words(kind), check.model, human_bytes(check.cache_bytes),
@@ -265,13 +265,6 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
                         "wall check tries the model's split now and then; --moe-strategy "
                         "offload runs no check" if cfg.moe_hybrid_online else
                         "--moe-strategy offload (or auto) would run it")
-
-
-def checked_slower(match: Match, cache: CacheSizing) -> bool:
-    """Whether the row's decode check, made at this ``cache``, measured hybrid slower than
-    offload on this box."""
-    check = match.row.decode if match.row is not None else None
-    return check is not None and check.applies(cache) and check.loses("hybrid")
 
 
 def _cache_budget(cfg: EngineConfig, ckpt: Checkpoint, strategies: tuple[str, ...],

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from freetoken import env
-from freetoken.config import human_bytes
+from freetoken.config import CacheSizing, human_bytes
 from freetoken.errors import ConfigError
 from freetoken.moe.decode_check import DecodeCheck
 from freetoken.moe.layer_kind import (  # noqa: F401  (the profile's public names)
@@ -264,6 +264,11 @@ class Match:
         if meta.get("cpu_model") not in (None, cpu):
             parts.append(f"on a {meta['cpu_model']}, not this {cpu}")
         return "; ".join(parts) or None
+
+    def check_at(self, cache: CacheSizing) -> DecodeCheck | None:
+        """The row's decode check where it was made at this ``cache``, else None."""
+        check = self.row.decode if self.row is not None else None
+        return check if check is not None and check.applies(cache) else None
 
     @property
     def fraction(self) -> float | None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from freetoken.config import CacheSizing
+from freetoken.config import CacheSizing, human_bytes
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,11 @@ class DecodeCheck:
         """``offload 65.9, hybrid 60.1 tok/s``: offload first, the rest by name."""
         names = ["offload", *sorted(set(self.tokens_per_s) - {"offload"})]
         return ", ".join(f"{k} {self.tokens_per_s[k]:.1f}" for k in names) + " tok/s"
+
+    def measured(self) -> str:
+        """``decode check on this box (M, 4GB) measured offload 65.9, hybrid 60.1 tok/s``."""
+        return (f"decode check on this box ({self.model}, {human_bytes(self.cache_bytes)}) "
+                f"measured {self.words()}")
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "cache_bytes": self.cache_bytes, "tokens": self.tokens,

@@ -193,10 +193,8 @@ def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: st
                  kind_words(kind), human_bytes(check.cache_bytes), cache.describe(), rec)
         return rec
     if check.loses(rec):
-        log.info("--moe-strategy auto: the profile's GB/s recommend %s for %s, but its decode "
-                 "check on this box (%s, %s) measured %s; those layers offload",
-                 rec, kind_words(kind), check.model, human_bytes(check.cache_bytes),
-                 check.words())
+        log.info("--moe-strategy auto: the profile's GB/s recommend %s for %s, but its %s; "
+                 "those layers offload", rec, kind_words(kind), check.measured())
         return "offload"
     return rec
 
@@ -258,10 +256,9 @@ def _split_hybrid(cfg: EngineConfig, ckpt: Checkpoint, layers: list[LayerPlan],
                  "; a step with a greedy request fetches every miss (--moe-hybrid-greedy)"
                  if cfg.moe_hybrid_greedy == "fetch" else "")
         if (check := lost.get(kind)) is not None:
-            log.warning("--moe-strategy hybrid on %s layers: the profile's decode check on this "
-                        "box (%s, %s) measured %s, so offload decodes faster here; %s",
-                        kind_words(kind), check.model, human_bytes(check.cache_bytes),
-                        check.words(), "the split starts at all-fetch (offload's pace) and the "
+            log.warning("--moe-strategy hybrid on %s layers: the profile's %s, so offload "
+                        "decodes faster here; %s", kind_words(kind), check.measured(),
+                        "the split starts at all-fetch (offload's pace) and the "
                         "wall check tries the model's split now and then; --moe-strategy "
                         "offload runs no check" if cfg.moe_hybrid_online else
                         "--moe-strategy offload (or auto) would run it")

@@ -139,11 +139,17 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     leaves an online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
     CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A
     greedy run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine
-    does by default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead."""
+    does by default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead.
+    ``+prefetch75`` (with ``+lookahead``) has a hybrid layer fetch 75 % of the next layer's
+    predicted misses while it computes (FREETOKEN_HYBRID_PREFETCH=0.75; else the split's
+    share)."""
     base, *options = name.split("+")
-    unknown = set(options) - {"dequant", "lookahead", "nolookahead", "torchcopy", "pyslots",
-                              "pycall", "nojoin", "hostnode", "greedy", "nocheck", "timing",
-                              "regrouped", "denseblocks", "greedysplit"}
+    shares = [o for o in options if o.startswith("prefetch") and o[8:].isdigit()]
+    os.environ["FREETOKEN_HYBRID_PREFETCH"] = (f"{int(shares[-1][8:]) / 100}" if shares
+                                               else "split")
+    unknown = set(options) - set(shares) - {
+        "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
+        "hostnode", "greedy", "nocheck", "timing", "regrouped", "denseblocks", "greedysplit"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"

@@ -155,3 +155,23 @@ def prefill_dequant() -> str:
     together, a projection at a time: fewer, larger copies, the same bits; on the CPU it took
     2.2x as long, its large buffers fresh each time; not yet measured on a GPU)."""
     return _choice("FREETOKEN_PREFILL_DEQUANT", PREFILL_DEQUANTS)
+
+
+def hybrid_prefetch() -> float | None:
+    """FREETOKEN_HYBRID_PREFETCH: with look-ahead on a hybrid layer, the share of the next
+    layer's predicted misses fetched while this layer computes: ``split`` (default: the share
+    the split would fetch) or a number from 0 to 1 (more leaves the CPU fewer misses: the
+    link works while the CPU does)."""
+    value = os.environ.get("FREETOKEN_HYBRID_PREFETCH", "").strip().lower() or "split"
+    if value == "split":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        from freetoken.errors import ConfigError
+
+        raise ConfigError(f"FREETOKEN_HYBRID_PREFETCH={value!r} is neither 'split' nor a "
+                          "share from 0 to 1; unset it for split")
+    return share

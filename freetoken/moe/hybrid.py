@@ -317,9 +317,13 @@ class HybridExperts(OffloadExperts):
         """The share of predicted misses the split would fetch (none before it has one; the
         wall check's share while it holds one: all while it runs all-fetch or benches the
         CPU)."""
-        if self.policy.all_fetch:
+        p = self.policy
+        if p.all_fetch:
             return misses
-        return 0 if self.policy.share is None else self.policy.planned(misses)
+        if p.share is None or p.all_cpu:
+            return 0
+        share = env.hybrid_prefetch()
+        return p.planned(misses) if share is None else round(share * misses)
 
     def fetches_all(self) -> bool:
         p = self.policy

@@ -114,6 +114,35 @@ def test_lookahead_changes_no_output(tiny_qwen3_moe, tmp_path, strategy):
     assert on["lookahead_hit_rate"] is not None and off["lookahead_hit_rate"] is None
 
 
+def test_a_hybrid_prefetch_share_moves_predicted_misses_from_the_cpu_to_the_link(
+        synth_moe, monkeypatch):
+    """FREETOKEN_HYBRID_PREFETCH=1: a hybrid layer fetches every predicted miss of the next
+    layer while it computes (the split's share: half). The next layer then finds them as
+    hits, so the link carries more and the CPU computes fewer experts; the logits stay those
+    of the split's share (the CPU's kernels read float32 activations here, so only the order
+    of sums differs)."""
+    runs = {}
+    for share in ("split", "1", "0"):
+        monkeypatch.setenv("FREETOKEN_HYBRID_PREFETCH", share)
+        model = load_ours(synth_moe, strategy="hybrid", cache=CacheSizing("size", 40),
+                          lookahead="on", online=False, act="f32")
+        for m in model.modules():
+            if isinstance(m, HybridExperts):
+                m.policy.fraction, m.policy.max_fetch = 0.5, None
+        runs[share] = our_logits(model, list(range(300, 340)), prefill=1), offload_stats(model)
+    (split, st_split), (every, st_every), (none, st_none) = runs["split"], runs["1"], runs["0"]
+    torch.testing.assert_close(every, split, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(none, split, rtol=1e-4, atol=1e-4)
+    assert st_none["prefetched"] == 0 < st_split["prefetched"] < st_every["prefetched"]
+    assert st_every["cpu_experts"] < st_split["cpu_experts"] < st_none["cpu_experts"]
+    monkeypatch.setenv("FREETOKEN_HYBRID_PREFETCH", "2")
+    from freetoken import env
+    from freetoken.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="FREETOKEN_HYBRID_PREFETCH='2'"):
+        env.hybrid_prefetch()
+
+
 def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):
     """Top-2 of 32 experts: a random guess holds 1/16 of what a layer routes to; the next
     layer's router on this layer's input holds most of it, and its fetches turn misses into

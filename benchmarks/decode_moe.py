@@ -140,13 +140,12 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A
     greedy run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine
     does by default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead.
-    ``+prefetch75`` (with ``+lookahead``) has a hybrid layer fetch 75 % of the next layer's
-    predicted misses while it computes (FREETOKEN_HYBRID_PREFETCH=0.75; else the split's
-    share)."""
+    ``+prefetch75`` has a hybrid layer fetch 75 % of the next layer's predicted misses while
+    it computes (FREETOKEN_HYBRID_PREFETCH=0.75; ``+prefetch0``: the split's share; else the
+    engine's default)."""
     base, *options = name.split("+")
     shares = [o for o in options if o.startswith("prefetch") and o[8:].isdigit()]
-    os.environ["FREETOKEN_HYBRID_PREFETCH"] = (f"{int(shares[-1][8:]) / 100}" if shares
-                                               else "split")
+    os.environ["FREETOKEN_HYBRID_PREFETCH"] = f"{int(shares[-1][8:]) / 100}" if shares else ""
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
         "hostnode", "greedy", "nocheck", "timing", "regrouped", "denseblocks", "greedysplit"}

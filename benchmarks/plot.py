@@ -354,6 +354,38 @@ def decode_check_plot(sha: str = "c266304") -> None:
                       f"H100 ({sha})", f"decode_check_{sha}.png")
 
 
+def prefetch_share_plot(sha: str = "945b265") -> None:
+    """Hybrid with look-ahead fetching a share of the next layer's predicted misses
+    (``+prefetchNN``), each variant's runs of one sitting's decode_moe files, against the
+    same machine's best llama.cpp placement."""
+    files = sorted((ROOT / "benchmarks/results").glob("decode_moe-qwen3-30b-a3b-48l-pf*.json"))
+    runs: dict[str, list[float]] = {}
+    for f in files:
+        d = json.loads(f.read_text())
+        if not str(d.get("sha", "")).startswith(sha):
+            continue
+        for r in d["strategies"]:
+            runs.setdefault(r["strategy"], []).append(r["decode_tokens_per_s"])
+    llama = ROOT / f"benchmarks/results/llama-{sha}/ncmoe.json"
+    if not runs or not llama.exists():
+        return
+    best = json.loads(llama.read_text())[0]["avg_ts"]
+    names = {"hybrid-online": "look-ahead\nwhile all-fetch", "hybrid-online+lookahead":
+             "split's share", **{f"hybrid-online+lookahead+prefetch{n}": f"{n} %"
+                                 for n in (30, 40, 55, 70)}}
+    order = [k for k in names if k in runs]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for i, k in enumerate(order):
+        for j, v in enumerate(runs[k]):
+            ax.bar(i + (j - 0.5) * 0.35, v, width=0.33, color="#6a9955" if "40" in k
+                   else "#9fb8d8", label=None)
+    ax.axhline(best, color="#aa4444", linestyle="--", label=f"llama.cpp -ncmoe 42 ({best:.1f})")
+    ax.set_xticks(range(len(order)), [names[k] for k in order], fontsize=8)
+    _decode_bars_done(fig, ax, "hybrid: share of predicted misses fetched early; qwen3 48l "
+                      f"q8_0, 4 GB, H100 ({sha})",
+                      f"prefetch_share_{sha}.png")
+
+
 if __name__ == "__main__":
     generate_plot()
     serve_plot()
@@ -379,3 +411,4 @@ if __name__ == "__main__":
     small_box_plot()
     small_box_plot("a42b429")
     decode_check_plot()
+    prefetch_share_plot()

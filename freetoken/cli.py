@@ -114,9 +114,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         help="while an offloaded layer computes, fetch the experts the next layer's router "
         "picks for its input into the cache (outputs are unchanged; a wrong prediction costs "
-        "link time; /v1/stats shows its hit rate). auto: offload layers, and hybrid layers "
-        "while their split fetches every miss (on: hybrid layers always, fetching their "
-        "split's share of the predicted misses)",
+        "link time; /v1/stats shows its hit rate). auto (or on): offload layers fetch every "
+        "predicted miss, hybrid layers 40%% of them or their split's share if that is more "
+        "(FREETOKEN_HYBRID_PREFETCH sets the 40%%), so the link works while the CPU does; "
+        "off: none",
     )
     g.add_argument(
         "--cpu-dense",

@@ -53,14 +53,10 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
         offloaded = [m for m in cached if isinstance(m, OffloadExperts)]
         choose_gpu_kernels(offloaded, offloaded[0].device)
         if plan.lookahead != "off":
-            every = plan.lookahead == "on"
-            n = lookahead.link(model, lambda m: isinstance(m, OffloadExperts),
-                               lambda m: every or type(m).LOOKAHEAD_BY_DEFAULT)
+            n = lookahead.link(model, lambda m: isinstance(m, OffloadExperts))
             log.info("look-ahead: %d of %d cached layers fetch the next layer's predicted "
-                     "experts while they compute (--moe-lookahead %s)%s", n, len(offloaded),
-                     plan.lookahead, "" if every or all(
-                         type(m).LOOKAHEAD_BY_DEFAULT for m in offloaded)
-                     else "; for a hybrid layer only while its split fetches every miss")
+                     "experts while they compute (--moe-lookahead %s)", n, len(offloaded),
+                     plan.lookahead)
     _log_resident([m for m in layers if isinstance(m, ResidentExperts)])
     return runtime
 

@@ -51,11 +51,6 @@ class HybridExperts(OffloadExperts):
     NEEDS = Needs(cpu_pool=True, host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = True  # the CPU's share reads the hidden states and weights
     FINISHES_LATE = True  # the CPU's share is collected after the device's is queued
-    # --moe-lookahead auto predicts for these only while the split fetches every miss: with
-    # a CPU share, on the H200 (12-layer qwen3-30b-a3b q8_0, 4 GB cache) it measured 128.6 /
-    # 107.0 / 87.8 tok/s against 181.0 / 101.6 / 103.5 without; the prediction adds host time
-    # to a plan the CPU's share already waits on
-    LOOKAHEAD_BY_DEFAULT = False
 
     def __init__(self, shape: ExpertShape) -> None:
         if (why := shape.native_missing()) is not None:
@@ -68,6 +63,7 @@ class HybridExperts(OffloadExperts):
         self.executor: cx.CpuMoeExecutor | None = None
         self.calls = Calls()  # per-call state, kept off nn.Module's slow attribute setter
         self.host_jobs = HostJobs(shape.layer)  # the CPU's share between graph pieces
+        self.prefetch = env.hybrid_prefetch()  # look-ahead's share of predicted misses
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -314,21 +310,24 @@ class HybridExperts(OffloadExperts):
         return max(0, min(n, misses))
 
     def prefetch_share(self, misses: int) -> int:
-        """The share of predicted misses the split would fetch (none before it has one; the
-        wall check's share while it holds one: all while it runs all-fetch or benches the
-        CPU)."""
+        """How many of ``misses`` predicted misses look-ahead fetches for this layer's next
+        call while the layer before computes: FREETOKEN_HYBRID_PREFETCH's share of them (0.4),
+        or the split's where that is more; all while the wall check runs all-fetch, none
+        before the split has a share or while every expert goes to the CPU.
+
+        More than the split's share, because the link is idle between the CPU's jobs: from
+        one layer's CPU wait to the next layer's plan the GPU runs attention and routing. The
+        next call counts what arrived as fetched (:meth:`_count`), so its CPU gets the rest.
+        On the 48-layer qwen3-30b-a3b q8_0 file (H100, 4 GB cache, 15 threads, 128 sampled
+        tokens, two runs) 0.4 decoded 42.8 and 40.2 tok/s; the split's share 37.7 (0.3:
+        37.6); look-ahead only while the split fetched every miss, as before, 38.3 and 35.5;
+        0.55 and 0.7 overran the link (31.5, 33.6)."""
         p = self.policy
         if p.all_fetch:
             return misses
         if p.share is None or p.all_cpu:
             return 0
-        share = env.hybrid_prefetch()
-        return p.planned(misses) if share is None else round(share * misses)
-
-    def fetches_all(self) -> bool:
-        p = self.policy
-        return p.all_fetch or (p.held is None and p.fraction is not None
-                               and p.fraction >= 1.0 and p.max_fetch is None)
+        return max(p.planned(misses), round(self.prefetch * misses))
 
     def _share(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
                cpu_ids: torch.Tensor, job: HostJob | None = None,

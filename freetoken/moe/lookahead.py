@@ -52,10 +52,8 @@ class Incoming:
 class Lookahead:
     """Layer ``layer``'s router (weight (E, H) and bias, float32 on the model's device) for
     the layer before it to predict with, and ``target``: that layer's experts (their bank and
-    cache). With ``while_all_fetched``, the layer before predicts only while ``target``
-    fetches every miss (a hybrid layer whose split has gone all-fetch: then it is offload,
-    and gets offload's look-ahead; while its CPU takes a share, the host time of the fetches
-    would delay the plan the CPU waits on).
+    cache), which say how many of the predicted misses to fetch (``prefetch_share``: offload
+    all of them, hybrid a share).
 
     The router runs where the model does (:meth:`route`: device ops, inside a decode graph's
     piece), so the host gets only its picks, with the routed ids, and the expert cache ranks
@@ -66,11 +64,6 @@ class Lookahead:
     bias: torch.Tensor | None
     top_k: int
     target: Any  # the next layer's OffloadExperts (a plain reference, not a submodule)
-    while_all_fetched: bool = False
-
-    def active(self) -> bool:
-        """Whether to predict for the target's next call."""
-        return not self.while_all_fetched or self.target.fetches_all()
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """The next layer's router on the tokens ``x`` (T, H): its top-k experts per token,
@@ -80,9 +73,10 @@ class Lookahead:
 
     def wanted(self, tokens: int) -> int:
         """:meth:`budget` for a call of ``tokens``, or 0 while the target takes no predictions
-        (:meth:`active`): then there is nothing to fetch."""
+        (a hybrid layer before its split has a share, or while it computes every expert on
+        the CPU): then there is nothing to fetch."""
         budget = self.budget(tokens)
-        return budget if budget and self.active() else 0
+        return budget if budget and self.target.prefetch_share(budget) else 0
 
     def fetch(self, rt: Any, x: torch.Tensor, keep: np.ndarray, picks: torch.Tensor | None,
               budget: int) -> None:
@@ -143,29 +137,26 @@ def router_map(block: torch.nn.Module, before: torch.nn.Module) -> Map | None:
     return None if r is None else (r.weight, r.bias)
 
 
-def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool],
-         always: Callable[[torch.nn.Module], bool] = lambda m: True) -> int:
+def link(model: torch.nn.Module, eligible: Callable[[torch.nn.Module], bool]) -> int:
     """Give every ``eligible`` experts layer whose next MoE layer is eligible too (same model,
-    so the same expert cache) a :class:`Lookahead` on that layer's router, predicting always
-    when ``always(next layer)``, else only while the next layer fetches every miss; returns
-    how many."""
+    so the same expert cache) a :class:`Lookahead` on that layer's router; returns how
+    many."""
     n = 0
     for this, nxt, router in next_routers(model):
         if not (eligible(this) and eligible(nxt)):
             continue
-        this.lookahead = on_router(nxt, router, while_all_fetched=not always(nxt))
+        this.lookahead = on_router(nxt, router)
         n += 1
     return n
 
 
-def on_router(target: Any, router: Map, while_all_fetched: bool = False) -> Lookahead:
+def on_router(target: Any, router: Map) -> Lookahead:
     """A :class:`Lookahead` on ``target``'s router map, its weights float32 where the router
     is (routers are float32 there, so nothing is copied)."""
     weight, bias = router
     w = weight.detach().float().contiguous()
     b = None if bias is None else bias.detach().float()
-    return Lookahead(target.shape.layer, w, b, target.shape.top_k, target,
-                     while_all_fetched=while_all_fetched)
+    return Lookahead(target.shape.layer, w, b, target.shape.top_k, target)
 
 
 def next_routers(model: torch.nn.Module) -> list[tuple[Any, Any, Map]]:

@@ -60,7 +60,6 @@ class OffloadExperts(Experts):
     NEEDS = Needs(host_banks=True, device_cache=True)
     PLAN_READS_INPUTS = False  # the plan needs the routed ids on the host, not x or w
     FINISHES_LATE = False  # the plan leaves host work for :meth:`_finish` (graph step after it)
-    LOOKAHEAD_BY_DEFAULT = True  # --moe-lookahead auto predicts for these layers always
 
     def __init__(self, shape: ExpertShape) -> None:
         super().__init__()
@@ -345,13 +344,8 @@ class OffloadExperts(Experts):
 
     def prefetch_share(self, misses: int) -> int:
         """How many of ``misses`` predicted misses look-ahead may fetch for this layer: all
-        (hybrid: the share its split would fetch)."""
+        (hybrid: a share)."""
         return misses
-
-    def fetches_all(self) -> bool:
-        """Whether this layer's next call fetches every miss (hybrid: while its split is
-        all-fetch)."""
-        return True
 
     def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
         """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""

@@ -43,24 +43,24 @@ def test_each_cached_layer_predicts_with_the_next_moe_layers_router(tiny_qwen3_m
     assert la is not None and la.layer == 2 and la.target is blocks[2].experts
     assert torch.equal(la.weight, router_of(blocks[2]).weight.float())
     assert blocks[2].experts.lookahead is None  # no MoE layer after it
-    assert not la.while_all_fetched
     off = load_ours(tiny_qwen3_moe, strategy="offload", cache=CacheSizing("size", 4),
                     lookahead="off")
     assert all(m.lookahead is None for m in off.modules() if isinstance(m, OffloadExperts))
-    for mode in ("auto", "on"):  # hybrid: with auto, only while the next split fetches all
+    for mode in ("auto", "on"):  # hybrid layers predict too
         on = load_ours(tiny_qwen3_moe, strategy="hybrid", cache=CacheSizing("size", 4),
                        lookahead=mode)
         linked = [m.lookahead for m in on.modules()
                   if isinstance(m, OffloadExperts) and m.lookahead is not None]
-        assert len(linked) == 1 and linked[0].while_all_fetched == (mode == "auto")
+        assert len(linked) == 1 and isinstance(linked[0].target, HybridExperts)
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
 def test_hybrid_fetching_every_miss_gets_offloads_lookahead(tiny_qwen3_moe, tmp_path,
                                                            fraction):
     """Under --moe-lookahead auto a hybrid layer whose split fetches every miss is offload:
-    the layer before predicts for it, and the logits are offload's, bit for bit. With a CPU
-    share nothing is predicted for it."""
+    the layer before predicts for it, and the logits are offload's, bit for bit. While its
+    split sends every miss to the CPU (a fixed share of 0), look-ahead still fetches 40 % of
+    the predicted misses, and the CPU computes the rest."""
     path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
                            lambda n, s: "q8_0" if ".experts." in n else "f32")
     runs = {}
@@ -76,7 +76,8 @@ def test_hybrid_fetching_every_miss_gets_offloads_lookahead(tiny_qwen3_moe, tmp_
         assert needed == runs["offload"][1]["layers"]["2"]["lookahead_needed"] > 0
         assert runs["hybrid"][1]["layers"]["2"]["prefetched"] > 0
     else:
-        assert needed == 0 and runs["hybrid"][1]["layers"]["2"]["cpu_experts"] > 0
+        layer = runs["hybrid"][1]["layers"]["2"]
+        assert needed > 0 and layer["prefetched"] > 0 and layer["cpu_experts"] > 0
 
 
 def test_prediction_orders_experts_by_how_many_tokens_pick_them():
@@ -117,20 +118,21 @@ def test_lookahead_changes_no_output(tiny_qwen3_moe, tmp_path, strategy):
 def test_a_hybrid_prefetch_share_moves_predicted_misses_from_the_cpu_to_the_link(
         synth_moe, monkeypatch):
     """FREETOKEN_HYBRID_PREFETCH=1: a hybrid layer fetches every predicted miss of the next
-    layer while it computes (the split's share: half). The next layer then finds them as
+    layer while it computes; 0: the split's share (half). The next layer then finds them as
     hits, so the link carries more and the CPU computes fewer experts; the logits stay those
-    of the split's share (the CPU's kernels read float32 activations here, so only the order
-    of sums differs)."""
+    of the split's share, and of no look-ahead at all (the CPU's kernels read float32
+    activations here, so only the order of sums differs)."""
     runs = {}
-    for share in ("split", "1", "0"):
-        monkeypatch.setenv("FREETOKEN_HYBRID_PREFETCH", share)
+    for share in ("0", "1", "off"):
+        monkeypatch.setenv("FREETOKEN_HYBRID_PREFETCH", "0" if share == "off" else share)
         model = load_ours(synth_moe, strategy="hybrid", cache=CacheSizing("size", 40),
-                          lookahead="on", online=False, act="f32")
+                          lookahead="off" if share == "off" else "auto", online=False,
+                          act="f32")
         for m in model.modules():
             if isinstance(m, HybridExperts):
                 m.policy.fraction, m.policy.max_fetch = 0.5, None
         runs[share] = our_logits(model, list(range(300, 340)), prefill=1), offload_stats(model)
-    (split, st_split), (every, st_every), (none, st_none) = runs["split"], runs["1"], runs["0"]
+    (split, st_split), (every, st_every), (none, st_none) = runs["0"], runs["1"], runs["off"]
     torch.testing.assert_close(every, split, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(none, split, rtol=1e-4, atol=1e-4)
     assert st_none["prefetched"] == 0 < st_split["prefetched"] < st_every["prefetched"]
@@ -141,6 +143,8 @@ def test_a_hybrid_prefetch_share_moves_predicted_misses_from_the_cpu_to_the_link
 
     with pytest.raises(ConfigError, match="FREETOKEN_HYBRID_PREFETCH='2'"):
         env.hybrid_prefetch()
+    monkeypatch.delenv("FREETOKEN_HYBRID_PREFETCH")
+    assert env.hybrid_prefetch() == env.HYBRID_PREFETCH
 
 
 def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):

@@ -312,8 +312,9 @@ class HybridExperts(OffloadExperts):
     def prefetch_share(self, misses: int) -> int:
         """How many of ``misses`` predicted misses look-ahead fetches for this layer's next
         call while the layer before computes: FREETOKEN_HYBRID_PREFETCH's share of them (0.4),
-        or the split's where that is more; all while the wall check runs all-fetch, none
-        before the split has a share or while every expert goes to the CPU.
+        or the split's where that is more, within ``--moe-hybrid-max-fetch`` (what arrives
+        counts as fetched); all while the wall check runs all-fetch, none before the split has
+        a share or while every expert goes to the CPU.
 
         More than the split's share, because the link is idle between the CPU's jobs: from
         one layer's CPU wait to the next layer's plan the GPU runs attention and routing. The
@@ -327,7 +328,8 @@ class HybridExperts(OffloadExperts):
             return misses
         if p.share is None or p.all_cpu:
             return 0
-        return max(p.planned(misses), round(self.prefetch * misses))
+        n = max(p.planned(misses), round(self.prefetch * misses))
+        return n if p.held is not None or p.max_fetch is None else min(n, p.max_fetch)
 
     def _share(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
                cpu_ids: torch.Tensor, job: HostJob | None = None,

@@ -147,6 +147,24 @@ def test_a_hybrid_prefetch_share_moves_predicted_misses_from_the_cpu_to_the_link
     assert env.hybrid_prefetch() == env.HYBRID_PREFETCH
 
 
+def test_a_hybrid_layers_prefetch_share(tiny_qwen3_moe, monkeypatch):
+    """Of 8 predicted misses: 40 % (3), or the split's share where that is more, capped by
+    --moe-hybrid-max-fetch; none before the split has a share; FREETOKEN_HYBRID_PREFETCH=0:
+    the split's share alone."""
+    model = load_ours(tiny_qwen3_moe, strategy="hybrid", cache=CacheSizing("size", 4))
+    m = next(m for m in model.modules() if isinstance(m, HybridExperts))
+    for fraction, cap, want in ((0.25, None, 3), (0.9, None, 7), (0.25, 1, 1), (None, None, 0),
+                                (1.0, None, 8)):
+        m.policy = SplitPolicy(fraction, cap, online=False)
+        assert m.prefetch_share(8) == want, (fraction, cap)
+    monkeypatch.setenv("FREETOKEN_HYBRID_PREFETCH", "0")
+    m = next(m for m in load_ours(tiny_qwen3_moe, strategy="hybrid",
+                                  cache=CacheSizing("size", 4)).modules()
+             if isinstance(m, HybridExperts))
+    m.policy = SplitPolicy(0.25, None, online=False)
+    assert m.prefetch_share(8) == 2
+
+
 def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):
     """Top-2 of 32 experts: a random guess holds 1/16 of what a layer routes to; the next
     layer's router on this layer's input holds most of it, and its fetches turn misses into

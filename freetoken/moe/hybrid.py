@@ -322,7 +322,7 @@ class HybridExperts(OffloadExperts):
         On the 48-layer qwen3-30b-a3b q8_0 file (H100, 4 GB cache, 15 threads, 128 sampled
         tokens, two runs) 0.4 decoded 42.8 and 40.2 tok/s; the split's share 37.7 (0.3:
         37.6); look-ahead only while the split fetched every miss, as before, 38.3 and 35.5;
-        0.55 and 0.7 overran the link (31.5, 33.6)."""
+        0.55 overran the link (31.5, 34.4)."""
         p = self.policy
         if p.all_fetch:
             return misses

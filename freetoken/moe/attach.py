@@ -21,6 +21,7 @@ from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
 from freetoken.moe import lookahead
 from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.expert_cache import ExpertCache
+from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.offload import OffloadExperts
 from freetoken.moe.pieces import Recorder
 from freetoken.moe.plan import ExpertGroup, MoEPlan, plan_moe_cache
@@ -54,9 +55,12 @@ def attach_moe(model: nn.Module, plan: MoEPlan, pool: CpuMoeExecutor | None = No
         choose_gpu_kernels(offloaded, offloaded[0].device)
         if plan.lookahead != "off":
             n = lookahead.link(model, lambda m: isinstance(m, OffloadExperts))
+            hybrid = [m for m in offloaded if isinstance(m, HybridExperts)]
             log.info("look-ahead: %d of %d cached layers fetch the next layer's predicted "
-                     "experts while they compute (--moe-lookahead %s)", n, len(offloaded),
-                     plan.lookahead)
+                     "experts while they compute (--moe-lookahead %s)%s", n, len(offloaded),
+                     plan.lookahead, "" if not hybrid else
+                     f"; hybrid layers {hybrid[0].prefetch:.0%} of the predicted misses, or "
+                     "their split's share if more (FREETOKEN_HYBRID_PREFETCH)")
     _log_resident([m for m in layers if isinstance(m, ResidentExperts)])
     return runtime
 

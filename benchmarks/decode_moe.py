@@ -123,39 +123,42 @@ def prefill_tokens_per_s(engine: Engine, n: int, repeats: int) -> float:
 
 
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU
-    by dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
+    """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU by
+    dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
     ``+lookahead`` / ``+nolookahead`` set --moe-lookahead on / off (else auto), ``+torchcopy``
     copies misses with torch (FREETOKEN_ROW_COPY=torch, the library's copies' twin),
     ``+pyslots`` makes the expert cache's decisions in Python (FREETOKEN_EXPERT_SLOTS=python),
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
-    ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking
-    them at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+greedy`` decodes at temperature 0
+    ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking them
+    at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+flag`` holds them in the graphs served by the
+    engine thread on flags (FREETOKEN_CPU_HOST_NODE=flag), ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
     one-call plan's twin), ``+regrouped`` regroups resident Q8_0 experts as Q8_0x8
-    (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps
-    Q8_0 dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+nocheck``
-    leaves an online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the
-    CPU pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A
-    greedy run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine
-    does by default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead.
-    ``+prefetch75`` has a hybrid layer fetch 75 % of the next layer's predicted misses while
-    it computes (FREETOKEN_HYBRID_PREFETCH=0.75; ``+prefetch0``: the split's share; else the
-    engine's default)."""
+    (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps Q8_0
+    dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+nocheck`` leaves an
+    online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the CPU
+    pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A greedy
+    run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine does by
+    default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead. ``+prefetch75``
+    has a hybrid layer fetch 75 % of the next layer's predicted misses while it computes
+    (FREETOKEN_HYBRID_PREFETCH=0.75; ``+prefetch0``: the split's share; else the engine's
+    default)."""
     base, *options = name.split("+")
     shares = [o for o in options if o.startswith("prefetch") and o[8:].isdigit()]
     os.environ["FREETOKEN_HYBRID_PREFETCH"] = f"{int(shares[-1][8:]) / 100}" if shares else ""
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
-        "hostnode", "greedy", "nocheck", "timing", "regrouped", "denseblocks", "greedysplit"}
+        "hostnode", "flag", "greedy", "nocheck", "timing", "regrouped", "denseblocks",
+        "greedysplit"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     os.environ["FREETOKEN_LAYER_CALL"] = "python" if "pycall" in options else "native"
-    os.environ["FREETOKEN_CPU_HOST_NODE"] = "on" if "hostnode" in options else "off"
+    os.environ["FREETOKEN_CPU_HOST_NODE"] = ("on" if "hostnode" in options
+                                             else "flag" if "flag" in options else "off")
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"

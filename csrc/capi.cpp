@@ -10,6 +10,7 @@
 #include "dispatch.h"
 #include "expert_op.h"
 #include "expert_slots.h"
+#include "graph_flags.h"
 #include "host_node.h"
 #include "layer_call.h"
 #include "panels.h"
@@ -111,6 +112,7 @@ FT_API int64_t ft_struct_size(const char* name) {
   if (n == "RowCopy") return sizeof(ft::RowCopy);
   if (n == "HostNodeStep") return sizeof(ft::HostNodeStep);
   if (n == "HostNodeJob") return sizeof(ft::HostNodeJob);
+  if (n == "FlagJobs") return sizeof(ft::FlagJobs);
   if (n == "FetchRule") return sizeof(ft::FetchRule);
   if (n == "LayerCall") return sizeof(ft::LayerCall);
   return -1;
@@ -281,6 +283,11 @@ FT_API int64_t ft_run(void* ex, int layer, const float* x, const int64_t* ids, c
 // ft_run as a CUDA host function (cuLaunchHostFunc's CUhostFn): `job` is an ft::HostNodeJob
 // the caller keeps alive while any graph holds it; refusals are counted in its step.
 FT_API void ft_host_node_run(void* job) { ft::run_host_node(*(ft::HostNodeJob*)job); }
+
+// A graph piece's pool jobs served on its flags (csrc/graph_flags.h): 0, or -1 (a go flag not
+// set in time; the range's done flags are set). ft_flag_jobs_release sets them all.
+FT_API int ft_flag_jobs_serve(ft::FlagJobs* f) { return ft::serve_flag_jobs(*f); }
+FT_API void ft_flag_jobs_release(ft::FlagJobs* f) { ft::release_flag_jobs(*f); }
 
 // submit_linear + wait in one call (see ft_run).
 FT_API int64_t ft_run_linear(void* ex, int id, const float* x, float* out, int T, int64_t* ns) {

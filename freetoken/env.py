@@ -119,7 +119,7 @@ def resident_blocks() -> str:
     return _choice("FREETOKEN_RESIDENT_BLOCKS", RESIDENT_BLOCKS)
 
 
-CPU_HOST_NODES = ("off", "on")
+CPU_HOST_NODES = ("off", "on", "flag")
 WALL_CHECKS = ("on", "off")
 
 
@@ -141,8 +141,10 @@ def wall_check() -> str:
 
 def cpu_host_node() -> str:
     """FREETOKEN_CPU_HOST_NODE: how decode CUDA graphs run the cpu strategy's pool jobs:
-    ``off`` (default: a host step between two graph pieces per layer) or ``on`` (each job a
-    host node inside the graph, run by the CUDA driver's thread: one replay a step)."""
+    ``off`` (default: a host step between two graph pieces per layer), ``on`` (each job a
+    host node inside the graph, run by the CUDA driver's thread: one replay a step) or
+    ``flag`` (each job inside the graph, served by the engine thread on flags the graph
+    writes and waits for in pinned memory: one replay a step, ``cpu/graph_flags.py``)."""
     return _choice("FREETOKEN_CPU_HOST_NODE", CPU_HOST_NODES)
 
 

@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 15  # csrc/common.h ABI_VERSION
+ABI_VERSION = 16  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")
@@ -118,6 +118,16 @@ class HostNodeJob(c.Structure):
     ]
 
 
+class FlagJobs(c.Structure):
+    """csrc/graph_flags.h FlagJobs: one graph piece's pool jobs, served on pinned flags."""
+
+    _fields_ = [
+        ("jobs", c.POINTER(HostNodeJob)), ("go", c.c_void_p), ("done", c.c_void_p),
+        ("first", c.c_int32), ("n", c.c_int32), ("spin_us", c.c_int32),
+        ("timeout_ms", c.c_int32), ("served", c.c_int32), ("pad", c.c_int32),
+    ]
+
+
 class FetchRule(c.Structure):
     """csrc/layer_call.h FetchRule: how many of a call's misses to fetch (the split policy's
     count)."""
@@ -154,7 +164,7 @@ class LayerCall(c.Structure):
 
 STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, GluDesc, DecodeLayer, DecodeStep,
                                           RowCopyApi, RowCopy, HostNodeStep, HostNodeJob,
-                                          FetchRule, LayerCall)
+                                          FlagJobs, FetchRule, LayerCall)
 # The functions that describe the ABI, declared before anything else is looked up.
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_abi_version": (c.c_int, []),

@@ -58,6 +58,7 @@ class HostNodes:
         self.jobs: list[tuple[abi.HostNodeJob, tuple[torch.Tensor, ...]]] = []
         self._run = ctypes.cast(self.lib.ft_host_node_run, ctypes.c_void_p).value
         self._done: GpuWait | None = None  # made by the first wait()
+        self._spin_us = 0  # see wait()
 
     def job(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
             w: torch.Tensor, out: torch.Tensor) -> abi.HostNodeJob:
@@ -70,9 +71,9 @@ class HostNodes:
         self.jobs.append((j, (x, ids, w, out)))
         return j
 
-    def enqueue(self, job: abi.HostNodeJob, stream: int) -> None:
+    def enqueue(self, job: abi.HostNodeJob, stream: int, piece: int = 0) -> None:
         """``job`` on the driver's host thread after the work queued on ``stream`` so far (a
-        host node when the stream is being captured)."""
+        host node when the stream is being captured, in the graph's piece ``piece``)."""
         launch = launch_host_func()
         if isinstance(launch, str):
             raise HostNodeError(launch)
@@ -87,6 +88,13 @@ class HostNodes:
         """``job`` on the calling thread, as the host node runs it."""
         self.lib.ft_host_node_run(ctypes.addressof(job))
 
+    def serve(self, piece: int) -> None:
+        """What the engine thread does for piece ``piece``'s jobs once its replay is
+        launched: nothing (the driver's thread runs them)."""
+
+    def release(self) -> None:
+        """Let a replay left waiting on its jobs run on: nothing to do (no one waits)."""
+
     def set_rows(self, n: int) -> None:
         """The live rows of the next replay (the jobs compute no others)."""
         self.step.rows = n
@@ -96,7 +104,7 @@ class HostNodes:
         asleep on a blocking event: the pool computes meanwhile, and a spin on this thread's
         core in the caller's first sync would take a core from it (so no spin first)."""
         if self._done is None:
-            self._done = GpuWait(torch.cuda.current_device(), spin_us=0)
+            self._done = GpuWait(torch.cuda.current_device(), spin_us=self._spin_us)
         self._done.wait()
 
     def check(self) -> None:

@@ -21,7 +21,9 @@ runs its part between replays:
   (:meth:`PiecewiseCapture.split`), the next piece reading its output from a static buffer.
 The dense part of every layer stays captured. With ``FREETOKEN_CPU_HOST_NODE=on`` experts the
 CPU pool computes without a plan (cpu) stay in the piece too, their job a host node
-(:meth:`PiecewiseCapture.node`).
+(:meth:`PiecewiseCapture.node`); with ``flag`` their job stays in the piece as a go flag the
+graph writes and a done flag it waits for, which the engine thread serves after launching
+the piece (``cpu/graph_flags.py``).
 
 Where layers may leave host work running (hybrid), each size is captured twice: as above, and
 for steps in which every layer fetches every miss (hybrid's split held at all-fetch, a greedy
@@ -186,10 +188,17 @@ class DecodeGraphs:
         if p.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
             p.nodes.check()
             p.nodes.set_rows(n)
-        for i, piece in enumerate(p.pieces):
-            piece.replay()
-            if i < len(p.breaks):
-                p.breaks[i].run(n)
+        try:
+            for i, piece in enumerate(p.pieces):
+                piece.replay()
+                if p.nodes is not None:  # the piece's jobs served on their flags
+                    p.nodes.serve(i)
+                if i < len(p.breaks):
+                    p.breaks[i].run(n)
+        except BaseException:
+            if p.nodes is not None:  # a replay waiting for a job is let go
+                p.nodes.release()
+            raise
         if p.nodes is not None:
             p.nodes.wait()
         return p.out[:n]

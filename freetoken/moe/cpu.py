@@ -12,7 +12,9 @@ buffer the next piece adds. With ``FREETOKEN_CPU_HOST_NODE=on`` the graph holds 
 job instead (:meth:`~freetoken.moe.pieces.PiecewiseCapture.node`: the copies, the job as a
 host node run by the CUDA driver's thread, ``cpu/host_node.py``), a step being one replay with
 no Python between layers; it measured half as fast on the H200 (a316a05's sitting) and 6 %
-faster on an H100 (48 layers, e2f4c22), so it is not the default until both agree.
+faster on an H100 (48 layers, e2f4c22), so it is not the default until both agree. With
+``flag`` the graph holds the copies and a go and a done flag per job, and the engine thread
+that launched the replay serves the jobs (``cpu/graph_flags.py``): no driver thread either.
 Prefill runs eagerly: ``x`` to the host, the pool's job, the result back.
 """
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from freetoken.cpu import executor as cx
-from freetoken.cpu.host_node import host_nodes
+from freetoken.cpu.graph_flags import graph_jobs
 from freetoken.cpu.jobs import JobLog
 from freetoken.errors import ConfigError
 from freetoken.moe.host_banks import BankBuilder
@@ -106,7 +108,7 @@ class CpuExperts(Experts):
         assert ex is not None
         capture = self._recorder.capture if self._recorder is not None else None
         if capture is not None:  # decode graphs: the pool's job in the piece, or between two
-            if capture.copier is not None and host_nodes() is None:
+            if capture.copier is not None and not isinstance(graph_jobs(), str):
                 return capture.node(ex, self.shape.layer, x, topk_ids, topk_weights)
             return capture.host(self._host_step, x, topk_ids, topk_weights)
         out = ex.run(x, topk_ids, topk_weights, self.shape.layer)

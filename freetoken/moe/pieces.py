@@ -19,7 +19,8 @@ import torch
 
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.cpu.gpu_wait import gpu_wait
-from freetoken.cpu.host_node import HostNodes
+from freetoken.cpu.graph_flags import graph_jobs
+from freetoken.cpu.host_node import HostNodeError, HostNodes
 from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 
 T = TypeVar("T", "Break", "HostStep", "LateStep")
@@ -210,11 +211,15 @@ class PiecewiseCapture:
     def node(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
              w: torch.Tensor) -> torch.Tensor:
         """The pool's job on layer ``layer``'s experts inside the current piece: x, ids and w
-        copied to pinned memory, the job as a host node (``cpu/host_node.py``), its result
-        copied back; returns it on the device, typed like ``x``. Needs the library's copier."""
+        copied to pinned memory, the job as a host node (``cpu/host_node.py``) or served on
+        flags (``cpu/graph_flags.py``), its result copied back; returns it on the device,
+        typed like ``x``. Needs the library's copier."""
         assert self.copier is not None
         if self.nodes is None:
-            self.nodes = HostNodes()
+            kind = graph_jobs()
+            if isinstance(kind, str):
+                raise HostNodeError(kind)
+            self.nodes = kind()
         (T, H), A = x.shape, ids.shape[1]
         key = (T, H, A)
         if key not in self._node_buffers:
@@ -227,7 +232,8 @@ class PiecewiseCapture:
         stream = current_stream(x.device.index or 0)
         inputs = [(hx, x.float()), (hids, ids.long()), (hw, w.float())]
         self.copier.run(Spans([(h, d.contiguous()) for h, d in inputs]), stream)
-        self.nodes.enqueue(self.nodes.job(executor, layer, hx, hids, hw, hout), stream)
+        self.nodes.enqueue(self.nodes.job(executor, layer, hx, hids, hw, hout), stream,
+                           len(self.pieces))
         self.copier.run(Spans([(out, hout)]), stream)
         return out.to(x.dtype)
 

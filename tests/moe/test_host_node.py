@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from freetoken.cpu import executor as cx
+from freetoken.cpu.graph_flags import FlagJobs, graph_jobs
 from freetoken.cpu.host_node import HostNodeError, HostNodes, host_nodes
 from freetoken.errors import ConfigError
 from freetoken.moe.cpu import CpuExperts
@@ -23,6 +24,11 @@ SHAPE = ExpertShape(layer=3, num_experts=8, hidden=64, intermediate=96, top_k=2,
 
 @pytest.fixture(scope="module")
 def pool() -> cx.CpuMoeExecutor:
+    return make_pool()
+
+
+def make_pool() -> cx.CpuMoeExecutor:
+    """A one-thread pool with SHAPE's layer of random q8_0 experts."""
     pool = cx.CpuMoeExecutor(threads=1)
     experts = CpuExperts(SHAPE)
     g = torch.Generator().manual_seed(0)
@@ -109,8 +115,9 @@ def test_host_nodes_are_asked_for_by_name(monkeypatch) -> None:
 
 @pytest.mark.cuda
 def test_graphs_with_host_nodes_decode_the_eager_tokens(tiny_qwen3_moe, monkeypatch) -> None:
-    """cpu on a GPU: eager, graphs holding the jobs as host nodes, and graphs broken at each
-    layer's experts (the twin) give the same tokens, alone and batched."""
+    """cpu on a GPU: eager, graphs holding the jobs as host nodes or served on flags, and
+    graphs broken at each layer's experts (the twin) give the same tokens, alone and
+    batched."""
     from freetoken.engine.sample import SamplingParams
     from freetoken.engine.scheduler import Scheduler, Sequence
     from tests.engine.test_scheduler import _drain, _prompts, _runner
@@ -125,6 +132,9 @@ def test_graphs_with_host_nodes_decode_the_eager_tokens(tiny_qwen3_moe, monkeypa
     eager = tokens(0)
     monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "on")
     assert host_nodes() is None
+    assert tokens(8) == eager
+    monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "flag")  # served on flags (graph_flags.py)
+    assert graph_jobs() is FlagJobs
     assert tokens(8) == eager
     monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "off")
     assert tokens(8) == eager

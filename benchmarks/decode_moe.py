@@ -130,8 +130,9 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+pyslots`` makes the expert cache's decisions in Python (FREETOKEN_EXPERT_SLOTS=python),
     ``+nojoin`` keeps the engine thread out of the CPU pool's jobs while it waits for them,
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking them
-    at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+flag`` holds them in the graphs served by the
-    engine thread on flags (FREETOKEN_CPU_HOST_NODE=flag), ``+greedy`` decodes at temperature 0
+    at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+flags`` holds them in the graphs served by
+    the engine thread on flags (FREETOKEN_CPU_HOST_NODE=flag), and offload's and hybrid's
+    plans too (FREETOKEN_HOST_STEPS=flags), ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
     one-call plan's twin), ``+regrouped`` regroups resident Q8_0 experts as Q8_0x8
@@ -149,7 +150,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_HYBRID_PREFETCH"] = f"{int(shares[-1][8:]) / 100}" if shares else ""
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
-        "hostnode", "flag", "greedy", "nocheck", "timing", "regrouped", "denseblocks",
+        "hostnode", "flags", "greedy", "nocheck", "timing", "regrouped", "denseblocks",
         "greedysplit"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
@@ -158,7 +159,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     os.environ["FREETOKEN_LAYER_CALL"] = "python" if "pycall" in options else "native"
     os.environ["FREETOKEN_CPU_HOST_NODE"] = ("on" if "hostnode" in options
-                                             else "flag" if "flag" in options else "off")
+                                             else "flag" if "flags" in options else "off")
+    os.environ["FREETOKEN_HOST_STEPS"] = "flags" if "flags" in options else "pieces"
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"

@@ -289,6 +289,11 @@ FT_API void ft_host_node_run(void* job) { ft::run_host_node(*(ft::HostNodeJob*)j
 FT_API int ft_flag_jobs_serve(ft::FlagJobs* f) { return ft::serve_flag_jobs(*f); }
 FT_API void ft_flag_jobs_release(ft::FlagJobs* f) { ft::release_flag_jobs(*f); }
 
+// One flag awaited as serve_flag_jobs awaits a go flag: 0, or -1 when it is not 1 in time.
+FT_API int ft_flag_wait(const uint32_t* flag, int spin_us, int timeout_ms) {
+  return ft::wait_flag(flag, spin_us, timeout_ms) ? 0 : -1;
+}
+
 // submit_linear + wait in one call (see ft_run).
 FT_API int64_t ft_run_linear(void* ex, int id, const float* x, float* out, int T, int64_t* ns) {
   int64_t h = ((ft::Executor*)ex)->submit_linear(id, x, out, T);

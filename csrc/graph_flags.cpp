@@ -12,8 +12,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Whether go becomes 1 within timeout_ms: polled with a pause for spin_us, then asleep between
-// polls (50 us), so a long wait does not hold the core.
+}  // namespace
+
+// Polled with a pause for spin_us, then asleep between polls (50 us), so that a long wait does
+// not hold the core.
 bool wait_flag(const uint32_t* go, int32_t spin_us, int32_t timeout_ms) {
   if (__atomic_load_n(go, __ATOMIC_ACQUIRE) == 1) return true;
   auto start = Clock::now();
@@ -33,8 +35,6 @@ bool wait_flag(const uint32_t* go, int32_t spin_us, int32_t timeout_ms) {
     }
   }
 }
-
-}  // namespace
 
 int serve_flag_jobs(FlagJobs& f) {
   f.served = 0;

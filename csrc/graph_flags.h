@@ -29,6 +29,10 @@ struct FlagJobs {
 // not to be used).
 int serve_flag_jobs(FlagJobs& f);
 
+// Whether *flag becomes 1 within timeout_ms (polled for spin_us, then asleep between polls):
+// a host step inside the graph waits for its go flag so.
+bool wait_flag(const uint32_t* flag, int32_t spin_us, int32_t timeout_ms);
+
 // Every done flag in [first, first + n) set: a graph left waiting is let go.
 void release_flag_jobs(FlagJobs& f);
 

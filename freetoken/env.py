@@ -148,6 +148,18 @@ def cpu_host_node() -> str:
     return _choice("FREETOKEN_CPU_HOST_NODE", CPU_HOST_NODES)
 
 
+HOST_STEPS = ("pieces", "flags")
+
+
+def host_steps() -> str:
+    """FREETOKEN_HOST_STEPS: where decode CUDA graphs run an offloaded or hybrid layer's host
+    plan: ``pieces`` (default: between two graph pieces, after a sync for the routed ids) or
+    ``flags`` (inside the graph: the graph sets a flag in pinned memory, the engine thread
+    plans on a side stream that sets the flag the graph waits for, ``cpu/graph_flags.py``;
+    needs the CUDA driver's stream memory operations)."""
+    return _choice("FREETOKEN_HOST_STEPS", HOST_STEPS)
+
+
 PREFILL_DEQUANTS = ("expert", "chunk")
 
 

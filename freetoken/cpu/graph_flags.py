@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from typing import Protocol
 
 import torch
 
@@ -71,38 +72,43 @@ class FlagJobsError(HostNodeError):
     """A graph's flag did not come, or the driver refused a flag's write or wait."""
 
 
+class FlagStep(Protocol):
+    """A host step served on a graph's flags (``moe/pieces.py``): ``serve(rows)``."""
+
+    def serve(self, n: int) -> None: ...
+
+
 class FlagJobs(HostNodes):
-    """The flag-served jobs of one decode graph (:class:`HostNodes`' jobs and step), their
-    flags, and which jobs each piece of the graph holds."""
+    """The flag-served jobs of one decode graph (:class:`HostNodes`' jobs and step), the host
+    steps served on its flags (:class:`FlagStep`), their flags, and what each piece of the
+    graph holds, in graph order: ranges of consecutive jobs (one library call each) and
+    steps.
+
+    Flags, one int32 each in pinned memory: rows 0 and 1 a job's go and done, rows 2 and 3 a
+    step's go and done (a plan's done is written by a stream, after the plan's copies)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.step.core = -1  # the engine thread serves the jobs on its own core
         self._spin_us = MOE_CPU_SPIN_US  # the replay's tail after the last job is short
-        self.flags = torch.zeros((2, MAX_JOBS), dtype=torch.int32,
+        self.flags = torch.zeros((4, MAX_JOBS), dtype=torch.int32,
                                  pin_memory=torch.cuda.is_available())
         self.timeout_ms = TIMEOUT_MS
-        self.pieces: dict[int, tuple[int, int]] = {}  # piece -> (first job, jobs)
+        self.steps: list[FlagStep] = []
+        self.items: dict[int, list[list[int] | FlagStep]] = {}  # per piece: [first, n] or a step
         self._array: ctypes.Array[abi.HostNodeJob] | None = None  # the jobs, laid out once
-        self._ranges: dict[int, abi.FlagJobs] = {}  # per piece, on _array
+        self._ranges: dict[tuple[int, int], abi.FlagJobs] = {}  # per (first, n), on _array
 
     def enqueue(self, job: abi.HostNodeJob, stream: int, piece: int = 0) -> None:
         """``job`` (the last one made) after the work queued on ``stream`` so far: its go
         flag written, then a wait for its done flag, in the stream (captured: in piece
         ``piece`` of the graph)."""
-        memops = stream_memops()
-        if isinstance(memops, str):
-            raise FlagJobsError(memops)
-        write, wait = memops
         i = self.hold(job, piece)
-        go, done = (self.flags[r, i].data_ptr() for r in range(2))
-        for what, err in (("write", write(stream, go, 1, 0)),
-                          ("wait", wait(stream, done, 1, WAIT_EQ))):
-            if err:
-                raise FlagJobsError(f"the CUDA driver refused a flag's {what}: error {err}")
+        self.signal(stream, 0, i)
+        self.await_flag(stream, 1, i)
 
     def hold(self, job: abi.HostNodeJob, piece: int) -> int:
-        """``job`` (the last one made) counted in piece ``piece``'s jobs; returns its index
+        """``job`` (the last one made) counted in piece ``piece``'s items; returns its index
         (its flags'). :meth:`enqueue` calls it as it captures the flags; the CPU tests call
         it alone and write the go flags themselves."""
         i = len(self.jobs) - 1
@@ -110,11 +116,51 @@ class FlagJobs(HostNodes):
             raise ValueError("a flag job is held right after it is made")
         if i >= MAX_JOBS:
             raise FlagJobsError(f"a decode graph holds at most {MAX_JOBS} CPU jobs")
-        first, n = self.pieces.get(piece, (i, 0))
-        if first + n != i:
-            raise ValueError(f"piece {piece}'s jobs are not consecutive")
-        self.pieces[piece] = (first, n + 1)
+        items = self.items.setdefault(piece, [])
+        last = items[-1] if items else None
+        if isinstance(last, list) and sum(last) == i:
+            last[1] += 1
+        else:
+            items.append([i, 1])
         return i
+
+    def add_step(self, step: FlagStep, piece: int) -> int:
+        """``step`` served in piece ``piece`` after what the piece holds so far; returns its
+        index (its flags' in rows 2 and 3)."""
+        k = len(self.steps)
+        if k >= MAX_JOBS:
+            raise FlagJobsError(f"a decode graph holds at most {MAX_JOBS} host steps")
+        self.steps.append(step)
+        self.items.setdefault(piece, []).append(step)
+        return k
+
+    def address(self, row: int, k: int) -> int:
+        """Where flag ``k`` of ``row`` is (host and device address alike)."""
+        return self.flags[row, k].data_ptr()
+
+    def signal(self, stream: int, row: int, k: int) -> None:
+        """Flag ``k`` of ``row`` set to 1 by ``stream`` after its work so far."""
+        write, _ = self._memops()
+        err = write(stream, self.address(row, k), 1, 0)
+        if err:
+            raise FlagJobsError(f"the CUDA driver refused a flag's write: error {err}")
+
+    def await_flag(self, stream: int, row: int, k: int) -> None:
+        """``stream`` waits until flag ``k`` of ``row`` is 1."""
+        _, wait = self._memops()
+        err = wait(stream, self.address(row, k), 1, WAIT_EQ)
+        if err:
+            raise FlagJobsError(f"the CUDA driver refused a flag's wait: error {err}")
+
+    def wait_go(self, k: int) -> None:
+        """Block until step ``k``'s go flag is set (a bounded spin, then asleep)."""
+        if self.lib.ft_flag_wait(self.address(2, k), MOE_CPU_SPIN_US, self.timeout_ms):
+            raise FlagJobsError(f"a decode graph did not signal its host step {k} in "
+                                f"{self.timeout_ms} ms")
+
+    def set_done(self, k: int) -> None:
+        """Step ``k``'s done flag set by the host (its results are in place)."""
+        self.flags[3, k] = 1
 
     def set_rows(self, n: int) -> None:
         """The live rows of the next replay, and its flags zeroed."""
@@ -122,31 +168,42 @@ class FlagJobs(HostNodes):
         self.flags.zero_()
 
     def serve(self, piece: int) -> None:
-        """Serve piece ``piece``'s jobs as its replay reaches them (after the replay is
-        launched); returns when the last one is done."""
-        if piece not in self.pieces:
-            return
-        code = self.lib.ft_flag_jobs_serve(ctypes.byref(self._range(piece)))
-        if code:
-            first, n = self.pieces[piece]
-            got = self._ranges[piece].served
-            raise FlagJobsError(f"a decode graph did not signal its CPU job {first + got} (of "
-                                f"jobs {first}..{first + n - 1}) in {self.timeout_ms} ms")
+        """Serve piece ``piece``'s jobs and steps as its replay reaches them (after the
+        replay is launched); returns when the last one is done."""
+        for item in self.items.get(piece, ()):
+            if not isinstance(item, list):
+                item.serve(int(self.step.rows))
+                continue
+            first, n = item
+            f = self._range(first, n)
+            if self.lib.ft_flag_jobs_serve(ctypes.byref(f)):
+                raise FlagJobsError(f"a decode graph did not signal its CPU job "
+                                    f"{first + f.served} (of jobs {first}..{first + n - 1}) "
+                                    f"in {self.timeout_ms} ms")
 
     def release(self) -> None:
         """Every done flag set: a replay left waiting (its serving interrupted) runs on."""
-        for piece in self.pieces:
-            self.lib.ft_flag_jobs_release(ctypes.byref(self._range(piece)))
+        for items in self.items.values():
+            for item in items:
+                if isinstance(item, list):
+                    self.lib.ft_flag_jobs_release(ctypes.byref(self._range(*item)))
+        self.flags[3, :len(self.steps)] = 1
 
-    def _range(self, piece: int) -> abi.FlagJobs:
-        """Piece ``piece``'s jobs for the library (laid out again if jobs came since)."""
+    def _memops(self) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+        memops = stream_memops()
+        if isinstance(memops, str):
+            raise FlagJobsError(memops)
+        return memops
+
+    def _range(self, first: int, n: int) -> abi.FlagJobs:
+        """Jobs ``first``.. ``first + n - 1`` for the library (laid out again if jobs came
+        since)."""
         if self._array is None or len(self._array) != len(self.jobs):
             self._array = (abi.HostNodeJob * len(self.jobs))(*(j for j, _ in self.jobs))
             self._ranges.clear()
-        found = self._ranges.get(piece)
+        found = self._ranges.get((first, n))
         if found is None:
-            first, n = self.pieces[piece]
-            found = self._ranges[piece] = abi.FlagJobs(
-                self._array, self.flags[0].data_ptr(), self.flags[1].data_ptr(), first, n,
+            found = self._ranges[first, n] = abi.FlagJobs(
+                self._array, self.address(0, 0), self.address(1, 0), first, n,
                 MOE_CPU_SPIN_US, self.timeout_ms, 0, 0)
         return found

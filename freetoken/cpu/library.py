@@ -168,6 +168,7 @@ def native() -> ctypes.CDLL:
         "ft_host_node_run": (None, [c.c_void_p]),
         "ft_flag_jobs_serve": (c.c_int, [c.POINTER(abi.FlagJobs)]),
         "ft_flag_jobs_release": (None, [c.POINTER(abi.FlagJobs)]),
+        "ft_flag_wait": (c.c_int, [c.c_void_p, c.c_int, c.c_int]),
         "ft_stream_read": (c.c_double, [c.c_void_p, c.c_void_p, c.c_int64, c.c_int]),
         "ft_slots_new": (c.c_void_p, [c.c_int]),
         "ft_slots_free": (None, [c.c_void_p]),

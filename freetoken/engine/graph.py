@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from freetoken import env
+from freetoken.cpu.graph_flags import FlagJobs, stream_memops
 from freetoken.cpu.host_node import HostNodes
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.context import ForwardContext, Segment
@@ -47,6 +49,20 @@ from freetoken.moe.pieces import Break, HostStep, LateStep, PiecewiseCapture
 from freetoken.moe.strategy import Experts
 
 log = logging.getLogger(__name__)
+
+
+def host_steps_flagged() -> bool:
+    """Whether decode graphs hold host plans inside their pieces, on flags
+    (FREETOKEN_HOST_STEPS=flags and a driver with stream memory operations; without them the
+    graph breaks at each plan, with a warning)."""
+    if env.host_steps() != "flags":
+        return False
+    memops = stream_memops()
+    if isinstance(memops, str):
+        log.warning("FREETOKEN_HOST_STEPS=flags: %s; decode graphs break at each host plan "
+                    "instead", memops)
+        return False
+    return True
 
 
 def graph_sizes(max_bs: int) -> list[int]:
@@ -127,15 +143,17 @@ class DecodeGraphs:
         self.sizes = sorted(self.graphs)
         split = next(iter(self.graphs.values())).split
         pieces = 1 if split is None else len(split.pieces)
-        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s%s)",
+        flagged = split is not None and isinstance(split.nodes, FlagJobs) and split.nodes.steps
+        log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s%s%s)",
                  self.sizes, max_len, f"; {pieces} pieces around host-planned experts"
-                 if pieces > 1 else "", "; again for steps that fetch every miss"
+                 if pieces > 1 else "", "; host plans inside the graph, on flags"
+                 if flagged else "", "; again for steps that fetch every miss"
                  if self.late else "")
 
     def _capture_pieces(self, g: _Graph, pool: tuple[int, int], stream: torch.cuda.Stream,
                         fetching: bool) -> _Pieces:
         rows = next((r.rows for r in self.recorders if r.rows is not None), None)
-        cap = PiecewiseCapture(pool, rows, fetching)
+        cap = PiecewiseCapture(pool, rows, fetching, flagged=host_steps_flagged())
         for rt in self.recorders:
             rt.capture = cap
         torch.cuda.synchronize()

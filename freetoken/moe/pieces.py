@@ -19,7 +19,7 @@ import torch
 
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.cpu.gpu_wait import gpu_wait
-from freetoken.cpu.graph_flags import graph_jobs
+from freetoken.cpu.graph_flags import FlagJobs, graph_jobs
 from freetoken.cpu.host_node import HostNodeError, HostNodes
 from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 
@@ -165,6 +165,70 @@ class LateStep(_Landing):
         self.land(self.finish(), n)
 
 
+class FlagHostStep(HostStep):
+    """A :class:`HostStep` inside the piece, served on the graph's flags (``cpu/
+    graph_flags.py``): the piece copies the inputs to pinned memory, sets the step's go flag
+    and waits for its done flag; the engine thread, once it sees go, plans on a side stream
+    (its copies, the slot table and what lands in ``out`` go there), and that stream sets done
+    after them. No sync, no break, no second launch."""
+
+    def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
+                 ids: torch.Tensor, w: torch.Tensor, inputs: bool, copier: RowCopier | None,
+                 predicted: torch.Tensor | None, like: torch.Tensor, flags: FlagJobs,
+                 side: torch.cuda.Stream, piece: int) -> None:
+        super().__init__(plan, x, ids, w, inputs, copier, predicted, like)
+        self.flags, self.side = flags, side
+        self.k = flags.add_step(self, piece)
+        copies, spans, _, _ = self._make_views(x.shape[0])  # every row, as captured
+        stream = current_stream(self.device)
+        if copier is not None and spans is not None:
+            copier.run(spans, stream)
+        else:
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+        flags.signal(stream, 2, self.k)
+        flags.await_flag(stream, 3, self.k)
+
+    def serve(self, n: int) -> None:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = self._make_views(n)
+        _, _, (x, ids, w), host = views
+        self.flags.wait_go(self.k)
+        with torch.cuda.stream(self.side):
+            self.land(self.plan(x, ids, w, host), n)
+            self.flags.signal(self.side.cuda_stream, 3, self.k)
+
+
+class FlagLateStep:
+    """A :class:`LateStep` inside the piece, served on the graph's flags: the piece waits for
+    the step's done flag, then copies ``host_out`` (pinned float32) in and casts it
+    (``result``); the engine thread puts ``finish()``'s rows there (zeros for None), then
+    sets done."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor,
+                 flags: FlagJobs, piece: int) -> None:
+        self.finish, self.flags = finish, flags
+        self.host_out = torch.zeros(like.shape, dtype=torch.float32, pin_memory=True)
+        self.dirty = False
+        self.k = flags.add_step(self, piece)
+        stream = current_stream(like.device.index or 0)
+        flags.await_flag(stream, 3, self.k)
+        staged = torch.empty(like.shape, dtype=torch.float32, device=like.device)
+        staged.copy_(self.host_out, non_blocking=True)
+        self.result = staged.to(like.dtype)
+
+    def serve(self, n: int) -> None:
+        extra = self.finish()
+        if extra is not None:
+            self.host_out[:n].copy_(extra)  # a pinned result: a memcpy
+            self.dirty = True
+        elif self.dirty:
+            self.host_out.zero_()
+            self.dirty = False
+        self.flags.set_done(self.k)
+
+
 class PiecewiseCapture:
     """Capture state while a model forward is being recorded in pieces.
 
@@ -175,8 +239,10 @@ class PiecewiseCapture:
     """
 
     def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None,
-                 fetching: bool = False) -> None:
+                 fetching: bool = False, flagged: bool = False) -> None:
         self.pool, self.copier = pool, copier
+        # host steps inside the pieces, served on flags, their plans on this stream
+        self.side = torch.cuda.Stream() if flagged else None
         # the graph is for steps in which every layer fetches every miss: hybrid layers plan
         # as offload's, from the ids alone, with no late step (``engine/graph.py``)
         self.fetching = fetching
@@ -205,6 +271,9 @@ class PiecewiseCapture:
         static buffer (shaped and typed like ``x``) of its extra output, for the captured
         compute that follows to add."""
         xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
+        if self.side is not None:
+            return FlagHostStep(plan, xf, ids, wf, inputs, self.copier, predicted, x,
+                                self._flags(), self.side, len(self.pieces)).out
         return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
                                               predicted, like=x)).out
 
@@ -215,11 +284,14 @@ class PiecewiseCapture:
         flags (``cpu/graph_flags.py``), its result copied back; returns it on the device,
         typed like ``x``. Needs the library's copier."""
         assert self.copier is not None
-        if self.nodes is None:
+        if self.side is not None:  # with the host steps on the same flags
+            self._flags()
+        elif self.nodes is None:
             kind = graph_jobs()
             if isinstance(kind, str):
                 raise HostNodeError(kind)
             self.nodes = kind()
+        assert self.nodes is not None
         (T, H), A = x.shape, ids.shape[1]
         key = (T, H, A)
         if key not in self._node_buffers:
@@ -240,8 +312,18 @@ class PiecewiseCapture:
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:
         """``finish`` between two pieces, after the device work queued so far (no sync);
-        returns the static buffer (shaped like ``like``) of its result."""
+        returns the static buffer (shaped like ``like``) of its result. Flagged: inside the
+        piece, after the host step before it (:class:`FlagLateStep`)."""
+        if self.side is not None:
+            return FlagLateStep(finish, like, self._flags(), len(self.pieces)).result
         return self._between(lambda: LateStep(finish, like)).out
+
+    def _flags(self) -> FlagJobs:
+        """The flags of this capture's host steps and jobs (made by the first)."""
+        if self.nodes is None:
+            self.nodes = FlagJobs()
+        assert isinstance(self.nodes, FlagJobs)
+        return self.nodes
 
     def _between(self, make: Callable[[], T]) -> T:
         """End the current piece, make the break (outside any capture: its buffers must not

@@ -28,8 +28,8 @@ def pool() -> cx.CpuMoeExecutor:
 
 def _jobs(pool: cx.CpuMoeExecutor, n: int,
           T: int) -> tuple[FlagJobs, list[tuple[torch.Tensor, ...]]]:
-    """``n`` jobs on ``pool``'s layer, one piece each of pieces 0 and 1 (the first half in
-    piece 0), their inputs filled from seeds."""
+    """``n`` jobs on ``pool``'s layer, the first half in piece 0 and the rest in piece 1,
+    their inputs filled from seeds."""
     flags = FlagJobs()
     bufs = []
     for i in range(n):
@@ -90,7 +90,7 @@ def test_a_flag_that_never_comes_lets_the_graph_go_and_is_raised(pool: cx.CpuMoe
     gpu.join()
     with pytest.raises(FlagJobsError, match=r"CPU job 2 \(of jobs 2..3\) in 50 ms"):
         flags.serve(1)
-    assert flags.flags[1, :4].tolist() == [1, 1, 1, 1]  # job 2 and 3's waits let go
+    assert flags.flags[1, :4].tolist() == [1, 1, 1, 1]  # job 2 and 3 are let go
     assert bufs[2][3].isnan().all() and bufs[3][3].isnan().all()
     flags.set_rows(1)
     flags.release()  # what the engine does when serving is interrupted
@@ -111,16 +111,36 @@ def test_a_refused_job_still_lets_its_graph_go(pool: cx.CpuMoeExecutor) -> None:
         flags.check()
 
 
-def test_jobs_are_held_in_graph_order(pool: cx.CpuMoeExecutor) -> None:
-    flags, _ = _jobs(pool, 2, 1)
+def test_a_pieces_jobs_and_steps_are_served_in_graph_order(pool: cx.CpuMoeExecutor) -> None:
+    """Jobs 0, then a host step, then jobs 1 and 2 in one piece: job 0 is served before the
+    step, jobs 1 and 2 (one library call) after it; a job is held right after it is made."""
+    flags, _ = _jobs(pool, 0, 1)
     x, ids, w = _inputs(1, 1)
-    job = flags.job(pool, SHAPE.layer, x, ids, w, torch.zeros(1, SHAPE.hidden))
-    with pytest.raises(ValueError, match="piece 0's jobs are not consecutive"):
-        flags.hold(job, 0)
-    other = flags.job(pool, SHAPE.layer, x, ids, w, torch.zeros(1, SHAPE.hidden))
+    made = [flags.job(pool, SHAPE.layer, x, ids, w, torch.zeros(1, SHAPE.hidden))]
+    flags.hold(made[0], 0)
+
+    class Step:
+        def serve(self, n: int) -> None:
+            self.saw = (n, flags.flags[1, :3].tolist())
+            flags.set_done(self.k)
+
+    step = Step()
+    step.k = flags.add_step(step, 0)
+    for _ in range(2):
+        made.append(flags.job(pool, SHAPE.layer, x, ids, w, torch.zeros(1, SHAPE.hidden)))
+        flags.hold(made[-1], 0)
+    assert flags.items[0] == [[0, 1], step, [1, 2]]
     with pytest.raises(ValueError, match="right after it is made"):
-        flags.hold(job, 2)
-    assert flags.hold(other, 2) == 3
+        flags.hold(made[0], 0)
+    flags.set_rows(1)
+    seen: list[int] = []
+    gpu = _gpu(flags, range(3), seen)
+    flags.serve(0)
+    gpu.join()
+    assert step.saw == (1, [1, 0, 0]) and seen == [0, 1, 2]
+    assert int(flags.flags[3, step.k]) == 1
+    flags.release()  # every done flag, the steps' too
+    assert flags.flags[1, :3].tolist() == [1, 1, 1]
 
 
 def test_flags_are_asked_for_by_name(monkeypatch) -> None:

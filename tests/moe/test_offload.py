@@ -442,13 +442,18 @@ def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, mo
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("strategy,kernel", [("offload", "dequant"), ("offload", "fused"),
-                                             ("hybrid", "auto"), ("hybrid-fetching", "dequant")])
+                                             ("hybrid", "auto"), ("hybrid-fetching", "dequant"),
+                                             ("offload-flags", "dequant"),
+                                             ("hybrid-flags", "auto")])
 def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy, kernel):
     """Captured pieces with the experts planned between them: offload with the dequantise +
     matmul kernel gives eager resident's logits bit for bit; with the fused kernel, and hybrid,
     within tolerance. Hybrid's steps that fetch every miss (here greedy ones) run the graphs
-    captured for them, without a late step, and give resident's logits bit for bit too."""
+    captured for them, without a late step, and give resident's logits bit for bit too. With
+    the plans inside the graph on flags (FREETOKEN_HOST_STEPS=flags) a step is one piece, and
+    gives the same logits."""
     from freetoken.config import EngineConfig
+    from freetoken.cpu.graph_flags import FlagJobs
     from freetoken.engine.runner import ModelRunner
     from freetoken.layers.context import Segment
     from freetoken.moe.pieces import HostStep, LateStep
@@ -461,6 +466,8 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
                    capture_output=True, timeout=300)
     logits = {}
     fetching = strategy == "hybrid-fetching"
+    flagged = strategy.endswith("-flags")
+    monkeypatch.setenv("FREETOKEN_HOST_STEPS", "flags" if flagged else "pieces")
     strategy = strategy.split("-")[0]
     ran: list[str] = []  # the host's steps between pieces, in the fetching graphs' run
     for name, strat, graphs in (("eager", "resident", 0), ("graphs", strategy, 4)):
@@ -473,11 +480,14 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
             assert runner.graphs is not None
             g = runner.graphs.graphs[1]
             # 2 MoE layers -> 3 pieces; hybrid waits for the CPU between two more, except in
-            # the graphs of steps that fetch every miss
+            # the graphs of steps that fetch every miss; on flags, one piece and the steps
             assert g.split is not None and len(g.split.pieces) == (
-                3 if strategy == "offload" else 5)
+                1 if flagged else 3 if strategy == "offload" else 5)
             assert (g.fetching is None) == (strategy == "offload")
-            assert g.fetching is None or len(g.fetching.pieces) == 3
+            assert g.fetching is None or len(g.fetching.pieces) == (1 if flagged else 3)
+            if flagged:
+                assert isinstance(g.split.nodes, FlagJobs)
+                assert len(g.split.nodes.steps) == (2 if strategy == "offload" else 4)
             if fetching:
                 runner.greedy_step(True)
                 layers = runner.graphs.late

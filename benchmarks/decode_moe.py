@@ -122,6 +122,16 @@ def prefill_tokens_per_s(engine: Engine, n: int, repeats: int) -> float:
     return best
 
 
+def set_env(name: str, values: dict[str, str], options: list[str]) -> None:
+    """``name`` set to the value of the last of ``options`` that ``values`` names, else
+    unset (the engine's default)."""
+    chosen = [values[o] for o in options if o in values]
+    if chosen:
+        os.environ[name] = chosen[-1]
+    else:
+        os.environ.pop(name, None)
+
+
 def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One strategy or variant; ``+dequant`` after the name computes cached experts on the GPU by
     dequantise + matmul (FREETOKEN_GPU_EXPERT_KERNEL=dequant) instead of the fused kernels,
@@ -132,7 +142,9 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+hostnode`` holds cpu's jobs in its decode graphs as host nodes instead of breaking them
     at each layer (FREETOKEN_CPU_HOST_NODE=on), ``+flags`` holds them in the graphs served by
     the engine thread on flags (FREETOKEN_CPU_HOST_NODE=flag), and offload's and hybrid's
-    plans too (FREETOKEN_HOST_STEPS=flags), ``+greedy`` decodes at temperature 0
+    plans too (FREETOKEN_HOST_STEPS=flags), ``+pieces`` breaks the graphs at each job and plan
+    (FREETOKEN_CPU_HOST_NODE=off, FREETOKEN_HOST_STEPS=pieces; else the engine's defaults),
+    ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
     one-call plan's twin), ``+regrouped`` regroups resident Q8_0 experts as Q8_0x8
@@ -150,7 +162,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_HYBRID_PREFETCH"] = f"{int(shares[-1][8:]) / 100}" if shares else ""
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
-        "hostnode", "flags", "greedy", "nocheck", "timing", "regrouped", "denseblocks",
+        "hostnode", "flags", "pieces", "greedy", "nocheck", "timing", "regrouped", "denseblocks",
         "greedysplit"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
@@ -158,9 +170,10 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_ROW_COPY"] = "torch" if "torchcopy" in options else "native"
     os.environ["FREETOKEN_EXPERT_SLOTS"] = "python" if "pyslots" in options else "native"
     os.environ["FREETOKEN_LAYER_CALL"] = "python" if "pycall" in options else "native"
-    os.environ["FREETOKEN_CPU_HOST_NODE"] = ("on" if "hostnode" in options
-                                             else "flag" if "flags" in options else "off")
-    os.environ["FREETOKEN_HOST_STEPS"] = "flags" if "flags" in options else "pieces"
+    # else the engine's defaults
+    set_env("FREETOKEN_CPU_HOST_NODE", {"hostnode": "on", "flags": "flag", "pieces": "off"},
+            options)
+    set_env("FREETOKEN_HOST_STEPS", {"flags": "flags", "pieces": "pieces"}, options)
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"

@@ -109,7 +109,8 @@ def test_host_nodes_are_asked_for_by_name(monkeypatch) -> None:
     monkeypatch.delenv("FREETOKEN_CPU_HOST_NODE", raising=False)
     assert "FREETOKEN_CPU_HOST_NODE=on" in host_nodes()
     monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "yes")
-    with pytest.raises(ConfigError, match="FREETOKEN_CPU_HOST_NODE='yes' is not one of flag, off, on"):
+    with pytest.raises(ConfigError,
+                       match="FREETOKEN_CPU_HOST_NODE='yes' is not one of flag, off, on"):
         host_nodes()
 
 

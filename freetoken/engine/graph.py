@@ -214,8 +214,9 @@ class DecodeGraphs:
                 if i < len(p.breaks):
                     p.breaks[i].run(n)
         except BaseException:
-            if p.nodes is not None:  # a replay waiting for a job is let go
-                p.nodes.release()
+            if p.nodes is not None:  # a replay waiting for a job is let go, and ends before
+                p.nodes.release()  # the next step zeroes the flags
+                p.nodes.wait()
             raise
         if p.nodes is not None:
             p.nodes.wait()

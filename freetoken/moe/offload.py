@@ -323,7 +323,10 @@ class OffloadExperts(Experts):
                   host: HostCopies | None = None) -> None:
         """Look-ahead (:meth:`Lookahead.fetch`) after this call's plan: this call's slots
         (``routed``'s hits and ``split``'s fetches, which its compute still reads) stay. Between
-        graph pieces the picks come with ``host``; an eager call routes them there."""
+        graph pieces the picks come with ``host``; an eager call routes them there. Inside the
+        graph (``host.ready``) the call's compute is let start first."""
+        if host is not None and host.ready is not None:  # inside the graph: compute may start
+            host.ready()
         la, rt = self.lookahead, self.runtime
         if la is None or rt is None or (host is not None and host.predicted is None) \
                 or not (budget := la.wanted(x.shape[0])):

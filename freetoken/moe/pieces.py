@@ -12,7 +12,7 @@ whole experts call). What each puts in its static ``out`` buffer the next piece 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -55,13 +55,18 @@ class HostCopies:
     """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
     one sync; x and w float32 when a graph step makes them), ``cpu_out``, a pinned float32
     buffer for the CPU's share, and ``predicted``:
-    the next layer's router picks for look-ahead (made in the piece before; None if none)."""
+    the next layer's router picks for look-ahead (made in the piece before; None if none),
+    and ``ready``."""
 
     x: torch.Tensor
     ids: torch.Tensor
     w: torch.Tensor
     cpu_out: torch.Tensor
     predicted: torch.Tensor | None = None
+    # inside the graph (FlagHostStep): called by a plan once the device work its compute reads
+    # is queued (copies, slot table), before work it need not wait for (look-ahead's copies);
+    # such a plan returns None
+    ready: Callable[[], None] | None = None
 
     @property
     def inputs(self) -> bool:
@@ -178,6 +183,7 @@ class FlagHostStep(HostStep):
                  side: torch.cuda.Stream, piece: int) -> None:
         super().__init__(plan, x, ids, w, inputs, copier, predicted, like)
         self.flags, self.side = flags, side
+        self._signalled = False
         self.k = flags.add_step(self, piece)
         copies, spans, _, _ = self._make_views(x.shape[0])  # every row, as captured
         stream = current_stream(self.device)
@@ -195,9 +201,27 @@ class FlagHostStep(HostStep):
             views = self._views[n] = self._make_views(n)
         _, _, (x, ids, w), host = views
         self.flags.wait_go(self.k)
+        self._signalled = False
         with torch.cuda.stream(self.side):
-            self.land(self.plan(x, ids, w, host), n)
+            extra = self.plan(x, ids, w, host)
+            if not self._signalled:
+                self.land(extra, n)
+                self._ready()
+            elif extra is not None:
+                raise RuntimeError("a plan that said its device work was ready returned more")
+
+    def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                           Spans | None, tuple[torch.Tensor, ...], HostCopies]:
+        copies, spans, inputs, host = super()._make_views(n)
+        return copies, spans, inputs, replace(host, ready=self._ready)
+
+    def _ready(self) -> None:
+        """The plan's device work is queued (on the side stream): ``out`` cleared if a result
+        was left there, then the side stream sets the done flag the graph waits for."""
+        if not self._signalled:
+            self.land(None, 0)
             self.flags.signal(self.side.cuda_stream, 3, self.k)
+            self._signalled = True
 
 
 class FlagLateStep:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 CANONICAL = "qwen3-30b-a3b"  # --dtype rows are benched at this preset's shape
 PHASES = ("banks", "cpu", "gather", "overlapped")
+CPU_STRATEGIES = ("hybrid", "cpu")  # what the decode check weighs against offload
 THREADS_HELP = (
     "CPU MoE workers, resolved exactly as `ft serve --moe-cpu-threads` resolves them: 0 is one "
     "worker per usable core (affinity mask and cgroup quota) but the first, which the engine "
@@ -94,12 +95,13 @@ def add_bench_bw_args(p: argparse.ArgumentParser) -> None:
                    help="experts per synthetic bank (0: the layer's own count, or more so "
                    f"that the bank is at least {bw.WORKING_SET_L3}x the L3)")
     p.add_argument("--decode-check", metavar="MEM", type=_size,
-                   help="after the rows, decode each --model itself twice, offloaded and as its "
-                   "rows recommend (hybrid or cpu), with a MEM expert cache (what you serve with "
-                   "as --moe-cache-mem, e.g. 4GB), and record both figures in its rows: "
-                   "--moe-strategy auto at that cache then offloads where offload decoded "
-                   "faster. The GB/s cannot see a GPU step long enough to hide the link (each "
-                   "run loads the model: about a minute on a 30 GB file)")
+                   help="after the rows, decode each --model itself three times, offloaded, "
+                   "hybrid and cpu, with a MEM expert cache (what you serve with as "
+                   "--moe-cache-mem, e.g. 4GB), where its rows recommend the CPU, and record "
+                   "the figures in its rows: --moe-strategy auto at that cache then runs the "
+                   "fastest. The GB/s cannot see a GPU step long enough to hide the link, or "
+                   "a decode step's overhead per layer (each run loads the model: about a "
+                   "minute on a 30 GB file)")
     p.add_argument("--decode-tokens", type=int, default=128, metavar="N",
                    help="timed tokens of each --decode-check run, at temperature 1, after "
                    f"{decode_run.WARMUP} untimed")
@@ -308,9 +310,10 @@ def _commit() -> str | None:
 def decode_check(rows: dict[str, Row], models: Sequence[str], device: str, threads: int,
                  cache_bytes: int, tokens: int, profile: Path,
                  progress: bool = False) -> dict[str, Row]:
-    """``rows`` with each model's own rows given its :class:`DecodeCheck`: offload and every
-    strategy those rows recommend (hybrid, cpu), decoded on the model (none where they all
-    recommend offload already) by engines that read ``profile`` (``rows`` saved there)."""
+    """``rows`` with each model's own rows given its :class:`DecodeCheck`: offload and the
+    strategies that use the CPU (hybrid, cpu), decoded on the model where its rows recommend
+    one of those (none where they all recommend offload already), by engines that read
+    ``profile`` (``rows`` saved there)."""
     from tqdm import tqdm
 
     _check_decode_args(cache_bytes, tokens)
@@ -318,7 +321,7 @@ def decode_check(rows: dict[str, Row], models: Sequence[str], device: str, threa
     out = dict(rows)
     for model in models:
         keys = [k for k, r in rows.items() if model in r.meta.get("sources", ())]
-        wanted = sorted({rows[k].recommended for k in keys} - {"offload"})
+        wanted = CPU_STRATEGIES if {rows[k].recommended for k in keys} - {"offload"} else ()
         if not wanted:
             log.info("decode check of %s: its rows recommend offload, so there is nothing to "
                      "weigh against it", model)

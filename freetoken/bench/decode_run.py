@@ -1,5 +1,5 @@
-"""``ft bench bw --decode-check``: the model itself decoding on this box, once offloaded and once
-as its profile rows recommend (hybrid or cpu), each in a child process of its own (an engine's
+"""``ft bench bw --decode-check``: the model itself decoding on this box, offloaded, hybrid and
+cpu, each in a child process of its own (an engine's
 pinned banks are not all handed back while its process lives, and a model loaded twice in one
 process can outgrow the host). The figures go into the rows as a
 :class:`~freetoken.moe.decode_check.DecodeCheck`, which ``--moe-strategy auto`` weighs above the

@@ -1,11 +1,13 @@
-"""The decode check's record: offload and the strategy a profile row recommends (hybrid or
-cpu), each decoding the model itself on the box, as ``ft bench bw --decode-check`` measured
-them (:mod:`freetoken.bench.decode_run`). The row's GB/s cannot see what decides some boxes:
+"""The decode check's record: offload and the strategies that use the CPU (hybrid, cpu), each
+decoding the model itself on the box, as ``ft bench bw --decode-check`` measured them
+(:mod:`freetoken.bench.decode_run`). The row's GB/s cannot see what decides some boxes:
 offload's look-ahead fetches the next layer's experts while the GPU computes this one, so a
 model whose GPU step is long hides its link there, and a CPU share then only adds its wait
 (on an H100, the 30-layer nvfp4 Gemma-4 file decoded 65.9 tok/s offloaded against hybrid's
-60.1, where its row recommends hybrid). ``--moe-strategy auto`` offloads a kind whose check
-measured offload faster at the run's expert cache.
+60.1, where its row recommends hybrid); and with its jobs inside the decode graph the cpu
+strategy decoded the 48-layer qwen3-30b-a3b q8_0 file at 51.7 tok/s where hybrid, which its
+row recommends, made 36.5-43.3. ``--moe-strategy auto`` runs a kind as whichever its check
+measured fastest at the run's expert cache.
 
 Threads: any (a frozen record).
 """
@@ -48,6 +50,11 @@ class DecodeCheck:
         """Whether ``strategy`` decoded slower than offload (False when it was not run)."""
         t = self.tokens_per_s.get(strategy)
         return t is not None and t < self.tokens_per_s["offload"]
+
+    def fastest(self) -> str:
+        """The strategy that decoded fastest (offload where it ties)."""
+        return max(["offload", *sorted(set(self.tokens_per_s) - {"offload"})],
+                   key=lambda k: self.tokens_per_s[k])
 
     def words(self) -> str:
         """``offload 65.9, hybrid 60.1 tok/s``: offload first, the rest by name."""

@@ -164,9 +164,10 @@ def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: st
     """What ``--moe-strategy auto`` runs layers of ``kind`` as, from the profile row, on a box
     with ``threads`` pool workers at ``isa`` on a ``cpu`` with a ``cache`` of experts: the
     row's recommendation, but offload where the row recommends the CPU (hybrid or cpu) and was
-    measured unlike this run (another thread count, ISA or CPU), or its decode check (made at
-    this cache) measured that strategy slower than offload, since auto must not pick a plan
-    slower than offload on the box it runs on. None when the kind has no row."""
+    measured unlike this run (another thread count, ISA or CPU); where its decode check was
+    made at this cache, the strategy it measured fastest (offload, hybrid or cpu), since auto
+    must not pick a plan slower than another on the box it runs on. None when the kind has
+    no row."""
     match = lookup(profile, kind, threads)
     if match.row is None:
         return None
@@ -192,11 +193,12 @@ def auto_recommendation(profile: Profile, kind: LayerKind, threads: int, isa: st
                  "cache, not this run's (%s), so the profile's GB/s decide (%s)",
                  kind_words(kind), human_bytes(check.cache_bytes), cache.describe(), rec)
         return rec
-    if check.loses(rec):
+    best = check.fastest()
+    if best != rec:
         log.info("--moe-strategy auto: the profile's GB/s recommend %s for %s, but its %s; "
-                 "those layers offload", rec, kind_words(kind), check.measured())
-        return "offload"
-    return rec
+                 "those layers %s", rec, kind_words(kind), check.measured(),
+                 "offload" if best == "offload" else f"run {best}")
+    return best
 
 
 def _device_bytes(cfg: EngineConfig, ckpt: Checkpoint) -> tuple[int, int]:

@@ -181,9 +181,9 @@ def test_decode_check_size_is_checked_by_the_parser(capsys: pytest.CaptureFixtur
 def test_decode_check_runs_the_model_per_recommended_strategy(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode check loads the model itself in a child process per strategy (the real
-    engine on the CPU here) and records offload's figure and the recommended strategy's in
-    every row of that model; rows of a model that recommend offload get none, and a run that
-    fails or is stuck names its strategy and the child's last lines."""
+    engine on the CPU here) and records offload's, hybrid's and cpu's figures in every row
+    of that model (its row recommends hybrid); rows of a model that recommend offload get
+    none, and a run that fails or is stuck names its strategy and the child's last lines."""
     model = tmp_path / "tiny-q8.gguf"
     assert main(["synth", "--preset", "tiny", "--expert-format", "q8_0", "--out",
                  str(model)]) == 0
@@ -193,7 +193,7 @@ def test_decode_check_runs_the_model_per_recommended_strategy(
     rows = decode_check({"a": hybrid, "b": offload}, [str(model), "other.gguf"], "cpu", 1,
                         1_000_000, 8, profile)
     check = rows["a"].decode
-    assert check is not None and set(check.tokens_per_s) == {"offload", "hybrid"}
+    assert check is not None and set(check.tokens_per_s) == {"offload", "hybrid", "cpu"}
     assert all(v > 0 for v in check.tokens_per_s.values())
     assert (check.model, check.cache_bytes, check.tokens) == (str(model), 1_000_000, 8)
     assert rows["a"].cpu_gbps == 100.0 and rows["b"] is offload

@@ -205,8 +205,15 @@ def test_auto_offloads_where_the_decode_check_measured_offload_faster(caplog):
     lost = DecodeCheck("g4.gguf", gb4, 128, {"offload": 65.9, "hybrid": 60.1})
     assert auto(lost, CacheSizing("mem", 4e9)) == "offload"
     assert "measured offload 65.9, hybrid 60.1 tok/s; those layers offload" in caplog.text
-    won = DecodeCheck("q3.gguf", gb4, 128, {"offload": 25.7, "hybrid": 38.5})
+    won = DecodeCheck("q3.gguf", gb4, 128, {"offload": 25.7, "hybrid": 38.5, "cpu": 36.0})
     assert auto(won, CacheSizing("mem", 4e9)) == "hybrid"
+    caplog.clear()  # cpu on flags measured faster than hybrid: those layers run cpu
+    cpu_won = DecodeCheck("q3.gguf", gb4, 128, {"offload": 25.7, "hybrid": 43.3, "cpu": 51.7})
+    assert auto(cpu_won, CacheSizing("mem", 4e9)) == "cpu"
+    assert "measured offload 25.7, cpu 51.7, hybrid 43.3 tok/s; those layers run cpu" \
+        in caplog.text
+    assert cpu_won.fastest() == "cpu" and lost.fastest() == "offload"
+    assert DecodeCheck("m", gb4, 8, {"offload": 30.0, "hybrid": 30.0}).fastest() == "offload"
     caplog.clear()
     assert auto(lost, CacheSizing("mem", 8e9)) == "hybrid"
     assert "made with a 4GB expert cache, not this run's (--moe-cache-mem 8GB)" in caplog.text

@@ -40,7 +40,8 @@ TIMEOUT_MS = 30_000  # a go flag not set by then: the graph is stuck
 @cache
 def stream_memops() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | str:
     """The driver's ``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` (their v2 entry
-    points, which CUDA 12 supports on every device), or why there are none."""
+    points, which CUDA 12 supports on every device) once a graph has held and run them, or
+    why there are none."""
     try:
         lib = ctypes.CDLL(DRIVER)
     except OSError as e:
@@ -53,7 +54,31 @@ def stream_memops() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | str:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fns.append(fn)
-    return fns[0], fns[1]
+    write, wait = fns
+    why = _captured_memops(write, wait)
+    return why if why is not None else (write, wait)
+
+
+def _captured_memops(write: ctypes._CFuncPtr, wait: ctypes._CFuncPtr) -> str | None:
+    """Why a CUDA graph cannot hold a flag's write and wait (None: it can, and a replay ran
+    them): a driver without stream memory operations in graphs fails the capture. Called
+    before any decode graph is captured (:func:`stream_memops` is cached): a capture inside
+    another one is not allowed."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            err = (write(stream.cuda_stream, flag.data_ptr(), 1, 0)
+                   or wait(stream.cuda_stream, flag.data_ptr(), 1, WAIT_EQ))
+        if err:
+            return f"the CUDA driver refused a flag's write or wait in a graph: error {err}"
+        graph.replay()
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        return f"a CUDA graph could not hold a flag's write and wait: {e}"
+    return None if int(flag[0]) == 1 else "a CUDA graph's flag write did not reach the host"
 
 
 def graph_jobs() -> type[HostNodes] | str:

@@ -122,6 +122,10 @@ class DecodeGraphs:
                      if isinstance(m, Experts) and getattr(m, "FINISHES_LATE", False)]
         self.fetching_steps = 0  # steps run in the graphs for steps that fetch every miss
         pool = torch.cuda.graph_pool_handle()
+        memops = stream_memops()  # probed (a graph of its own) before any capture: cached
+        if isinstance(memops, str) and self.recorders:
+            log.warning("decode graphs cannot hold flags (%s): the CPU pool's jobs and host "
+                        "plans run between graph pieces, a slower step", memops)
         for bs in sorted(graph_sizes(max_bs), reverse=True):  # largest first
             g = _Graph(bs, max_len, windows, kv, device)
             self._pad(g, 0)

@@ -7,6 +7,10 @@ records the host's part, which the graph runner calls between replays of the pie
 (:class:`HostStep`: the plan, with its inputs in pinned memory after one sync;
 :class:`LateStep`: work the plan left running, collected without a sync; :class:`Break`: a
 whole experts call). What each puts in its static ``out`` buffer the next piece reads.
+With ``FREETOKEN_HOST_STEPS=flags`` the plans and late steps stay inside the piece instead
+(:class:`FlagHostStep`, :class:`FlagLateStep`): the graph sets a flag in pinned memory and
+waits for one the host sets, and the engine thread serves them after launching the piece
+(``cpu/graph_flags.py``).
 """
 
 from __future__ import annotations
@@ -231,7 +235,7 @@ class FlagLateStep:
     sets done."""
 
     def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor,
-                 flags: FlagJobs, piece: int) -> None:
+                 flags: FlagJobs, piece: int, copier: RowCopier | None = None) -> None:
         self.finish, self.flags = finish, flags
         self.host_out = torch.zeros(like.shape, dtype=torch.float32, pin_memory=True)
         self.dirty = False
@@ -239,7 +243,10 @@ class FlagLateStep:
         stream = current_stream(like.device.index or 0)
         flags.await_flag(stream, 3, self.k)
         staged = torch.empty(like.shape, dtype=torch.float32, device=like.device)
-        staged.copy_(self.host_out, non_blocking=True)
+        if copier is not None:  # the driver's copy, as a graph's jobs copy their results
+            copier.run(Spans([(staged, self.host_out)]), stream)
+        else:
+            staged.copy_(self.host_out, non_blocking=True)
         self.result = staged.to(like.dtype)
 
     def serve(self, n: int) -> None:
@@ -259,7 +266,8 @@ class PiecewiseCapture:
     Host-planned experts call :meth:`host` (or :meth:`split`) instead of running: it ends the
     current piece, records a :class:`HostStep` (or :class:`Break`) and begins the next piece,
     all in one memory pool. :meth:`after` does the same for a :class:`LateStep`. Experts the
-    CPU pool computes without a plan call :meth:`node`, which stays in the piece.
+    CPU pool computes without a plan call :meth:`node`, which stays in the piece. Flagged,
+    :meth:`host` and :meth:`after` stay in the piece too, on the capture's flags.
     """
 
     def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None,
@@ -339,7 +347,8 @@ class PiecewiseCapture:
         returns the static buffer (shaped like ``like``) of its result. Flagged: inside the
         piece, after the host step before it (:class:`FlagLateStep`)."""
         if self.side is not None:
-            return FlagLateStep(finish, like, self._flags(), len(self.pieces)).result
+            return FlagLateStep(finish, like, self._flags(), len(self.pieces),
+                                self.copier).result
         return self._between(lambda: LateStep(finish, like)).out
 
     def _flags(self) -> FlagJobs:

@@ -54,15 +54,8 @@ log = logging.getLogger(__name__)
 def host_steps_flagged() -> bool:
     """Whether decode graphs hold host plans inside their pieces, on flags
     (FREETOKEN_HOST_STEPS=flags and a driver with stream memory operations; without them the
-    graph breaks at each plan, with a warning)."""
-    if env.host_steps() != "flags":
-        return False
-    memops = stream_memops()
-    if isinstance(memops, str):
-        log.warning("FREETOKEN_HOST_STEPS=flags: %s; decode graphs break at each host plan "
-                    "instead", memops)
-        return False
-    return True
+    graph breaks at each plan: :class:`DecodeGraphs` warned once)."""
+    return env.host_steps() == "flags" and not isinstance(stream_memops(), str)
 
 
 def graph_sizes(max_bs: int) -> list[int]:

@@ -83,8 +83,8 @@ class _Landing:
     step puts there: a result (copied in without a wait: it is pinned or on the device) or
     zeros (cleared again only after a result)."""
 
-    def __init__(self, like: torch.Tensor) -> None:
-        self.out = torch.zeros_like(like)
+    def __init__(self, like: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        self.out = torch.zeros_like(like) if out is None else out
         self.dirty = False
 
     def land(self, extra: torch.Tensor | None, n: int) -> None:
@@ -133,17 +133,29 @@ class HostStep(_Landing):
                                None if predicted is None else pinned(predicted))
 
     def run(self, n: int) -> None:
+        views = self._views_of(n)
+        self._copy_in(views, sync=True)
+        _, _, (x, ids, w), host = views
+        self.land(self.plan(x, ids, w, host), n)
+
+    def _views_of(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                         Spans | None, tuple[torch.Tensor, ...], HostCopies]:
         views = self._views.get(n)
         if views is None:
             views = self._views[n] = self._make_views(n)
-        copies, spans, (x, ids, w), host = views
+        return views
+
+    def _copy_in(self, views: tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
+                                    tuple[torch.Tensor, ...], HostCopies], sync: bool) -> None:
+        """The inputs copied to the host on the current stream (``sync``: then waited for)."""
+        copies, spans, _, _ = views
         if self.copier is not None and spans is not None:
-            self.copier.run(spans, current_stream(self.device), sync=True)
-        else:
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
+            self.copier.run(spans, current_stream(self.device), sync=sync)
+            return
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        if sync:
             gpu_wait(self.device).wait()
-        self.land(self.plan(x, ids, w, host), n)
 
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                            Spans | None, tuple[torch.Tensor, ...], HostCopies]:
@@ -189,21 +201,13 @@ class FlagHostStep(HostStep):
         self.flags, self.side = flags, side
         self._signalled = False
         self.k = flags.add_step(self, piece)
-        copies, spans, _, _ = self._make_views(x.shape[0])  # every row, as captured
+        self._copy_in(self._make_views(x.shape[0]), sync=False)  # every row, captured
         stream = current_stream(self.device)
-        if copier is not None and spans is not None:
-            copier.run(spans, stream)
-        else:
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
         flags.signal(stream, 2, self.k)
         flags.await_flag(stream, 3, self.k)
 
     def serve(self, n: int) -> None:
-        views = self._views.get(n)
-        if views is None:
-            views = self._views[n] = self._make_views(n)
-        _, _, (x, ids, w), host = views
+        _, _, (x, ids, w), host = self._views_of(n)
         self.flags.wait_go(self.k)
         self._signalled = False
         with torch.cuda.stream(self.side):
@@ -228,35 +232,28 @@ class FlagHostStep(HostStep):
             self._signalled = True
 
 
-class FlagLateStep:
+class FlagLateStep(_Landing):
     """A :class:`LateStep` inside the piece, served on the graph's flags: the piece waits for
-    the step's done flag, then copies ``host_out`` (pinned float32) in and casts it
-    (``result``); the engine thread puts ``finish()``'s rows there (zeros for None), then
-    sets done."""
+    the step's done flag, then copies ``out`` (here pinned float32 on the host) in and casts
+    it (``result``); the engine thread lands ``finish()``'s rows there (a pinned result: a
+    memcpy), then sets done."""
 
     def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor,
                  flags: FlagJobs, piece: int, copier: RowCopier | None = None) -> None:
+        super().__init__(like, torch.zeros(like.shape, dtype=torch.float32, pin_memory=True))
         self.finish, self.flags = finish, flags
-        self.host_out = torch.zeros(like.shape, dtype=torch.float32, pin_memory=True)
-        self.dirty = False
         self.k = flags.add_step(self, piece)
         stream = current_stream(like.device.index or 0)
         flags.await_flag(stream, 3, self.k)
         staged = torch.empty(like.shape, dtype=torch.float32, device=like.device)
         if copier is not None:  # the driver's copy, as a graph's jobs copy their results
-            copier.run(Spans([(staged, self.host_out)]), stream)
+            copier.run(Spans([(staged, self.out)]), stream)
         else:
-            staged.copy_(self.host_out, non_blocking=True)
+            staged.copy_(self.out, non_blocking=True)
         self.result = staged.to(like.dtype)
 
     def serve(self, n: int) -> None:
-        extra = self.finish()
-        if extra is not None:
-            self.host_out[:n].copy_(extra)  # a pinned result: a memcpy
-            self.dirty = True
-        elif self.dirty:
-            self.host_out.zero_()
-            self.dirty = False
+        self.land(self.finish(), n)
         self.flags.set_done(self.k)
 
 

@@ -237,9 +237,10 @@ FT_API int ft_layer_kernel(void* ex, int layer, int proj, int* isa, int* act) {
   return 0;
 }
 
+// `signal` (may be NULL): a flag the pool sets to 1 once `out` is written.
 FT_API int64_t ft_submit(void* ex, int layer, const float* x, const int64_t* ids,
-                         const float* w, float* out, int T, int A) {
-  return ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A);
+                         const float* w, float* out, int T, int A, uint32_t* signal) {
+  return ((ft::Executor*)ex)->submit(layer, x, ids, w, out, T, A, signal);
 }
 
 // A dense matrix under `id`: 0 or -1 with the reason in err.

@@ -106,7 +106,7 @@ const Layer* Executor::layer(int layer) const {
 }
 
 int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const float* w,
-                         float* out, int T, int A) {
+                         float* out, int T, int A, uint32_t* signal) {
   const Layer* L;
   {
     std::lock_guard<std::mutex> lock(layers_mu_);
@@ -225,7 +225,7 @@ int64_t Executor::submit(int layer_id, const float* x, const int64_t* ids, const
     for (int64_t c = 0; c < j.chunks2; ++c) j.rows_done[c] = 0;
   }
   // Down items start as soon as the first experts' h is ready (no barrier).
-  pool_.publish(slot, counts, 3, run_expert_item, &j, /*overlap=*/1u << 1);
+  pool_.publish(slot, counts, 3, run_expert_item, &j, /*overlap=*/1u << 1, signal);
   return slot;
 }
 

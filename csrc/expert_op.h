@@ -189,9 +189,10 @@ class Executor {
   const Layer* layer(int layer) const;
 
   // Returns a handle to wait on; -1 for an unknown layer, -2 for an expert id >= E.
-  // Thread-safe; blocks only while Pool::kSlots jobs are unwaited.
+  // Thread-safe; blocks only while Pool::kSlots jobs are unwaited. `signal`: a flag set to 1
+  // once `out` is written (Pool::publish), for a decode graph that waits on it.
   int64_t submit(int layer, const float* x, const int64_t* ids, const float* w, float* out,
-                 int T, int A);
+                 int T, int A, uint32_t* signal = nullptr);
   // Block until the job is done (once per handle); returns the weight bytes it read, with its
   // run time in *ns and its TM_FIELDS timing record in timing when those are given.
   int64_t wait(int64_t handle, int64_t* ns = nullptr, int64_t* timing = nullptr);

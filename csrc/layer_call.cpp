@@ -62,7 +62,7 @@ int plan_layer_call(LayerCall* c) {
   if (n_cpu > 0) {  // the CPU's job first: it runs while the link copies
     int64_t t0 = now_ns();
     c->ticket = ((Executor*)c->executor)->submit(c->layer, c->x, cpu_ids, c->w, c->cpu_out,
-                                                 c->rows, c->top_k);
+                                                 c->rows, c->top_k, c->cpu_signal);
     c->submit_ns = now_ns() - t0;
     if (c->ticket < 0) return -3;
   }

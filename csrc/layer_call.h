@@ -38,6 +38,7 @@ struct LayerCall {
   const float* x;              // the CPU job's inputs and output (host copies)
   const float* w;
   float* cpu_out;
+  uint32_t* cpu_signal;        // set to 1 once cpu_out is written (null: none)
   int64_t* cpu_ids;            // the CPU job's ids (-1: not the CPU's pair)
   int64_t* needed;             // outputs, T * A each: the experts, ascending
   int64_t* uses;

@@ -124,9 +124,10 @@ int Pool::acquire() {
 }
 
 void Pool::publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx,
-                   unsigned overlap) {
+                   unsigned overlap, uint32_t* signal) {
   Slot& s = slots_[slot];
   s.phases = phases;
+  s.signal = signal;
   s.overlap = overlap;
   s.last = -1;
   s.fn = fn;
@@ -219,6 +220,8 @@ void Pool::run(Slot& s, int worker) {
       if ((int64_t)s.done[p].v.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
         s.end_ns[p].store(now_ns(), std::memory_order_relaxed);
         if (p == last) {
+          // every item's writes come before this (the counter's acq_rel chain)
+          if (s.signal) __atomic_store_n(s.signal, 1u, __ATOMIC_RELEASE);
           s.state.v.store(kDone);
           wake(s.state);
         } else {

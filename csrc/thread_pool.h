@@ -49,8 +49,11 @@ class Pool {
   // Queue the slot's job: counts[p] items in phase p, each run as fn(ctx, p, item, worker).
   // Bit p of `overlap` lets workers start phase p + 1 once phase p's items are all taken
   // rather than all done; its items must then wait for what they need themselves.
+  // `signal`, when given, is set to 1 (a release store) as the job is done, by the worker that
+  // ends it: a flag another device may poll (a decode graph waits on it), with no thread of
+  // ours in between.
   void publish(int slot, const int64_t* counts, int phases, ItemFn fn, void* ctx,
-               unsigned overlap = 0);
+               unsigned overlap = 0, uint32_t* signal = nullptr);
   // Run items of the slot's job on the calling thread, then block until the job is done.
   // With join false the caller only blocks (its caches stay its own).
   void wait(int slot, bool join = true);
@@ -95,6 +98,7 @@ class Pool {
     unsigned overlap = 0;
     ItemFn fn = nullptr;
     void* ctx = nullptr;
+    uint32_t* signal = nullptr;  // set to 1 as the job is done (publish's)
     int last = -1;  // the last phase with items
     int64_t published_ns = 0, start_ns = 0;
     std::atomic<int64_t> end_ns[kMaxPhases], busy_ns[kMaxPhases];

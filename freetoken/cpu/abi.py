@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 16  # csrc/common.h ABI_VERSION
+ABI_VERSION = 17  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")
@@ -150,7 +150,7 @@ class LayerCall(c.Structure):
         ("copy", RowCopy), ("ids", c.c_void_p), ("layer", c.c_int32), ("rows", c.c_int32),
         ("top_k", c.c_int32), ("num_slots", c.c_int32), ("stream_above", c.c_int32),
         ("pad0", c.c_int32), ("x", c.c_void_p), ("w", c.c_void_p), ("cpu_out", c.c_void_p),
-        ("cpu_ids", c.c_void_p), ("needed", c.c_void_p), ("uses", c.c_void_p),
+        ("cpu_signal", c.c_void_p), ("cpu_ids", c.c_void_p), ("needed", c.c_void_p), ("uses", c.c_void_p),
         ("slot", c.c_void_p), ("fetched", c.c_void_p), ("fetched_slots", c.c_void_p),
         ("dst_rows", c.c_void_p), ("src_rows", c.c_void_p), ("table", c.c_void_p),
         ("staged", c.c_void_p), ("device_table", c.c_uint64), ("table_bytes", c.c_int64),

@@ -248,7 +248,8 @@ class CpuMoeExecutor(LinearJobs, PoolControls):
             return fut
         self._take_slot()
         ticket = self._lib.ft_submit(self._handle, layer, x.data_ptr(), ids.data_ptr(),
-                                     w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1])
+                                     w.data_ptr(), out.data_ptr(), x.shape[0], ids.shape[1],
+                                     None)
         if ticket < 0:
             self._give_slot()
             raise ValueError(f"layer {layer}: expert ids must be < {self.layers[layer].experts}")
@@ -268,10 +269,12 @@ class CpuMoeExecutor(LinearJobs, PoolControls):
                 ids.shape[1])
         return PreparedJob(layer, args, out, (x, ids, w))
 
-    def submit_prepared(self, job: PreparedJob) -> CpuMoeFuture:
-        """:meth:`submit` of a job made by :meth:`prepare`; returns at once."""
+    def submit_prepared(self, job: PreparedJob, signal: int = 0) -> CpuMoeFuture:
+        """:meth:`submit` of a job made by :meth:`prepare`; returns at once. ``signal``: the
+        address of an int32 flag (pinned) the pool sets to 1 once the result is written, for a
+        decode graph that waits on it (0: none)."""
         self._take_slot()
-        ticket = self._lib.ft_submit(self._handle, job.layer, *job.args)
+        ticket = self._lib.ft_submit(self._handle, job.layer, *job.args, signal or None)
         if ticket < 0:
             self._give_slot()
             raise ValueError(f"layer {job.layer}: expert ids must be < "

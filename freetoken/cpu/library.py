@@ -107,7 +107,8 @@ def native() -> ctypes.CDLL:
         ),
         "ft_submit": (
             c.c_int64,
-            [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int],
+            [c.c_void_p, c.c_int, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int,
+             c.c_void_p],
         ),
         "ft_run": (
             c.c_int64,

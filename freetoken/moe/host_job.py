@@ -35,10 +35,11 @@ class HostJob:
                            else None)
         self.executor = executor
 
-    def submit(self, all_pairs: bool) -> CpuMoeFuture:
+    def submit(self, all_pairs: bool, signal: int = 0) -> CpuMoeFuture:
         """The job on the host copies' current values: every routed pair (``all_pairs``), or
-        the pairs a caller wrote into :attr:`ids` (-1: a pair that is not the CPU's)."""
-        return self.executor.submit_prepared(self._filled(all_pairs))
+        the pairs a caller wrote into :attr:`ids` (-1: a pair that is not the CPU's).
+        ``signal``: a flag the pool sets once ``host.cpu_out`` is written (``host.cpu_done``)."""
+        return self.executor.submit_prepared(self._filled(all_pairs), signal)
 
     def run(self) -> float:
         """Every routed pair, submitted and waited for in one call into the library (the

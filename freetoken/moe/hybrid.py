@@ -139,7 +139,8 @@ class HybridExperts(OffloadExperts):
         n = self._count(flat, routed)
         cpu_ids = torch.empty_like(flat) if job is None else job.ids
         split = pool.split(self.shape.layer, flat, routed, n, cpu_ids)
-        future, overhead = self._share(x, ids, w, split, cpu_ids, job)
+        future, overhead = self._share(x, ids, w, split, cpu_ids, job,
+                                       0 if host is None else host.cpu_done)
         fetch = self._fetch(pool, split)
         pool.publish(self.shape.layer)
         self.calls.table_empty = False
@@ -244,7 +245,7 @@ class HybridExperts(OffloadExperts):
             self.runtime.cache.pool(layer).publish(layer, empty=True)
             self.calls.table_empty = True
         if host is not None:
-            future = self.host_jobs.get(self.executor, host).submit(all_pairs=True)
+            future = self.host_jobs.get(self.executor, host).submit(True, host.cpu_done)
             flat = host.ids
         else:
             flat = (to_host(ids.reshape(-1)) if ids.is_cuda else ids.reshape(-1)).long()
@@ -332,16 +333,17 @@ class HybridExperts(OffloadExperts):
         return n if p.held is not None or p.max_fetch is None else min(n, p.max_fetch)
 
     def _share(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
-               cpu_ids: torch.Tensor, job: HostJob | None = None,
+               cpu_ids: torch.Tensor, job: HostJob | None = None, signal: int = 0,
                ) -> tuple[CpuMoeFuture | None, float]:
         """The CPU's share on the pool (``cpu_ids``: the pairs of other experts as -1), if it
         has one, and the seconds its submit took; returns at once. With a host ``job`` (whose
-        ids ``cpu_ids`` are), it reads the host copies and writes into their ``cpu_out``."""
+        ids ``cpu_ids`` are), it reads the host copies and writes into their ``cpu_out``, and
+        sets ``signal`` (a flag's address, 0: none) once it has."""
         if not split.cpu:
             return None, 0.0
         t0 = time.perf_counter()
         if job is not None:
-            return job.submit(all_pairs=False), time.perf_counter() - t0
+            return job.submit(False, signal), time.perf_counter() - t0
         return (submit_share(self.executor, x, ids, w, cpu_ids, self.shape.layer),
                 time.perf_counter() - t0)
 

@@ -74,6 +74,7 @@ class LayerCall:
             x, ids, w, out, _, _ = job.job.args
             c.executor = job.executor.handle
             c.x, c.cpu_ids, c.w, c.cpu_out = x, ids, w, out
+            c.cpu_signal = host.cpu_done or None  # the graph's flag for the CPU's result
         self.job = job
         (c.needed, c.uses, c.slot, c.fetched, c.fetched_slots) = (
             int(self.out[r].ctypes.data) for r in range(5))

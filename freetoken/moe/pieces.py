@@ -60,7 +60,7 @@ class HostCopies:
     one sync; x and w float32 when a graph step makes them), ``cpu_out``, a pinned float32
     buffer for the CPU's share, and ``predicted``:
     the next layer's router picks for look-ahead (made in the piece before; None if none),
-    and ``ready``."""
+    ``ready`` and ``cpu_done``."""
 
     x: torch.Tensor
     ids: torch.Tensor
@@ -71,6 +71,9 @@ class HostCopies:
     # is queued (copies, slot table), before work it need not wait for (look-ahead's copies);
     # such a plan returns None
     ready: Callable[[], None] | None = None
+    # inside the graph: the address of the flag the graph waits on before it reads cpu_out, for
+    # the pool to set as the CPU's job ends (0: none; the host sets it after the job)
+    cpu_done: int = 0
 
     @property
     def inputs(self) -> bool:
@@ -200,6 +203,7 @@ class FlagHostStep(HostStep):
         super().__init__(plan, x, ids, w, inputs, copier, predicted, like)
         self.flags, self.side = flags, side
         self._signalled = False
+        self.cpu_done = 0  # the flag of the late step that reads host.cpu_out (FlagLateStep)
         self.k = flags.add_step(self, piece)
         self._copy_in(self._make_views(x.shape[0]), sync=False)  # every row, captured
         stream = current_stream(self.device)
@@ -221,7 +225,7 @@ class FlagHostStep(HostStep):
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                            Spans | None, tuple[torch.Tensor, ...], HostCopies]:
         copies, spans, inputs, host = super()._make_views(n)
-        return copies, spans, inputs, replace(host, ready=self._ready)
+        return copies, spans, inputs, replace(host, ready=self._ready, cpu_done=self.cpu_done)
 
     def _ready(self) -> None:
         """The plan's device work is queued (on the side stream): ``out`` cleared if a result
@@ -232,28 +236,48 @@ class FlagHostStep(HostStep):
             self._signalled = True
 
 
-class FlagLateStep(_Landing):
+class FlagLateStep:
     """A :class:`LateStep` inside the piece, served on the graph's flags: the piece waits for
-    the step's done flag, then copies ``out`` (here pinned float32 on the host) in and casts
-    it (``result``); the engine thread lands ``finish()``'s rows there (a pinned result: a
-    memcpy), then sets done."""
+    the step's done flag, then copies ``source`` (the pinned float32 ``cpu_out`` of the host
+    step before it) in and casts it (``result``). The pool's job sets that flag itself as it
+    writes ``source`` (``HostCopies.cpu_done``), so the graph goes on without the engine thread;
+    the engine thread collects ``finish()`` after, and where no job ran it zeroes ``source`` and
+    sets the flag."""
 
     def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor,
-                 flags: FlagJobs, piece: int, copier: RowCopier | None = None) -> None:
-        super().__init__(like, torch.zeros(like.shape, dtype=torch.float32, pin_memory=True))
-        self.finish, self.flags = finish, flags
+                 flags: FlagJobs, piece: int, source: torch.Tensor,
+                 copier: RowCopier | None = None) -> None:
+        if source.dtype is not torch.float32 or source.shape != like.shape:
+            raise ValueError("a flag late step reads a float32 host buffer shaped like its "
+                             "output")
+        self.finish, self.flags, self.source = finish, flags, source
+        self.dirty = True  # what source holds is unknown until a call zeroes it
         self.k = flags.add_step(self, piece)
         stream = current_stream(like.device.index or 0)
         flags.await_flag(stream, 3, self.k)
         staged = torch.empty(like.shape, dtype=torch.float32, device=like.device)
         if copier is not None:  # the driver's copy, as a graph's jobs copy their results
-            copier.run(Spans([(staged, self.out)]), stream)
+            copier.run(Spans([(staged, source)]), stream)
         else:
-            staged.copy_(self.out, non_blocking=True)
+            staged.copy_(source, non_blocking=True)
         self.result = staged.to(like.dtype)
 
+    @property
+    def done_flag(self) -> int:
+        """The address of the done flag, for the job that writes ``source`` to set."""
+        return self.flags.address(3, self.k)
+
     def serve(self, n: int) -> None:
-        self.land(self.finish(), n)
+        extra = self.finish()
+        if extra is None:
+            if self.dirty:
+                self.source.zero_()
+                self.dirty = False
+        elif extra.data_ptr() != self.source.data_ptr():
+            self.source[:n].copy_(extra)
+            self.dirty = True
+        else:
+            self.dirty = True
         self.flags.set_done(self.k)
 
 
@@ -278,6 +302,7 @@ class PiecewiseCapture:
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
         self.nodes: HostNodes | None = None  # made by the first node()
+        self._flag_host: FlagHostStep | None = None  # the last, for the late step after it
         # pinned buffers of the nodes, by (rows, hidden, top-k): the layers take turns on them
         # in stream order
         self._node_buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
@@ -301,8 +326,10 @@ class PiecewiseCapture:
         compute that follows to add."""
         xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
         if self.side is not None:
-            return FlagHostStep(plan, xf, ids, wf, inputs, self.copier, predicted, x,
-                                self._flags(), self.side, len(self.pieces)).out
+            step = self._flag_host = FlagHostStep(plan, xf, ids, wf, inputs, self.copier,
+                                                  predicted, x, self._flags(), self.side,
+                                                  len(self.pieces))
+            return step.out
         return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
                                               predicted, like=x)).out
 
@@ -344,8 +371,13 @@ class PiecewiseCapture:
         returns the static buffer (shaped like ``like``) of its result. Flagged: inside the
         piece, after the host step before it (:class:`FlagLateStep`)."""
         if self.side is not None:
-            return FlagLateStep(finish, like, self._flags(), len(self.pieces),
-                                self.copier).result
+            step, self._flag_host = self._flag_host, None
+            if step is None or not step.inputs:
+                raise ValueError("a flag late step follows the host step whose job it reads")
+            late = FlagLateStep(finish, like, self._flags(), len(self.pieces),
+                                step.host.cpu_out, self.copier)
+            step.cpu_done = late.done_flag
+            return late.result
         return self._between(lambda: LateStep(finish, like)).out
 
     def _flags(self) -> FlagJobs:

@@ -153,3 +153,35 @@ def test_flags_are_asked_for_by_name(monkeypatch) -> None:
     monkeypatch.setenv("FREETOKEN_CPU_HOST_NODE", "off")
     assert isinstance(graph_jobs(), str)
     assert issubclass(FlagJobs, HostNodes)
+
+
+def test_a_job_sets_its_signal_once_its_result_is_whole(pool: cx.CpuMoeExecutor) -> None:
+    """A hybrid layer's CPU share inside a decode graph: the pool sets the flag the graph waits
+    on as the job ends, with no thread of ours in between. What a reader sees at the flag is
+    the whole result (the pool's own run of the same job, bit for bit)."""
+    T = 3
+    x, ids, w = (t.contiguous() for t in _inputs(T, 40))
+    ids[1, 0] = -1  # a pair that is not the CPU's
+    want = pool.run(x, ids, w, SHAPE.layer)
+    for _ in range(20):
+        out = torch.full((T, SHAPE.hidden), float("nan"))
+        flag = torch.zeros(1, dtype=torch.int32)
+        seen: list[torch.Tensor] = []
+
+        def graph(flag: torch.Tensor = flag, out: torch.Tensor = out,
+                  seen: list[torch.Tensor] = seen) -> None:
+            until = time.monotonic() + 10
+            while int(flag[0]) != 1 and time.monotonic() < until:
+                pass
+            seen.append(out.clone())
+
+        reader = threading.Thread(target=graph)
+        reader.start()
+        job = pool.prepare(x, ids, w, SHAPE.layer, out)
+        future = pool.submit_prepared(job, flag.data_ptr())
+        reader.join()
+        future.wait()
+        assert int(flag[0]) == 1
+        torch.testing.assert_close(seen[0], want, rtol=0, atol=0)
+    plain = pool.submit_prepared(pool.prepare(x, ids, w, SHAPE.layer, torch.empty(T, SHAPE.hidden)))
+    torch.testing.assert_close(plain.wait(), want, rtol=0, atol=0)  # no signal: none set

@@ -251,6 +251,7 @@ if __name__ == "__main__":
     peer_sitting_plot("31231cc")
     peer_sitting_plot("a42b429")
     peer_sitting_plot("f88b0bf")
+    peer_sitting_plot("001e201")
     peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-mxfp4-30l", "gemma4-26b-a4b mxfp4")

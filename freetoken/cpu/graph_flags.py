@@ -120,6 +120,9 @@ class FlagJobs(HostNodes):
         self._spin_us = MOE_CPU_SPIN_US  # the replay's tail after the last job is short
         self.flags = torch.zeros((4, MAX_JOBS), dtype=torch.int32,
                                  pin_memory=torch.cuda.is_available())
+        # the same memory for the host's reads and writes, without a torch op per flag
+        self._host = self.flags.numpy()
+        self._base = self.flags.data_ptr()
         self.timeout_ms = TIMEOUT_MS
         self.steps: list[FlagStep] = []
         self.items: dict[int, list[list[int] | FlagStep]] = {}  # per piece: [first, n] or a step
@@ -163,7 +166,7 @@ class FlagJobs(HostNodes):
 
     def address(self, row: int, k: int) -> int:
         """Where flag ``k`` of ``row`` is (host and device address alike)."""
-        return self.flags[row, k].data_ptr()
+        return self._base + 4 * (row * MAX_JOBS + k)
 
     def signal(self, stream: int, row: int, k: int) -> None:
         """Flag ``k`` of ``row`` set to 1 by ``stream`` after its work so far."""
@@ -187,7 +190,7 @@ class FlagJobs(HostNodes):
 
     def set_done(self, k: int) -> None:
         """Step ``k``'s done flag set by the host (its results are in place)."""
-        self.flags[3, k] = 1
+        self._host[3, k] = 1
 
     def set_rows(self, n: int) -> None:
         """The live rows of the next replay, and its flags zeroed."""

@@ -144,6 +144,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     the engine thread on flags (FREETOKEN_CPU_HOST_NODE=flag), and offload's and hybrid's
     plans too (FREETOKEN_HOST_STEPS=flags), ``+pieces`` breaks the graphs at each job and plan
     (FREETOKEN_CPU_HOST_NODE=off, FREETOKEN_HOST_STEPS=pieces; else the engine's defaults),
+    ``+early`` launches the next piece once a plan's own device work is queued
+    (FREETOKEN_HOST_STEPS=early),
     ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
@@ -162,8 +164,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_HYBRID_PREFETCH"] = f"{int(shares[-1][8:]) / 100}" if shares else ""
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
-        "hostnode", "flags", "pieces", "greedy", "nocheck", "timing", "regrouped", "denseblocks",
-        "greedysplit"}
+        "hostnode", "flags", "pieces", "early", "greedy", "nocheck", "timing", "regrouped",
+        "denseblocks", "greedysplit"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -173,7 +175,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     # else the engine's defaults
     set_env("FREETOKEN_CPU_HOST_NODE", {"hostnode": "on", "flags": "flag", "pieces": "off"},
             options)
-    set_env("FREETOKEN_HOST_STEPS", {"flags": "flags", "pieces": "pieces"}, options)
+    set_env("FREETOKEN_HOST_STEPS", {"flags": "flags", "pieces": "pieces", "early": "early"},
+            options)
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"

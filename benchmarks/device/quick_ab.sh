@@ -4,8 +4,8 @@
 #   1. the CUDA tests of those changes (TESTS, TESTS_S seconds at most), while the files are
 #      written;
 #   2. decode on a LAYERS-layer q8_0 qwen3-30b-a3b file (default 48, the issue's file):
-#      STRATEGIES (default `hybrid-online`, `hybrid-online+flags`: the plans inside the decode
-#      graph on flags, `cpu+flags`, `auto+flags`);
+#      STRATEGIES (default `hybrid-profile`, `hybrid-profile+early`: the next piece launched
+#      before look-ahead's plan, the same two online, and online without look-ahead);
 #   3. with G4_STRATEGIES set, decode on a G4_LAYERS-layer gemma4-26b-a4b file (default 10).
 # 4 GB cache, temperature 1, THREADS threads, TOKENS tokens (default 128).
 # No llama.cpp here: the ratios are ours against ours.
@@ -23,11 +23,11 @@ G4=/tmp/gemma4-26b-a4b-${G4_LAYERS}l-${GIT_SHA:-new}.gguf
     --preset gemma4-26b-a4b --layers $G4_LAYERS --device cuda --out $G4 ) > /tmp/synth.log 2>&1 &
 WRITE=$!
 timeout ${TESTS_S:-240} python3 -m pytest -m cuda -q -p no:cacheprovider -rfE \
-  ${TESTS:-tests/moe/test_host_node.py tests/moe/test_graph_flags.py tests/moe/test_offload.py \
-  tests/moe/test_hybrid.py} > "$OUT/cuda_tests.log" 2>&1
+  ${TESTS:-tests/moe/test_offload.py tests/moe/test_graph_flags.py} > "$OUT/cuda_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -20
 wait $WRITE || { tail -5 /tmp/synth.log; exit 1; }
-PAIRS=("$M:${STRATEGIES:-hybrid-online,hybrid-online+flags,cpu+flags,auto+flags}:qwen3-30b-a3b-${LAYERS}l")
+S=hybrid-profile,hybrid-profile+early,hybrid-online,hybrid-online+early,hybrid-online+nolookahead
+PAIRS=("$M:${STRATEGIES:-$S}:qwen3-30b-a3b-${LAYERS}l")
 [ -n "${G4_STRATEGIES:-}" ] && PAIRS+=("$G4:$G4_STRATEGIES:gemma4-26b-a4b-${G4_LAYERS}l")
 for pair in "${PAIRS[@]}"; do
   IFS=: read -r file strategies label <<< "$pair"

@@ -51,6 +51,18 @@ from freetoken.moe.strategy import Experts
 log = logging.getLogger(__name__)
 
 
+class Launches:
+    """The pieces of one replay, launched in order: by the runner, or by a host step whose plan
+    has queued its own device work (FREETOKEN_HOST_STEPS=early)."""
+
+    def __init__(self, pieces: list[torch.cuda.CUDAGraph]) -> None:
+        self.pieces, self.next = pieces, 0
+
+    def __call__(self) -> None:
+        self.pieces[self.next].replay()
+        self.next += 1
+
+
 def host_steps_flagged() -> bool:
     """Whether decode graphs hold host plans inside their pieces, on flags
     (FREETOKEN_HOST_STEPS=flags and a driver with stream memory operations; without them the
@@ -114,6 +126,8 @@ class DecodeGraphs:
         self.late = [m for m in model.modules()
                      if isinstance(m, Experts) and getattr(m, "FINISHES_LATE", False)]
         self.fetching_steps = 0  # steps run in the graphs for steps that fetch every miss
+        # a host step launches the next piece once its plan's device work is queued
+        self.early = env.host_steps() == "early"
         pool = torch.cuda.graph_pool_handle()
         memops = stream_memops()  # probed (a graph of its own) before any capture: cached
         if isinstance(memops, str) and self.recorders:
@@ -203,13 +217,20 @@ class DecodeGraphs:
         if p.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
             p.nodes.check()
             p.nodes.set_rows(n)
+        go = Launches(p.pieces)
+        early = self.early
         try:
-            for i, piece in enumerate(p.pieces):
-                piece.replay()
+            for i in range(len(p.pieces)):
+                if go.next == i:  # not launched by the host step before it
+                    go()
                 if p.nodes is not None:  # the piece's jobs served on their flags
                     p.nodes.serve(i)
                 if i < len(p.breaks):
-                    p.breaks[i].run(n)
+                    step = p.breaks[i]
+                    if early and isinstance(step, HostStep) and i + 1 < len(p.pieces):
+                        step.run(n, go)
+                    else:
+                        step.run(n)
         except BaseException:
             if p.nodes is not None:  # a replay waiting for a job is let go, and ends before
                 p.nodes.release()  # the next step zeroes the flags

@@ -134,12 +134,35 @@ class HostStep(_Landing):
         self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
                                pinned(x, torch.float32, needed=inputs),
                                None if predicted is None else pinned(predicted))
+        self._go: Callable[[], None] | None = None  # run's launch of the next piece
 
-    def run(self, n: int) -> None:
+    def run(self, n: int, launch: Callable[[], None] | None = None) -> bool:
+        """The plan on the first ``n`` rows. With ``launch`` (the graph runner's launch of the
+        next piece), a plan that says its device work is queued (``host.ready``) has the next
+        piece launched there, before the rest of its work (look-ahead's plan): returns whether
+        it was."""
         views = self._views_of(n)
         self._copy_in(views, sync=True)
         _, _, (x, ids, w), host = views
-        self.land(self.plan(x, ids, w, host), n)
+        self._go = launch
+        try:
+            extra = self.plan(x, ids, w, host)
+        finally:
+            early, self._go = launch is not None and self._go is None, None
+        if early:
+            if extra is not None:
+                raise RuntimeError("a plan that said its device work was ready returned more")
+            return True
+        self.land(extra, n)
+        return False
+
+    def _ready(self) -> None:
+        """The plan's device work is queued (on the current stream): ``out`` cleared if a
+        result was left there, then the next piece launched, if :meth:`run` was given how."""
+        go, self._go = self._go, None
+        if go is not None:
+            self.land(None, 0)
+            go()
 
     def _views_of(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                          Spans | None, tuple[torch.Tensor, ...], HostCopies]:
@@ -172,7 +195,7 @@ class HostStep(_Landing):
         copies = [(dst[:n], src[:n]) for src, dst in pairs]
         spans = None if self.copier is None else Spans(copies)
         host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n],
-                          None if h.predicted is None else h.predicted[:n])
+                          None if h.predicted is None else h.predicted[:n], self._ready)
         return copies, spans, (self.x[:n], self.ids[:n], self.w[:n]), host
 
 

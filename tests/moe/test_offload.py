@@ -444,14 +444,17 @@ def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, mo
 @pytest.mark.parametrize("strategy,kernel", [("offload", "dequant"), ("offload", "fused"),
                                              ("hybrid", "auto"), ("hybrid-fetching", "dequant"),
                                              ("offload-flags", "dequant"),
-                                             ("hybrid-flags", "auto")])
+                                             ("hybrid-flags", "auto"),
+                                             ("offload-early", "dequant"),
+                                             ("hybrid-early", "auto")])
 def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy, kernel):
     """Captured pieces with the experts planned between them: offload with the dequantise +
     matmul kernel gives eager resident's logits bit for bit; with the fused kernel, and hybrid,
     within tolerance. Hybrid's steps that fetch every miss (here greedy ones) run the graphs
     captured for them, without a late step, and give resident's logits bit for bit too. With
     the plans inside the graph on flags (FREETOKEN_HOST_STEPS=flags) a step is one piece, and
-    gives the same logits."""
+    gives the same logits; so do pieces launched by the plan before it is through
+    (FREETOKEN_HOST_STEPS=early), which some plans are."""
     from freetoken.config import EngineConfig
     from freetoken.cpu.graph_flags import FlagJobs
     from freetoken.engine.runner import ModelRunner
@@ -467,7 +470,10 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
     logits = {}
     fetching = strategy == "hybrid-fetching"
     flagged = strategy.endswith("-flags")
-    monkeypatch.setenv("FREETOKEN_HOST_STEPS", "flags" if flagged else "pieces")
+    early = strategy.endswith("-early")
+    monkeypatch.setenv("FREETOKEN_HOST_STEPS",
+                       "flags" if flagged else "early" if early else "pieces")
+    launched: list[bool] = []  # early: whether each plan launched the next piece
     strategy = strategy.split("-")[0]
     ran: list[str] = []  # the host's steps between pieces, in the fetching graphs' run
     for name, strat, graphs in (("eager", "resident", 0), ("graphs", strategy, 4)):
@@ -495,6 +501,10 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
                 for step in (HostStep, LateStep):
                     monkeypatch.setattr(step, "run", lambda self, n, run=step.run, seen=ran: (
                         seen.append(type(self).__name__), run(self, n))[1])
+            if early:
+                monkeypatch.setattr(HostStep, "run", lambda self, n, launch=None,
+                                    run=HostStep.run, seen=launched: (
+                                        seen.append(run(self, n, launch)), seen[-1])[1])
         before = offload_stats(runner.model) if fetching else None  # after the capture's
         pages = runner.kv.allocate(runner.pages_for(len(IDS)))
         # each step's logits are copied out: with graphs they live in a static buffer
@@ -507,6 +517,8 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
         assert stats is not None and before is not None
         assert stats["cpu_experts"] == before["cpu_experts"]  # the CPU got none of the steps'
         assert stats["misses"] > before["misses"]
+    if early:
+        assert any(launched) and len(launched) >= 2 * len(IDS)
     if kernel == "dequant":
         assert torch.equal(logits["graphs"], logits["eager"])
     else:

@@ -7,6 +7,8 @@ records the host's part, which the graph runner calls between replays of the pie
 (:class:`HostStep`: the plan, with its inputs in pinned memory after one sync;
 :class:`LateStep`: work the plan left running, collected without a sync; :class:`Break`: a
 whole experts call). What each puts in its static ``out`` buffer the next piece reads.
+With ``FREETOKEN_HOST_STEPS=early`` a plan has the next piece launched as soon as its own
+device work is queued (``HostCopies.ready``), before look-ahead's plan.
 With ``FREETOKEN_HOST_STEPS=flags`` the plans and late steps stay inside the piece instead
 (:class:`FlagHostStep`, :class:`FlagLateStep`): the graph sets a flag in pinned memory and
 waits for one the host sets, and the engine thread serves them after launching the piece
@@ -67,9 +69,10 @@ class HostCopies:
     w: torch.Tensor
     cpu_out: torch.Tensor
     predicted: torch.Tensor | None = None
-    # inside the graph (FlagHostStep): called by a plan once the device work its compute reads
-    # is queued (copies, slot table), before work it need not wait for (look-ahead's copies);
-    # such a plan returns None
+    # called by a plan once the device work its compute reads is queued (copies, slot table),
+    # before work it need not wait for (look-ahead's copies): inside the graph (FlagHostStep)
+    # the graph goes on, between pieces (FREETOKEN_HOST_STEPS=early) the next piece is
+    # launched; such a plan returns None
     ready: Callable[[], None] | None = None
     # inside the graph: the address of the flag the graph waits on before it reads cpu_out, for
     # the pool to set as the CPU's job ends (0: none; the host sets it after the job)

@@ -170,8 +170,10 @@ def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
     assert kernels.launch(fmt).rows <= 2
     fine = kernels.gathered_fused(x, w, index, *qts, act)
     torch.testing.assert_close(fine, coarse, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fine, kernels.gathered_reference(x, w, index, *qts, act),
-                               rtol=1e-4, atol=1e-4)
+    # the reference sums in torch's order, which the CPU's SIMD width sets: on an AVX2 box one
+    # nvfp4 sum of 128 came out 1.8e-4 apart (relative), so the bound scales with the output
+    slow = kernels.gathered_reference(x, w, index, *qts, act)
+    torch.testing.assert_close(fine, slow, rtol=1e-4, atol=1e-3 * float(slow.abs().max()))
 
 
 @pytest.mark.parametrize("device", DEVICES)

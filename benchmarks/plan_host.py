@@ -41,10 +41,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from freetoken.cpu.row_copy import RowCopier
     from freetoken.engine.engine import Engine
     from freetoken.engine.resolve import parse_bytes
+    from freetoken.moe.host_steps import HostCopies
     from freetoken.moe.hybrid import HybridExperts
     from freetoken.moe.layer_call import LayerCall
     from freetoken.moe.offload import OffloadExperts
-    from freetoken.moe.pieces import HostCopies
     from freetoken.moe.split import SplitPolicy
 
     cfg = EngineConfig(model=args.model, device="cpu", dtype="bfloat16",

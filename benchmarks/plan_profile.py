@@ -76,9 +76,9 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from freetoken.cpu import executor as cx
+    from freetoken.moe.host_steps import HostStep, LateStep
     from freetoken.moe.hybrid import HybridExperts
     from freetoken.moe.offload import OffloadExperts, OffloadRuntime
-    from freetoken.moe.pieces import HostStep, LateStep
     from freetoken.moe.slot_pool import SlotPool
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype="bfloat16",

@@ -8,8 +8,8 @@ the result back. The engine thread, which launched the replay, serves a piece's 
 in one library call (:meth:`FlagJobs.serve`): it polls a job's go flag (a bounded spin, then
 asleep between polls), runs the job (joining the pool, as a host step does) and sets its done
 flag. A step is one replay with no driver thread and no Python between the layers. Host
-steps (offload's and hybrid's plans, ``moe/pieces.py``) are served on the same flags, in graph
-order with the jobs: a plan's done flag is written by the stream it queued its copies on.
+steps (offload's and hybrid's plans, ``moe/flag_steps.py``) are served on the same flags, in
+graph order with the jobs: a plan's done flag is written by the stream it queued its copies on.
 
 The flags are zeroed before each replay (:meth:`FlagJobs.set_rows`), while no replay reads
 them. A go flag that is not set in time means the graph is stuck: every done flag is set, so
@@ -100,7 +100,7 @@ class FlagJobsError(HostNodeError):
 
 
 class FlagStep(Protocol):
-    """A host step served on a graph's flags (``moe/pieces.py``): ``serve(rows)``."""
+    """A host step served on a graph's flags (``moe/flag_steps.py``): ``serve(rows)``."""
 
     def serve(self, n: int) -> None: ...
 

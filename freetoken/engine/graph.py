@@ -45,7 +45,8 @@ from freetoken.cpu.graph_flags import FlagJobs, stream_memops
 from freetoken.cpu.host_node import HostNodes
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.context import ForwardContext, Segment
-from freetoken.moe.pieces import Break, HostStep, LateStep, PiecewiseCapture
+from freetoken.moe.host_steps import Break, HostStep, LateStep
+from freetoken.moe.pieces import PiecewiseCapture
 from freetoken.moe.strategy import Experts
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from freetoken.cpu.jobs import JobLog
 from freetoken.errors import ConfigError
 from freetoken.moe.host_banks import BankBuilder
 from freetoken.moe.host_job import HostJobs
-from freetoken.moe.pieces import HostCopies, Recorder
+from freetoken.moe.host_steps import HostCopies
+from freetoken.moe.pieces import Recorder
 from freetoken.moe.strategy import Experts, ExpertShape, LayerPlan, Needs, Shared
 from freetoken.quant import QuantTensor, get_format
 

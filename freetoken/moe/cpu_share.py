@@ -16,7 +16,7 @@ import torch
 from freetoken.cpu import executor as cx
 from freetoken.cpu.gpu_wait import to_host
 from freetoken.cpu.jobs import CpuMoeFuture, JobLog
-from freetoken.moe.pieces import HostCopies
+from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.stats import Span
 
 

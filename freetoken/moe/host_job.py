@@ -1,5 +1,5 @@
 """A layer's CPU share between decode graph pieces: the pool's job on the pinned host copies of
-the layer's inputs (:class:`~freetoken.moe.pieces.HostCopies`), checked once per set of copies
+the layer's inputs (:class:`~freetoken.moe.host_steps.HostCopies`), checked once per set of copies
 and then submitted call after call without the checks or a copy in between.
 
 Used by every strategy whose experts the pool computes while decode graphs replay (hybrid's
@@ -12,7 +12,7 @@ import torch
 
 from freetoken.cpu import executor as cx
 from freetoken.cpu.jobs import CpuMoeFuture
-from freetoken.moe.pieces import HostCopies
+from freetoken.moe.host_steps import HostCopies
 
 
 class HostJob:

@@ -31,10 +31,10 @@ from freetoken.errors import ConfigError
 from freetoken.moe.cpu_share import Calls, Pending, submit_share
 from freetoken.moe.host_banks import PROJECTIONS
 from freetoken.moe.host_job import HostJob, HostJobs
+from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.layer_call import LayerCall
 from freetoken.moe.layer_kind import LayerKind, cpu_format, kind_words
 from freetoken.moe.offload import OffloadExperts, slot_of
-from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.slot_pool import Routed, SlotPool, Split
 from freetoken.moe.split import SplitCosts, SplitPolicy

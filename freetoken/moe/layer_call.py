@@ -31,8 +31,8 @@ from freetoken.cpu.library import native
 from freetoken.cpu.row_copy import RowCopyError, current_stream
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.host_job import HostJob
+from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.native_slot_pool import NativeSlotPool
-from freetoken.moe.pieces import HostCopies
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.slot_pool import Routed, SlotPool, Split
 from freetoken.moe.stats import Span

@@ -38,10 +38,10 @@ from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.host_job import HostJob
+from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.layer_call import STREAMS, LayerCall, LayerCalls, library_plans
 from freetoken.moe.lookahead import Incoming, Lookahead
 from freetoken.moe.native_slot_pool import NativeSlotPool
-from freetoken.moe.pieces import HostCopies
 from freetoken.moe.prefill_stream import streamed_call
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.slot_pool import Routed, SlotPool, Split

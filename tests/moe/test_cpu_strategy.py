@@ -94,7 +94,7 @@ def test_the_step_between_graph_pieces_gives_the_eager_bits(dtype: torch.dtype,
     """Between decode graph pieces the pool's job reads the pinned host copies of the inputs
     (of the model's dtype) and writes into the pinned buffer the next piece copies in: the
     eager call's numbers, bit for bit, call after call on the same buffers."""
-    from freetoken.moe.pieces import HostCopies
+    from freetoken.moe.host_steps import HostCopies
 
     experts = CpuExperts(SHAPE)
     for name, qt in _weights("q8_0").items():

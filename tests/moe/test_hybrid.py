@@ -712,7 +712,7 @@ def _eager_and_between_pieces(layers: list[HybridExperts], g: torch.Generator,
     """One call of 2 experts planned eagerly on ``layers[0]`` and between graph pieces on
     ``layers[1]`` (from host copies of ``dtype``; its own inputs NaN, so it must read the
     copies): (x, ids, w, the eager CPU result, the piece's, the host copies' cpu_out)."""
-    from freetoken.moe.pieces import HostCopies
+    from freetoken.moe.host_steps import HostCopies
 
     # 2 experts: within 3 slots; values the host copies' dtype holds exactly
     x = torch.randn(1, layers[0].shape.hidden, generator=g).to(dtype).float()
@@ -782,7 +782,7 @@ def test_a_plan_in_a_fetching_graph_fetches_every_miss_from_the_ids_alone(
     copies of the routed ids only: it plans as the same layer held at all-fetch does (the
     same fetches, the same device result), gives the CPU nothing though its own split would,
     is collected at once, and its call counts in the wall check's wait."""
-    from freetoken.moe.pieces import HostCopies
+    from freetoken.moe.host_steps import HostCopies
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     layers = [_hybrid(q8_gguf)[1][0] for _ in range(2)]

@@ -15,10 +15,10 @@ from freetoken.checkpoint.convert import convert_to_gguf
 from freetoken.config import CacheSizing
 from freetoken.cpu import abi
 from freetoken.cpu.library import native
+from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.hybrid import HybridExperts
 from freetoken.moe.layer_call import STREAMS, LayerCall
 from freetoken.moe.offload import OffloadExperts
-from freetoken.moe.pieces import HostCopies
 from freetoken.moe.split import SplitCosts, SplitPolicy
 from freetoken.moe.wall_check import WallCheck
 from tests.models.helpers import load_ours

@@ -190,7 +190,7 @@ def test_picks_made_in_the_graph_piece_fetch_what_the_eager_plan_fetches(tiny_qw
     picks reach the plan with the routed ids (``HostCopies.predicted``; the plan reads no
     hidden state): the same experts are prefetched into the same slots as when the eager
     plan runs the router itself, call after call."""
-    from freetoken.moe.pieces import HostCopies
+    from freetoken.moe.host_steps import HostCopies
 
     path = convert_to_gguf(open_checkpoint(tiny_qwen3_moe), tmp_path / "q8.gguf",
                            lambda n, s: "q8_0" if ".experts." in n else "f32")

@@ -459,7 +459,7 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
     from freetoken.cpu.graph_flags import FlagJobs
     from freetoken.engine.runner import ModelRunner
     from freetoken.layers.context import Segment
-    from freetoken.moe.pieces import HostStep, LateStep
+    from freetoken.moe.host_steps import HostStep, LateStep
 
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)

@@ -1,0 +1,189 @@
+"""A host plan's steps between two pieces of a decode CUDA graph (``moe/pieces.py`` records
+them): :class:`HostStep` (the plan, with its inputs in pinned memory after one sync, as
+:class:`HostCopies`), :class:`LateStep` (work the plan left running, collected without a sync)
+and :class:`Break` (a whole experts call). What each puts in its static ``out`` buffer the next
+piece reads. With ``FREETOKEN_HOST_STEPS=early`` a plan has the next piece launched as soon as
+its own device work is queued (``HostCopies.ready``), before look-ahead's plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.cpu.gpu_wait import gpu_wait
+from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
+
+
+class Break:
+    """Host-planned experts between two captured pieces: their inputs and static output."""
+
+    def __init__(self, experts: Callable[..., torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                 w: torch.Tensor) -> None:
+        self.experts, self.x, self.ids, self.w = experts, x, ids, w
+        self.out = torch.zeros_like(x)
+
+    def run(self, n: int) -> None:
+        """The experts for the first ``n`` rows (padded rows keep a stale, finite output)."""
+        self.out[:n].copy_(self.experts(self.x[:n], self.ids[:n], self.w[:n]))
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """What a plan between two pieces gets on the host: its inputs' pinned copies (made with
+    one sync; x and w float32 when a graph step makes them), ``cpu_out``, a pinned float32
+    buffer for the CPU's share, and ``predicted``:
+    the next layer's router picks for look-ahead (made in the piece before; None if none),
+    ``ready`` and ``cpu_done``."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    w: torch.Tensor
+    cpu_out: torch.Tensor
+    predicted: torch.Tensor | None = None
+    # called by a plan once the device work its compute reads is queued (copies, slot table),
+    # before work it need not wait for (look-ahead's copies): inside the graph (FlagHostStep)
+    # the graph goes on, between pieces (FREETOKEN_HOST_STEPS=early) the next piece is
+    # launched; such a plan returns None
+    ready: Callable[[], None] | None = None
+    # inside the graph: the address of the flag the graph waits on before it reads cpu_out, for
+    # the pool to set as the CPU's job ends (0: none; the host sets it after the job)
+    cpu_done: int = 0
+
+    @property
+    def inputs(self) -> bool:
+        """Whether x and w were copied (a plan that reads only the ids gets them empty)."""
+        return self.x.shape[0] == self.ids.shape[0]
+
+
+class _Landing:
+    """A static buffer ``out`` (shaped like ``like``) that the next piece adds, and what a host
+    step puts there: a result (copied in without a wait: it is pinned or on the device) or
+    zeros (cleared again only after a result)."""
+
+    def __init__(self, like: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        self.out = torch.zeros_like(like) if out is None else out
+        self.dirty = False
+
+    def land(self, extra: torch.Tensor | None, n: int) -> None:
+        if extra is not None:
+            self.out[:n].copy_(extra, non_blocking=True)
+            self.dirty = True
+        elif self.dirty:
+            self.out.zero_()
+            self.dirty = False
+
+
+class HostStep(_Landing):
+    """A plan between two captured pieces: ``plan(x, ids, w, host)`` gets the device inputs
+    and their :class:`HostCopies` (with ``predicted``'s, a tensor the piece before made, when
+    given); it returns None or a device tensor, which lands in ``out``.
+    Work it leaves running (hybrid's CPU share, written into ``host.cpu_out``) is collected by
+    a :class:`LateStep` after the next piece.
+
+    The pinned buffers are rewritten only after :meth:`run`'s sync, which comes after every
+    copy that read them at the previous replay (this step's and its LateStep's, both queued
+    earlier on the same stream)."""
+
+    def __init__(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor,
+                 ids: torch.Tensor, w: torch.Tensor, inputs: bool,
+                 copier: RowCopier | None = None,
+                 predicted: torch.Tensor | None = None,
+                 like: torch.Tensor | None = None) -> None:
+        super().__init__(x if like is None else like)
+        self.plan, self.x, self.ids, self.w = plan, x, ids, w
+        self.predicted = predicted
+        self.copier = copier  # the inputs' copies and the sync in one library call
+        self.device = x.device.index or 0
+        self.inputs = inputs  # the plan reads x and w on the host, not only the ids
+        # per row count, made once: the inputs' (dst, src) copies and their library layout
+        # (one call with the sync), and the views the plan gets
+        self._views: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
+                                     tuple[torch.Tensor, ...], HostCopies]] = {}
+
+        def pinned(t: torch.Tensor, dtype: torch.dtype | None = None,
+                   needed: bool = True) -> torch.Tensor:
+            shape = t.shape if needed else (0, *t.shape[1:])
+            return torch.zeros(shape, dtype=dtype or t.dtype, pin_memory=True)
+
+        self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
+                               pinned(x, torch.float32, needed=inputs),
+                               None if predicted is None else pinned(predicted))
+        self._go: Callable[[], None] | None = None  # run's launch of the next piece
+
+    def run(self, n: int, launch: Callable[[], None] | None = None) -> bool:
+        """The plan on the first ``n`` rows. With ``launch`` (the graph runner's launch of the
+        next piece), a plan that says its device work is queued (``host.ready``) has the next
+        piece launched there, before the rest of its work (look-ahead's plan): returns whether
+        it was."""
+        views = self._views_of(n)
+        self._copy_in(views, sync=True)
+        _, _, (x, ids, w), host = views
+        self._go = launch
+        try:
+            extra = self.plan(x, ids, w, host)
+        finally:
+            early, self._go = launch is not None and self._go is None, None
+        if early:
+            if extra is not None:
+                raise RuntimeError("a plan that said its device work was ready returned more")
+            return True
+        self.land(extra, n)
+        return False
+
+    def _ready(self) -> None:
+        """The plan's device work is queued (on the current stream): ``out`` cleared if a
+        result was left there, then the next piece launched, if :meth:`run` was given how."""
+        go, self._go = self._go, None
+        if go is not None:
+            self.land(None, 0)
+            go()
+
+    def _views_of(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                         Spans | None, tuple[torch.Tensor, ...], HostCopies]:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = self._make_views(n)
+        return views
+
+    def _copy_in(self, views: tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
+                                    tuple[torch.Tensor, ...], HostCopies], sync: bool) -> None:
+        """The inputs copied to the host on the current stream (``sync``: then waited for)."""
+        copies, spans, _, _ = views
+        if self.copier is not None and spans is not None:
+            self.copier.run(spans, current_stream(self.device), sync=sync)
+            return
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        if sync:
+            gpu_wait(self.device).wait()
+
+    def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                           Spans | None, tuple[torch.Tensor, ...], HostCopies]:
+        h = self.host
+        pairs = [(self.ids, h.ids)]
+        if self.predicted is not None:
+            assert h.predicted is not None
+            pairs.append((self.predicted, h.predicted))
+        if self.inputs:
+            pairs += [(self.w, h.w), (self.x, h.x)]
+        copies = [(dst[:n], src[:n]) for src, dst in pairs]
+        spans = None if self.copier is None else Spans(copies)
+        host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n],
+                          None if h.predicted is None else h.predicted[:n], self._ready)
+        return copies, spans, (self.x[:n], self.ids[:n], self.w[:n]), host
+
+
+class LateStep(_Landing):
+    """Host work a plan left running, finished between the next two pieces without a sync
+    (the device goes on with what was queued): ``finish()`` returns None or a pinned or
+    device tensor with the step's rows, which lands in ``out``."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor) -> None:
+        super().__init__(like)
+        self.finish = finish
+
+    def run(self, n: int) -> None:
+        self.land(self.finish(), n)

@@ -29,7 +29,6 @@ class FlagHostStep(HostStep):
                  side: torch.cuda.Stream, piece: int) -> None:
         super().__init__(plan, x, ids, w, inputs, copier, predicted, like)
         self.flags, self.side = flags, side
-        self._signalled = False
         self.cpu_done = 0  # the flag of the late step that reads host.cpu_out (FlagLateStep)
         self.k = flags.add_step(self, piece)
         self._copy_in(self._make_views(x.shape[0]), sync=False)  # every row, captured
@@ -38,16 +37,11 @@ class FlagHostStep(HostStep):
         flags.await_flag(stream, 3, self.k)
 
     def serve(self, n: int) -> None:
-        _, _, (x, ids, w), host = self._views_of(n)
+        views = self._views_of(n)
         self.flags.wait_go(self.k)
-        self._signalled = False
         with torch.cuda.stream(self.side):
-            extra = self.plan(x, ids, w, host)
-            if not self._signalled:
-                self.land(extra, n)
-                self._ready()
-            elif extra is not None:
-                raise RuntimeError("a plan that said its device work was ready returned more")
+            if not self._plan_once(views, n):  # its result landed: the graph may go on
+                self._signal()
 
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                            Spans | None, tuple[torch.Tensor, ...], HostCopies]:
@@ -56,11 +50,15 @@ class FlagHostStep(HostStep):
 
     def _ready(self) -> None:
         """The plan's device work is queued (on the side stream): ``out`` cleared if a result
-        was left there, then the side stream sets the done flag the graph waits for."""
-        if not self._signalled:
+        was left there, then the done flag the graph waits for set after it."""
+        if not self._early:
+            self._early = True
             self.land(None, 0)
-            self.flags.signal(self.side.cuda_stream, 3, self.k)
-            self._signalled = True
+            self._signal()
+
+    def _signal(self) -> None:
+        """The side stream sets the done flag after the work queued on it so far."""
+        self.flags.signal(self.side.cuda_stream, 3, self.k)
 
 
 class FlagLateStep:

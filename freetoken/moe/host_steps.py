@@ -112,6 +112,7 @@ class HostStep(_Landing):
                                pinned(x, torch.float32, needed=inputs),
                                None if predicted is None else pinned(predicted))
         self._go: Callable[[], None] | None = None  # run's launch of the next piece
+        self._early = False  # the plan running now said its device work was queued
 
     def run(self, n: int, launch: Callable[[], None] | None = None) -> bool:
         """The plan on the first ``n`` rows. With ``launch`` (the graph runner's launch of the
@@ -120,24 +121,32 @@ class HostStep(_Landing):
         it was."""
         views = self._views_of(n)
         self._copy_in(views, sync=True)
-        _, _, (x, ids, w), host = views
         self._go = launch
         try:
-            extra = self.plan(x, ids, w, host)
+            return self._plan_once(views, n)
         finally:
-            early, self._go = launch is not None and self._go is None, None
-        if early:
-            if extra is not None:
-                raise RuntimeError("a plan that said its device work was ready returned more")
-            return True
-        self.land(extra, n)
-        return False
+            self._go = None
+
+    def _plan_once(self, views: tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
+                                      tuple[torch.Tensor, ...], HostCopies], n: int) -> bool:
+        """The plan on ``views``: True where it said its device work was queued (``host.
+        ready``, which acted on it; such a plan returns nothing), else its result landed."""
+        _, _, (x, ids, w), host = views
+        self._early = False
+        extra = self.plan(x, ids, w, host)
+        if not self._early:
+            self.land(extra, n)
+            return False
+        if extra is not None:
+            raise RuntimeError("a plan that said its device work was ready returned more")
+        return True
 
     def _ready(self) -> None:
         """The plan's device work is queued (on the current stream): ``out`` cleared if a
         result was left there, then the next piece launched, if :meth:`run` was given how."""
         go, self._go = self._go, None
         if go is not None:
+            self._early = True
             self.land(None, 0)
             go()
 

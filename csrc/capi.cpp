@@ -114,6 +114,8 @@ FT_API int64_t ft_struct_size(const char* name) {
   if (n == "FlagJobs") return sizeof(ft::FlagJobs);
   if (n == "FetchRule") return sizeof(ft::FetchRule);
   if (n == "LayerCall") return sizeof(ft::LayerCall);
+  if (n == "AheadRule") return sizeof(ft::AheadRule);
+  if (n == "Ahead") return sizeof(ft::Ahead);
   return -1;
 }
 

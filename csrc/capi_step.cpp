@@ -64,6 +64,9 @@ FT_API int ft_fetch_count(const ft::FetchRule* r, int m, int* probing) {
   return ft::fetch_count(*r, m, probing);
 }
 
+// How many of m predicted misses look-ahead fetches (layer_call.h).
+FT_API int ft_ahead_count(const ft::AheadRule* r, int m) { return ft::ahead_count(*r, m); }
+
 // Expert rows into cache slots in one call (row_copy.h): 0, or the CUDA driver's error.
 FT_API int ft_copy_rows(const ft::RowCopyApi* api, const ft::RowCopy* c) {
   return ft::copy_rows(*api, *c);

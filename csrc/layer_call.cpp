@@ -1,5 +1,6 @@
 #include "layer_call.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -20,7 +21,77 @@ int64_t now_ns() {
 // Python's round(): to nearest, ties to even (the default rounding mode).
 int32_t py_round(double v) { return (int32_t)std::nearbyint(v); }
 
+// How many of ids[0..n) are among sorted[0..k).
+int32_t count_in(const int64_t* ids, int64_t n, const int64_t* sorted, int32_t k) {
+  int32_t found = 0;
+  for (int64_t i = 0; i < n; ++i) found += std::binary_search(sorted, sorted + k, ids[i]);
+  return found;
+}
+
+// The call's incoming prediction (the layer before's look-ahead) scored against its experts
+// (needed, k of them, ascending), then cleared; what it fetched and the call routed to counts
+// as arrived for the split.
+void score(LayerCall* c, int32_t k) {
+  c->la_predicted = -1, c->la_used = 0;
+  int64_t* in = c->incoming;
+  if (in == nullptr) return;
+  const int64_t* predicted = in + IN_LISTS;
+  if (in[IN_PREDICTED] >= 0) {
+    c->la_predicted = (int32_t)in[IN_PREDICTED];
+    c->la_used = count_in(predicted, in[IN_PREDICTED], c->needed, k);
+  }
+  c->rule.arrived = count_in(predicted + c->experts, in[IN_FETCHED], c->needed, k);
+  in[IN_PREDICTED] = -1, in[IN_FETCHED] = 0;
+}
+
+// Look-ahead after the call's plan: 0, -2 (no slot left), -5 (a pick out of range), or a copy
+// error as copy_rows gives it.
+int look_ahead(LayerCall* c) {
+  Ahead& a = c->ahead;
+  a.n_predicted = -1, a.n_fetched = 0, a.copy_ns = 0;
+  if (a.slots == nullptr || a.rule.budget <= 0 || ahead_count(a.rule, a.rule.budget) <= 0)
+    return 0;
+  auto* lru = (SlotLru*)a.slots;
+  int32_t k = lru->rank(a.layer, a.picks, a.n_picks, a.predicted, a.slot);
+  if (k < 0) return -5;
+  int32_t m = 0;
+  for (int32_t i = 0; i < k; ++i) m += a.slot[i] < 0;
+  int32_t n = std::min(ahead_count(a.rule, m), a.rule.budget);
+  int32_t got = 0;
+  if (n > 0) {
+    int32_t n_keep = 0;  // this call's slots, which its compute still reads
+    if (a.same_pool) {
+      for (int32_t i = 0; i < c->n_needed; ++i)
+        if (c->slot[i] >= 0) a.keep[n_keep++] = c->slot[i];
+      for (int32_t i = 0; i < c->n_fetched; ++i) a.keep[n_keep++] = c->fetched_slots[i];
+    }
+    got = lru->admit_ranked(n, a.keep, n_keep, a.fetched, a.fetched_slots);
+    if (got < 0) return -2;
+  }
+  a.n_predicted = k, a.n_fetched = got;
+  int64_t* in = a.incoming;  // what the next layer's call scores
+  in[IN_PREDICTED] = k, in[IN_FETCHED] = got;
+  std::memcpy(in + IN_LISTS, a.predicted, sizeof(int64_t) * k);
+  std::memcpy(in + IN_LISTS + a.experts, a.fetched, sizeof(int64_t) * got);
+  if (got == 0) return 0;
+  RowCopy rc = a.copy;
+  for (int32_t i = 0; i < got; ++i)
+    a.dst_rows[i] = (int32_t)a.fetched_slots[i], a.src_rows[i] = (int32_t)a.fetched[i];
+  rc.dst_rows = a.dst_rows, rc.src_rows = a.src_rows, rc.n = got;
+  rc.ev_start = a.ev_start, rc.ev_end = a.ev_end, rc.compute_waits = 0;
+  rc.compute_stream = c->copy.compute_stream;
+  int64_t t0 = now_ns();
+  int err = copy_rows(*c->api, rc);
+  a.copy_ns = now_ns() - t0;
+  return err;
+}
+
 }  // namespace
+
+int32_t ahead_count(const AheadRule& r, int32_t m) {
+  int32_t n = std::max(py_round(r.share * m), py_round(r.floor * m));
+  return r.max_fetch >= 0 && n > r.max_fetch ? r.max_fetch : n;
+}
 
 int32_t fetch_count(const FetchRule& r, int32_t m, int32_t* probing) {
   *probing = PROBE_NONE;
@@ -48,6 +119,8 @@ int plan_layer_call(LayerCall* c) {
   c->n_needed = k, c->misses = misses, c->n_fetched = 0, c->n_cpu = 0, c->ticket = -1;
   c->probing = PROBE_NONE;
   c->submit_ns = c->copy_ns = 0;
+  c->ahead.n_predicted = -1, c->ahead.n_fetched = 0, c->ahead.copy_ns = 0;
+  score(c, k);
   if (k > c->num_slots || misses > c->stream_above) return 1;
   int32_t n = fetch_count(c->rule, misses + c->rule.arrived, &c->probing) - c->rule.arrived;
   if (c->probing == PROBE_PCIE && n < 1) n = 1;
@@ -85,6 +158,8 @@ int plan_layer_call(LayerCall* c) {
   uint64_t src = (uint64_t)(uintptr_t)c->staged;
   err = copy_spans(*c->api, c->copy.compute_stream, 1, &c->device_table, &src,
                    &c->table_bytes, nullptr, 0);
+  if (err == 0) err = look_ahead(c);
+  if (err == -2 || err == -5) return err;
   return err == -1 ? -4 : err ? kDriverError - err : 0;
 }
 

@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 17  # csrc/common.h ABI_VERSION
+ABI_VERSION = 18  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")
@@ -142,6 +142,30 @@ class FetchRule(c.Structure):
 PROBINGS = ("", "pcie", "cpu")  # csrc/layer_call.h Probing, by value
 
 
+class AheadRule(c.Structure):
+    """csrc/layer_call.h AheadRule: how many predicted misses look-ahead fetches."""
+
+    _fields_ = [("share", c.c_double), ("floor", c.c_double), ("max_fetch", c.c_int32),
+                ("budget", c.c_int32)]
+
+
+IN_PREDICTED, IN_FETCHED, IN_LISTS = 0, 1, 2  # csrc/layer_call.h IncomingAt
+
+
+class Ahead(c.Structure):
+    """csrc/layer_call.h Ahead: look-ahead for the next layer after a call's plan."""
+
+    _fields_ = [
+        ("slots", c.c_void_p), ("picks", c.c_void_p), ("layer", c.c_int32),
+        ("n_picks", c.c_int32), ("same_pool", c.c_int32), ("experts", c.c_int32),
+        ("incoming", c.c_void_p), ("copy", RowCopy), ("keep", c.c_void_p),
+        ("predicted", c.c_void_p), ("slot", c.c_void_p), ("fetched", c.c_void_p),
+        ("fetched_slots", c.c_void_p), ("dst_rows", c.c_void_p), ("src_rows", c.c_void_p),
+        ("rule", AheadRule), ("ev_start", c.c_void_p), ("ev_end", c.c_void_p),
+        ("n_predicted", c.c_int32), ("n_fetched", c.c_int32), ("copy_ns", c.c_int64),
+    ]
+
+
 class LayerCall(c.Structure):
     """csrc/layer_call.h LayerCall: an offloaded layer's decode call, planned in one call."""
 
@@ -155,17 +179,18 @@ class LayerCall(c.Structure):
         ("slot", c.c_void_p), ("fetched", c.c_void_p), ("fetched_slots", c.c_void_p),
         ("dst_rows", c.c_void_p), ("src_rows", c.c_void_p), ("table", c.c_void_p),
         ("staged", c.c_void_p), ("device_table", c.c_uint64), ("table_bytes", c.c_int64),
-        ("rule", FetchRule), ("wait_first", c.c_void_p), ("ev_start", c.c_void_p),
+        ("incoming", c.c_void_p), ("experts", c.c_int32), ("pad2", c.c_int32),
+        ("ahead", Ahead), ("rule", FetchRule), ("wait_first", c.c_void_p), ("ev_start", c.c_void_p),
         ("ev_end", c.c_void_p), ("n_needed", c.c_int32), ("misses", c.c_int32),
         ("n_fetched", c.c_int32), ("n_cpu", c.c_int32), ("probing", c.c_int32),
         ("pad1", c.c_int32), ("ticket", c.c_int64), ("submit_ns", c.c_int64),
-        ("copy_ns", c.c_int64),
+        ("copy_ns", c.c_int64), ("la_predicted", c.c_int32), ("la_used", c.c_int32),
     ]
 
 
 STRUCTS: tuple[type[c.Structure], ...] = (ProjDesc, GluDesc, DecodeLayer, DecodeStep,
                                           RowCopyApi, RowCopy, HostNodeStep, HostNodeJob,
-                                          FlagJobs, FetchRule, LayerCall)
+                                          FlagJobs, FetchRule, AheadRule, Ahead, LayerCall)
 # The functions that describe the ABI, declared before anything else is looked up.
 SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "ft_abi_version": (c.c_int, []),

@@ -161,6 +161,7 @@ def native() -> ctypes.CDLL:
         "ft_plan_layer_call": (c.c_int, [c.POINTER(abi.LayerCall)]),
         "ft_fetch_count": (c.c_int, [c.POINTER(abi.FetchRule), c.c_int,
                                      c.POINTER(c.c_int)]),
+        "ft_ahead_count": (c.c_int, [c.POINTER(abi.AheadRule), c.c_int]),
         "ft_copy_spans": (
             c.c_int, [c.POINTER(abi.RowCopyApi), c.c_void_p, c.c_int, c.c_void_p, c.c_void_p,
                       c.c_void_p, c.c_void_p, c.c_int],

@@ -34,6 +34,7 @@ from freetoken.moe.host_job import HostJob, HostJobs
 from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.layer_call import LayerCall
 from freetoken.moe.layer_kind import LayerKind, cpu_format, kind_words
+from freetoken.moe.lookahead import EVERY, NONE, AheadRule
 from freetoken.moe.offload import OffloadExperts, slot_of
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.slot_pool import Routed, SlotPool, Split
@@ -181,9 +182,7 @@ class HybridExperts(OffloadExperts):
         self._observe_last()
         if self.policy.fetching:  # a call without the CPU's job fetches every miss anyway
             return
-        self.policy.rule(rule)
-        came = self.incoming.prefetched
-        rule.arrived = len(came & set(host.ids.view(-1).tolist())) if came else 0
+        self.policy.rule(rule)  # rule.arrived: the library counts it from self.incoming
 
     def _planned(self, x: torch.Tensor, call: LayerCall, host: HostCopies,
                  t0: float) -> torch.Tensor | None:
@@ -205,8 +204,7 @@ class HybridExperts(OffloadExperts):
         if c.n_cpu:
             assert call.job is not None
             future = self.executor.adopt(c.ticket, call.job.job)
-        if self.lookahead is not None:
-            self._prefetch(x, call.routed(), call.split(), host)
+        self._ahead(x, call, host)
         self._pend(x, c.n_needed - c.misses, c.n_fetched, c.n_cpu, call.fetch, future,
                    c.submit_ns / 1e9, host, t0)
         return None
@@ -310,10 +308,10 @@ class HybridExperts(OffloadExperts):
             n = max(n, 1)
         return max(0, min(n, misses))
 
-    def prefetch_share(self, misses: int) -> int:
-        """How many of ``misses`` predicted misses look-ahead fetches for this layer's next
-        call while the layer before computes: FREETOKEN_HYBRID_PREFETCH's share of them (0.4),
-        or the split's where that is more, within ``--moe-hybrid-max-fetch`` (what arrives
+    def prefetch_rule(self) -> AheadRule:
+        """How many predicted misses look-ahead fetches for this layer's next call while the
+        layer before computes: FREETOKEN_HYBRID_PREFETCH's share of them (0.4), or the
+        split's where that is more, within ``--moe-hybrid-max-fetch`` (what arrives
         counts as fetched); all while the wall check runs all-fetch, none before the split has
         a share or while every expert goes to the CPU.
 
@@ -326,11 +324,11 @@ class HybridExperts(OffloadExperts):
         0.55 overran the link (31.5, 34.4)."""
         p = self.policy
         if p.all_fetch:
-            return misses
-        if p.share is None or p.all_cpu:
-            return 0
-        n = max(p.planned(misses), round(self.prefetch * misses))
-        return n if p.held is not None or p.max_fetch is None else min(n, p.max_fetch)
+            return EVERY
+        share = p.share
+        if share is None or p.all_cpu:
+            return NONE
+        return AheadRule(share, self.prefetch, None if p.held is not None else p.max_fetch)
 
     def _share(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, split: Split,
                cpu_ids: torch.Tensor, job: HostJob | None = None, signal: int = 0,

@@ -32,6 +32,7 @@ from freetoken.cpu.row_copy import RowCopyError, current_stream
 from freetoken.moe.host_banks import HostBank
 from freetoken.moe.host_job import HostJob
 from freetoken.moe.host_steps import HostCopies
+from freetoken.moe.lookahead import Incoming, Lookahead
 from freetoken.moe.native_slot_pool import NativeSlotPool
 from freetoken.moe.runtime import OffloadRuntime
 from freetoken.moe.slot_pool import Routed, SlotPool, Split
@@ -45,7 +46,8 @@ class LayerCall:
     """One layer's call on one set of host copies, as the library plans it."""
 
     def __init__(self, pool: NativeSlotPool, rt: OffloadRuntime, bank: HostBank, layer: int,
-                 host: HostCopies, stream_above: int, job: HostJob | None) -> None:
+                 host: HostCopies, stream_above: int, job: HostJob | None,
+                 incoming: Incoming, lookahead: Lookahead | None) -> None:
         assert rt.rows is not None
         self.pool, self.rt, self.host = pool, rt, host
         T, A = host.ids.shape
@@ -57,16 +59,7 @@ class LayerCall:
         c = self.c = abi.LayerCall()
         c.slots = pool.handle
         c.api = ctypes.pointer(rt.rows.api)
-        dst, src = pool.data, bank.rows
-        if dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
-            raise ValueError("a layer call copies contiguous rows of one size")
-        c.copy.dst, c.copy.dst_stride = dst.data_ptr(), dst.stride(0)
-        c.copy.src, c.copy.src_stride = src.data_ptr(), src.stride(0)
-        c.copy.row_bytes = dst.shape[1]
-        if rt.cuda:
-            assert rt.copy_stream is not None and rt.ready is not None
-            c.copy.copy_stream = rt.copy_stream.cuda_stream
-            c.copy.ev_ready = rt.ready.cuda_event
+        rows_of(c.copy, pool.data, bank.rows, rt)
         c.ids = host.ids.data_ptr()
         c.layer, c.rows, c.top_k = layer, T, A
         c.num_slots, c.stream_above = pool.num_slots, stream_above
@@ -81,36 +74,87 @@ class LayerCall:
         c.dst_rows, c.src_rows = (int(self.rows[r].ctypes.data) for r in range(2))
         c.table, c.staged, c.device_table, c.table_bytes = pool.table_buffers(layer)
         c.rule.held, c.rule.share = True, 1.0  # every miss fetched, unless a split's rule
+        c.incoming, c.experts = incoming.address, incoming.experts
+        self.ahead = self._ahead(lookahead, pool, rt, T, A)
         self._ref = ctypes.byref(c)
         self.fetch: Span | None = None  # the last call's copies
+        self.prefetch: Span | None = None  # the last call's look-ahead copies
+
+    def _ahead(self, la: Lookahead | None, pool: NativeSlotPool, rt: OffloadRuntime, T: int,
+               A: int) -> Lookahead | None:
+        """Look-ahead made in the call (``c.ahead``) on the next router's picks that come with
+        the host copies, where the next layer's slot decisions are the library's too; None
+        where it is not (then the caller makes it in Python)."""
+        picks = self.host.predicted
+        if la is None or picks is None:
+            return None
+        target, to = la.target, rt.cache.pool(la.layer)
+        if not isinstance(to, NativeSlotPool) or target.bank is None:
+            return None
+        if picks.dtype is not torch.int64 or not picks.is_contiguous() or picks.is_cuda:
+            raise ValueError("look-ahead reads int64 picks on the host, contiguous")
+        a = self.c.ahead
+        a.slots, a.picks, a.layer, a.n_picks = to.handle, picks.data_ptr(), la.layer, picks.numel()
+        a.same_pool, a.experts = to is pool, target.incoming.experts
+        a.incoming = target.incoming.address
+        rows_of(a.copy, to.data, target.bank.rows, rt)
+        n = picks.numel()
+        self.ahead_out = np.empty((5, max(n, 2 * T * A)), dtype=np.int64)  # keep, 4 outputs
+        self.ahead_rows = np.empty((2, n), dtype=np.int32)
+        (a.keep, a.predicted, a.slot, a.fetched, a.fetched_slots) = (
+            int(self.ahead_out[r].ctypes.data) for r in range(5))
+        a.dst_rows, a.src_rows = (int(self.ahead_rows[r].ctypes.data) for r in range(2))
+        self.expert_bytes = target.bank.expert_bytes
+        return la
 
     def run(self) -> int:
-        """Plan the call: 0 (planned: :attr:`fetch` is its copies' span, or None) or
-        :data:`STREAMS` (routed only, nothing fetched: the caller streams)."""
-        c, rt = self.c, self.rt
-        span = None
+        """Plan the call: 0 (planned: :attr:`fetch` is its copies' span, or None; with
+        look-ahead, :attr:`prefetch` its copies') or :data:`STREAMS` (routed only, nothing
+        fetched: the caller streams). The incoming prediction is scored either way."""
+        c, rt, la = self.c, self.rt, self.ahead
+        span = ahead = None
+        if la is not None:
+            la.target.prefetch_rule().write(c.ahead.rule, la.budget(c.rows))
         if rt.cuda:
             c.copy.compute_stream = current_stream(rt.index)
             span = Span(rt.copy_stream, rt.events)
             c.ev_start, c.ev_end = span.start.cuda_event, span.end.cuda_event
             c.wait_first = None if rt.copied is None else rt.copied.cuda_event
+            if la is not None:
+                ahead = Span(rt.copy_stream, rt.events)
+                c.ahead.ev_start, c.ahead.ev_end = ahead.start.cuda_event, ahead.end.cuda_event
         code = self._plan(self._ref)
         if code < 0:
-            if span is not None:
-                rt.events.give(span.start, span.end)
+            for s in (span, ahead):
+                if s is not None:
+                    rt.events.give(s.start, s.end)
             self._raise(code)
         if code == 0 and rt.cuda:
             rt.copied = None  # the compute stream waits for every copy queued so far
-        if code == 0 and c.n_fetched:
-            if span is None:
-                span = Span(None)
-                span.seconds = c.copy_ns / 1e9
-            self.fetch = span
-        else:
-            if span is not None:
-                rt.events.give(span.start, span.end)
-            self.fetch = None
+        self.fetch = self._span(span, c.n_fetched if code == 0 else 0, c.copy_ns)
+        if c.la_predicted >= 0:
+            rt.stats.record_lookahead(c.layer, c.la_predicted, c.la_used, c.n_needed)
+        self.prefetch = None
+        if la is not None:
+            n = c.ahead.n_fetched if code == 0 else 0
+            self.prefetch = self._span(ahead, n, c.ahead.copy_ns)
+            if self.prefetch is not None:
+                if rt.cuda:  # left for the next call's compute to wait for
+                    rt.copied = self.prefetch.end
+                rt.stats.record_prefetch(la.layer, n, n * self.expert_bytes, self.prefetch)
         return code
+
+    def _span(self, span: Span | None, n: int, copy_ns: int) -> Span | None:
+        """The span of ``n`` rows copied (None where none: its events go back); on the CPU
+        the copies' host time."""
+        if not n:
+            if span is not None:
+                self.rt.events.give(span.start, span.end)
+            return None
+        if span is None:
+            span = Span(None)
+            span.seconds = copy_ns / 1e9
+        return span
 
     def _raise(self, code: int) -> None:
         c = self.c
@@ -124,6 +168,10 @@ class LayerCall:
             raise ValueError(f"layer {c.layer}: the CPU pool refused the call's job")
         if code == -4:
             raise RowCopyError("the CUDA driver's entry points for the copies are incomplete")
+        if code == -5:
+            picks = self.host.predicted
+            raise ValueError(f"expert cache: layer {c.ahead.layer} has no experts "
+                             f"{None if picks is None else picks.reshape(-1).tolist()}")
         raise RowCopyError(f"layer {c.layer}: copying {c.n_fetched} expert rows failed: CUDA "
                            f"driver error {DRIVER_ERROR - code}")
 
@@ -152,6 +200,20 @@ class LayerCalls:
         if found is None:  # the copies are kept with their call: their id stays theirs
             found = self._calls[id(host)] = (host, self._make(host))
         return found[1]
+
+
+def rows_of(into: abi.RowCopy, dst: torch.Tensor, src: torch.Tensor, rt: OffloadRuntime) -> None:
+    """``into`` copies rows of ``src`` (a host bank) into rows of ``dst`` (a pool's slots),
+    on ``rt``'s copy stream after its ready event."""
+    if dst.shape[1] != src.shape[1] or dst.stride(1) != 1 or src.stride(1) != 1:
+        raise ValueError("a layer call copies contiguous rows of one size")
+    into.dst, into.dst_stride = dst.data_ptr(), dst.stride(0)
+    into.src, into.src_stride = src.data_ptr(), src.stride(0)
+    into.row_bytes = dst.shape[1]
+    if rt.cuda:
+        assert rt.copy_stream is not None and rt.ready is not None
+        into.copy_stream = rt.copy_stream.cuda_stream
+        into.ev_ready = rt.ready.cuda_event
 
 
 def library_plans(pool: SlotPool, rt: OffloadRuntime) -> bool:

@@ -21,38 +21,96 @@ Threads: the engine's main thread only (as the expert cache).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import torch
 
+from freetoken.cpu.abi import IN_FETCHED, IN_LISTS, IN_PREDICTED
 from freetoken.cpu.gpu_wait import to_host
 
 PREFETCH_PER_TOKEN = 1.0  # predicted misses fetched per call at most: this x top_k x tokens
 PREDICT_MAX_TOKENS = 16  # calls of more tokens (prefill chunks) predict nothing
 
 
-@dataclass
 class Incoming:
-    """What the layer before's look-ahead did for a layer's next call (a plain object: the
-    engine thread writes it every call, which an nn.Module attribute makes slow)."""
+    """What the layer before's look-ahead did for a layer's next call: the experts it
+    predicted and those of them it fetched, in one int64 array that the library's plan of a
+    call reads and writes too (``csrc/layer_call.h`` IncomingAt: the two counts, then the two
+    lists), so either plan, Python or the library's, scores what either predicted. A plain
+    object: the engine thread writes it every call, which an nn.Module attribute makes slow."""
 
-    predicted: set[int] | None = None  # the experts it predicted
-    prefetched: set[int] = field(default_factory=set)  # of those, the misses it fetched
-    arrived: int = 0  # experts of the last call that it had fetched
+    def __init__(self, experts: int) -> None:
+        self.experts = experts
+        self.buf = np.zeros(IN_LISTS + 2 * experts, dtype=np.int64)
+        self.buf[IN_PREDICTED] = -1
+        self.arrived = 0  # experts of the last call that it had fetched (the Python plan's)
+
+    @property
+    def address(self) -> int:
+        return int(self.buf.ctypes.data)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a prediction waits to be scored (or fetched experts to be counted)."""
+        return bool(self.buf[IN_PREDICTED] >= 0 or self.buf[IN_FETCHED] > 0)
+
+    @property
+    def predicted(self) -> set[int] | None:
+        """The experts it predicted (None: no prediction)."""
+        n = int(self.buf[IN_PREDICTED])
+        return None if n < 0 else set(self.buf[IN_LISTS:IN_LISTS + n].tolist())
+
+    @property
+    def prefetched(self) -> set[int]:
+        """Of those, the misses it fetched."""
+        at = IN_LISTS + self.experts
+        return set(self.buf[at:at + int(self.buf[IN_FETCHED])].tolist())
+
+    def put(self, predicted: np.ndarray, fetched: np.ndarray) -> None:
+        """A prediction made (as the library's look-ahead writes it)."""
+        buf, at = self.buf, IN_LISTS + self.experts
+        buf[IN_PREDICTED], buf[IN_FETCHED] = predicted.size, fetched.size
+        buf[IN_LISTS:IN_LISTS + predicted.size] = predicted
+        buf[at:at + fetched.size] = fetched
 
     def clear(self) -> None:
         """Read by the call it was for (what was fetched stays in the cache)."""
-        self.predicted, self.prefetched = None, set()
+        self.buf[IN_PREDICTED], self.buf[IN_FETCHED] = -1, 0
+
+
+@dataclass(frozen=True)
+class AheadRule:
+    """How many of a call's predicted misses look-ahead fetches for the next layer (the
+    library's twin: ``csrc/layer_call.h`` ahead_count): max(round(share m), round(floor m)),
+    at most ``max_fetch`` (None: no cap). Offload: every one; hybrid: its split's share, or
+    its look-ahead share where that is more (:meth:`HybridExperts.prefetch_rule`)."""
+
+    share: float
+    floor: float = 0.0
+    max_fetch: int | None = None
+
+    def count(self, misses: int) -> int:
+        n = max(round(self.share * misses), round(self.floor * misses))
+        return n if self.max_fetch is None else min(n, self.max_fetch)
+
+    def write(self, into: Any, budget: int) -> None:
+        """This rule and a call's ``budget`` into the library's AheadRule."""
+        into.share, into.floor, into.budget = self.share, self.floor, budget
+        into.max_fetch = -1 if self.max_fetch is None else self.max_fetch
+
+
+EVERY = AheadRule(1.0)  # every predicted miss
+NONE = AheadRule(0.0)  # none: no look-ahead for the call
 
 
 @dataclass
 class Lookahead:
     """Layer ``layer``'s router (weight (E, H) and bias, float32 on the model's device) for
     the layer before it to predict with, and ``target``: that layer's experts (their bank and
-    cache), which say how many of the predicted misses to fetch (``prefetch_share``: offload
+    cache), which say how many of the predicted misses to fetch (``prefetch_rule``: offload
     all of them, hybrid a share).
 
     The router runs where the model does (:meth:`route`: device ops, inside a decode graph's
@@ -71,32 +129,32 @@ class Lookahead:
         logits = torch.nn.functional.linear(x.float(), self.weight, self.bias)
         return torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices
 
-    def wanted(self, tokens: int) -> int:
+    def wanted(self, tokens: int, rule: AheadRule) -> int:
         """:meth:`budget` for a call of ``tokens``, or 0 while the target takes no predictions
-        (a hybrid layer before its split has a share, or while it computes every expert on
-        the CPU): then there is nothing to fetch."""
+        (``rule``, its :meth:`prefetch_rule`, fetches none of them: a hybrid layer before its
+        split has a share, or while it computes every expert on the CPU): then nothing is
+        ranked or fetched."""
         budget = self.budget(tokens)
-        return budget if budget and self.target.prefetch_share(budget) else 0
+        return budget if budget and rule.count(budget) else 0
 
     def fetch(self, rt: Any, x: torch.Tensor, keep: np.ndarray, picks: torch.Tensor | None,
-              budget: int) -> None:
+              budget: int, rule: AheadRule) -> None:
         """The experts the target's router picks for the tokens ``x`` fetched into the cache
         now, on ``rt``'s copy stream behind the calling layer's copies, into slots other than
         ``keep`` (the calling layer's, which its compute still reads), as many as the target's
-        share of its predicted misses (``budget`` at most: :meth:`wanted`). ``picks``: made in
-        the graph piece before (with the host's copies); None: routed here (on a GPU the host
-        has synced on the routed ids already)."""
+        ``rule`` gives of its predicted misses (``budget`` at most: :meth:`wanted`). ``picks``:
+        made in the graph piece before (with the host's copies); None: routed here (on a GPU
+        the host has synced on the routed ids already). The library's plan of a call does the
+        same in its own code (``csrc/layer_call.cpp`` look_ahead)."""
         if picks is None:
             picks = to_host(self.route(x))
         pool = rt.cache.pool(self.layer)
         target = self.target
-        got = pool.prefetch(self.layer, picks, keep,
-                            lambda misses: min(target.prefetch_share(misses), budget))
-        came = target.incoming
-        came.predicted = set(got.predicted.tolist())
+        got = pool.prefetch(self.layer, picks, keep, lambda misses: min(rule.count(misses),
+                                                                          budget))
+        target.incoming.put(got.predicted, got.fetched)
         if not got.fetched.size:
             return
-        came.prefetched = set(got.fetched.tolist())
         bank = target.bank
         span = rt.fetch(pool.data, got.slots, bank, got.fetched, wait=False)
         rt.stats.record_prefetch(self.layer, got.fetched.size,

@@ -40,7 +40,7 @@ from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.host_job import HostJob
 from freetoken.moe.host_steps import HostCopies
 from freetoken.moe.layer_call import STREAMS, LayerCall, LayerCalls, library_plans
-from freetoken.moe.lookahead import Incoming, Lookahead
+from freetoken.moe.lookahead import EVERY, AheadRule, Incoming, Lookahead
 from freetoken.moe.native_slot_pool import NativeSlotPool
 from freetoken.moe.prefill_stream import streamed_call
 from freetoken.moe.runtime import OffloadRuntime
@@ -75,7 +75,7 @@ class OffloadExperts(Experts):
         self._pool_views: dict[str, QuantTensor] = {}
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
         self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
-        self.incoming = Incoming()  # what the layer before's look-ahead did for us
+        self.incoming = Incoming(shape.num_experts)  # what the layer before's look-ahead did for us
         self.layer_calls: LayerCalls | None = None  # None: the Python plan runs
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
@@ -172,15 +172,17 @@ class OffloadExperts(Experts):
 
     def _score(self, routed: Routed) -> None:
         """The layer before's look-ahead for this call: its prediction scored, and how many of
-        the call's experts it fetched (``incoming.arrived``)."""
+        the call's experts it fetched (``incoming.arrived``). The library's plan scores its
+        calls itself (:meth:`LayerCall.run`)."""
         came = self.incoming
         came.arrived = 0
-        if came.predicted is not None or came.prefetched:
+        if came.pending:
             assert self.runtime is not None
             needed = set(routed.needed.tolist())
-            if came.predicted is not None:
-                self.runtime.stats.record_lookahead(self.shape.layer, len(came.predicted),
-                                                    len(came.predicted & needed), len(needed))
+            predicted = came.predicted
+            if predicted is not None:
+                self.runtime.stats.record_lookahead(self.shape.layer, len(predicted),
+                                                    len(predicted & needed), len(needed))
             came.arrived = len(came.prefetched & needed)
             came.clear()
 
@@ -199,11 +201,8 @@ class OffloadExperts(Experts):
             self._rule(call.c.rule, host)
             if call.run() == STREAMS:
                 routed = call.routed()
-                self._score(routed)
                 call.pool.publish(self.shape.layer, empty=True)
                 return self._streamed(x, ids, w, call.pool, routed.hits(), routed.missed())
-            if self.incoming.predicted is not None or self.incoming.prefetched:
-                self._score(call.routed())
             return self._planned(x, call, host, t0)
         flat, pool, routed = self._route(ids if host is None else host.ids)
         if self._must_stream(routed.needed.size, routed.misses, pool):
@@ -224,7 +223,8 @@ class OffloadExperts(Experts):
         assert rt is not None and bank is not None
         pool = rt.cache.pool(self.shape.layer)
         assert isinstance(pool, NativeSlotPool)
-        return LayerCall(pool, rt, bank, self.shape.layer, host, self._stream_above(), job)
+        return LayerCall(pool, rt, bank, self.shape.layer, host, self._stream_above(), job,
+                         self.incoming, self.lookahead)
 
     def _stream_above(self) -> int:
         """The most misses a call fetches into the cache; more are streamed."""
@@ -240,12 +240,20 @@ class OffloadExperts(Experts):
         rt, bank = self.runtime, self.bank
         assert rt is not None and bank is not None
         c = call.c
-        if self.lookahead is not None:
-            self._prefetch(x, call.routed(), call.split(), host)
+        self._ahead(x, call, host)
         rt.stats.record(self.shape.layer, x.shape[0], c.n_needed - c.misses, c.n_fetched,
                         c.n_fetched * bank.expert_bytes, fetch=call.fetch,
                         plan_s=time.perf_counter() - t0)
         return None
+
+    def _ahead(self, x: torch.Tensor, call: LayerCall, host: HostCopies) -> None:
+        """Look-ahead after the library's plan: made in it where it could (then only the next
+        piece is let start, as :meth:`_prefetch` does first), else here."""
+        if call.ahead is None:
+            if self.lookahead is not None:
+                self._prefetch(x, call.routed(), call.split(), host)
+        elif host.ready is not None:
+            host.ready()
 
     def _plan_misses(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                      flat: torch.Tensor, pool: SlotPool, routed: Routed, host: HostCopies | None,
@@ -328,14 +336,16 @@ class OffloadExperts(Experts):
         if host is not None and host.ready is not None:  # inside the graph: compute may start
             host.ready()
         la, rt = self.lookahead, self.runtime
-        if la is None or rt is None or (host is not None and host.predicted is None) \
-                or not (budget := la.wanted(x.shape[0])):
+        if la is None or rt is None or (host is not None and host.predicted is None):
+            return
+        rule = la.target.prefetch_rule()
+        if not (budget := la.wanted(x.shape[0], rule)):
             return
         # a miss's -1 in routed.slot is ignored
         keep = (np.concatenate((routed.slot, split.slots))
                 if rt.cache.pool(la.layer) is rt.cache.pool(self.shape.layer)
                 else split.slots[:0])
-        la.fetch(rt, x, keep, None if host is None else host.predicted, budget)
+        la.fetch(rt, x, keep, None if host is None else host.predicted, budget, rule)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, pool: SlotPool,
                  slot_of: dict[int, int]) -> torch.Tensor:
@@ -345,10 +355,10 @@ class OffloadExperts(Experts):
                        lambda e: self._row_weights(pool.data[slot_of[e]]), self.act,
                        only=slot_of, bias=self.bias())
 
-    def prefetch_share(self, misses: int) -> int:
-        """How many of ``misses`` predicted misses look-ahead may fetch for this layer: all
+    def prefetch_rule(self) -> AheadRule:
+        """How many predicted misses look-ahead may fetch for this layer's next call: all
         (hybrid: a share)."""
-        return misses
+        return EVERY
 
     def _pool_view(self, pool: SlotPool, proj: str) -> QuantTensor:
         """Projection ``proj`` of every slot (a view, made once: the pool never moves)."""

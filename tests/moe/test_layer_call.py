@@ -53,6 +53,34 @@ def test_the_librarys_fetch_count_is_the_policys():
     assert seen == {"", "cpu", "pcie"}
 
 
+def test_the_librarys_look_ahead_count_is_the_rules(tiny_qwen3_moe):
+    """A hybrid layer's :meth:`prefetch_rule` (its split's share or the look-ahead share,
+    whichever fetches more, within its cap; every miss while all-fetch is held, none before a
+    share or while the cpu arm is) counts in the library as in Python, ties to even
+    included."""
+    lib = native()
+    m = next(m for m in load_ours(tiny_qwen3_moe, strategy="hybrid",
+                                  cache=CacheSizing("size", 4)).modules()
+             if isinstance(m, HybridExperts))
+    rng = random.Random(1)
+    counts = set()
+    for _ in range(2000):
+        m.policy = SplitPolicy(rng.choice([None, 0.0, 0.125, 0.25, 0.5, 0.3, 1.0]),
+                               rng.choice([None, 0, 1, 3]), online=False, costs=SplitCosts())
+        if rng.random() < 0.3:
+            m.policy.costs.check = WallCheck("test")
+            m.policy.costs.check.use_profile(rng.choice([0.25, 0.5]))
+            m.policy.costs.check.hold(rng.choice(["fetch", "cpu", "profile"]))
+        m.prefetch = rng.choice([0.0, 0.125, 0.4, 0.5])
+        rule, into = m.prefetch_rule(), abi.AheadRule()
+        rule.write(into, 8)
+        misses = rng.randint(0, 12)
+        assert lib.ft_ahead_count(ctypes.byref(into), misses) == rule.count(misses), (
+            rule, misses)
+        counts.add(rule.count(misses))
+    assert len(counts) > 5, counts
+
+
 @pytest.fixture(scope="module")
 def q8_gguf(tiny_qwen3_moe, tmp_path_factory):
     out = tmp_path_factory.mktemp("layer_call") / "q8.gguf"
@@ -82,7 +110,8 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
                                                          gather_on_cpu, strategy, lookahead,
                                                          device):
     """Random calls of 1 and 2 tokens (evictions, CPU shares, calls that stream; with
-    look-ahead, the next layer's picks fetched) through both plans, layer after layer, on
+    look-ahead, the next layer's picks ranked, fetched and scored, by the library in its plan
+    and by Python after it) through both plans, layer after layer, on
     host copies as a graph step makes them (on CUDA pinned, the copies and the table on the
     driver's streams): every call's result (the device's share through the table, the CPU's
     in the host copies, or the streamed result), the cache's LRU order and owners, the tables
@@ -90,8 +119,15 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     twins = _twins(q8_gguf, strategy, lookahead, device, monkeypatch)
     planned = []  # the library's answers
+    ahead = []  # whether the library made the call's look-ahead, and how many it predicted
     run = LayerCall.run
-    monkeypatch.setattr(LayerCall, "run", lambda self: planned.append(run(self)) or planned[-1])
+
+    def run_and_see(self: LayerCall) -> int:
+        planned.append(run(self))
+        ahead.append((self.ahead is not None, self.c.ahead.n_predicted))
+        return planned[-1]
+
+    monkeypatch.setattr(LayerCall, "run", run_and_see)
     g, rng = torch.Generator().manual_seed(3), random.Random(3)
     s = twins[0][0].shape
     copies: dict[tuple[int, int, int], HostCopies] = {}  # fixed buffers, as a graph's
@@ -147,6 +183,9 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
                 "prefetched", "lookahead_predicted", "lookahead_used", "lookahead_needed"):
         assert stats[0].get(key) == stats[1].get(key), key
     assert sorted(set(planned)) == [0, STREAMS] and len(planned) == calls
+    # with look-ahead the library made it in every call whose next layer is offloaded
+    assert any(native for native, _ in ahead) == (lookahead == "on")
+    assert any(n > 0 for _, n in ahead) == (lookahead == "on")
     assert (stats[0]["prefetched"] > 0) == (lookahead == "on"), stats[0]["prefetched"]
     assert kinds >= ({"planned", "cpu", "streamed"} if strategy == "hybrid"
                      else {"planned", "streamed"}), kinds

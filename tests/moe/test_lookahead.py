@@ -156,13 +156,13 @@ def test_a_hybrid_layers_prefetch_share(tiny_qwen3_moe, monkeypatch):
     for fraction, cap, want in ((0.25, None, 3), (0.9, None, 7), (0.25, 1, 1), (None, None, 0),
                                 (1.0, None, 8)):
         m.policy = SplitPolicy(fraction, cap, online=False)
-        assert m.prefetch_share(8) == want, (fraction, cap)
+        assert m.prefetch_rule().count(8) == want, (fraction, cap)
     monkeypatch.setenv("FREETOKEN_HYBRID_PREFETCH", "0")
     m = next(m for m in load_ours(tiny_qwen3_moe, strategy="hybrid",
                                   cache=CacheSizing("size", 4)).modules()
              if isinstance(m, HybridExperts))
     m.policy = SplitPolicy(0.25, None, online=False)
-    assert m.prefetch_share(8) == 2
+    assert m.prefetch_rule().count(8) == 2
 
 
 def test_prediction_beats_chance_on_a_synthetic_checkpoint(synth_moe):
@@ -218,8 +218,7 @@ def test_picks_made_in_the_graph_piece_fetch_what_the_eager_plan_fetches(tiny_qw
         assert came[0].prefetched == came[1].prefetched
         prefetched += len(came[1].prefetched)
         for m in first:  # the next layer's call takes what arrived
-            m.lookahead.target.incoming.predicted = None
-            m.lookahead.target.incoming.prefetched = set()
+            m.lookahead.target.incoming.clear()
     assert prefetched > 0
 
 

@@ -97,6 +97,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for m in layers:
                 at = (7 * i + m.shape.layer) % len(routes)
                 host_copies.ids.copy_(routes[at])
+                if args.prepare:  # a graph's host step: while the piece before computes
+                    m._prepare(copies[m.shape.layer, at])
                 t0 = time.perf_counter()
                 getattr(m, method)(x, ids, w, copies[m.shape.layer, at])
                 t1 = time.perf_counter()
@@ -108,7 +110,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rounds(50)  # warm-up: the first calls fill the cache and make the CPU jobs
     best, late = min(rounds(args.calls) for _ in range(5))
     return {"strategy": args.strategy, "fetching": args.fetching,
-            "slots": os.environ.get("FREETOKEN_EXPERT_SLOTS"),
+            "prepare": args.prepare, "slots": os.environ.get("FREETOKEN_EXPERT_SLOTS"),
             "layer_call": os.environ.get("FREETOKEN_LAYER_CALL"),
             "pool": type(layers[0].runtime.cache.pool(shape.layer)).__name__,
             "us_per_layer_call": 1e6 * best / (args.calls * len(layers)),
@@ -132,6 +134,9 @@ def main() -> None:
                    "layer's experts)")
     p.add_argument("--fetching", action="store_true",
                    help="plan as a decode graph for steps that fetch every miss does")
+    p.add_argument("--prepare", action="store_true",
+                   help="time the plan after its _prepare (what a graph's host step does before "
+                   "the inputs arrive, untimed): the part on the critical path")
     p.add_argument("--host-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the dtype of the host copies of x and w (a graph step casts them to "
                    "float32 in the piece; before 2026-12-05 they were the model's bfloat16)")
@@ -151,7 +156,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", "--model", args.model, "--strategy",
                    strategy, "--calls", str(args.calls), "--moe-cache-mem", args.moe_cache_mem,
                    "--fetch-fraction", str(args.fetch_fraction), "--lookahead", args.lookahead,
-                   "--host-dtype", args.host_dtype] + ["--fetching"] * args.fetching
+                   "--host-dtype", args.host_dtype] + ["--fetching"] * args.fetching \
+                + ["--prepare"] * args.prepare
             env = os.environ | {"FREETOKEN_EXPERT_SLOTS": slots, "FREETOKEN_LAYER_CALL": call,
                                 "FREETOKEN_LOG_LEVEL": "error"}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)

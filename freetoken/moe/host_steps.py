@@ -3,7 +3,9 @@ them): :class:`HostStep` (the plan, with its inputs in pinned memory after one s
 :class:`HostCopies`), :class:`LateStep` (work the plan left running, collected without a sync)
 and :class:`Break` (a whole experts call). What each puts in its static ``out`` buffer the next
 piece reads. With ``FREETOKEN_HOST_STEPS=early`` a plan has the next piece launched as soon as
-its own device work is queued (``HostCopies.ready``), before look-ahead's plan.
+its own device work is queued (``HostCopies.ready``), before look-ahead's plan. A plan may
+come with a ``prepare`` (what it can do before its inputs arrive: a hybrid layer's split rule),
+which runs while the piece before computes.
 """
 
 from __future__ import annotations
@@ -91,9 +93,12 @@ class HostStep(_Landing):
                  ids: torch.Tensor, w: torch.Tensor, inputs: bool,
                  copier: RowCopier | None = None,
                  predicted: torch.Tensor | None = None,
-                 like: torch.Tensor | None = None) -> None:
+                 like: torch.Tensor | None = None,
+                 prepare: Callable[[HostCopies], None] | None = None) -> None:
         super().__init__(x if like is None else like)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
+        # what the plan does before its inputs arrive: run while the piece before computes
+        self.prepare = prepare
         self.predicted = predicted
         self.copier = copier  # the inputs' copies and the sync in one library call
         self.device = x.device.index or 0
@@ -120,7 +125,12 @@ class HostStep(_Landing):
         piece launched there, before the rest of its work (look-ahead's plan): returns whether
         it was."""
         views = self._views_of(n)
-        self._copy_in(views, sync=True)
+        if self.prepare is None:
+            self._copy_in(views, sync=True)
+        else:  # the copies queued, the plan's first part while the piece before runs
+            self._copy_in(views, sync=False)
+            self.prepare(views[3])
+            self._wait()
         self._go = launch
         try:
             return self._plan_once(views, n)
@@ -167,6 +177,11 @@ class HostStep(_Landing):
         for dst, src in copies:
             dst.copy_(src, non_blocking=True)
         if sync:
+            self._wait()
+
+    def _wait(self) -> None:
+        """The host waits for the current stream's work so far (the input copies)."""
+        if self.x.is_cuda:
             gpu_wait(self.device).wait()
 
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],

@@ -75,7 +75,8 @@ class OffloadExperts(Experts):
         self._pool_views: dict[str, QuantTensor] = {}
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
         self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
-        self.incoming = Incoming(shape.num_experts)  # what the layer before's look-ahead did for us
+        self.incoming = Incoming(shape.num_experts)  # what the layer before's look-ahead did
+        self._prepared: LayerCall | None = None  # the call :meth:`_prepare` set its rule for
         self.layer_calls: LayerCalls | None = None  # None: the Python plan runs
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
@@ -125,7 +126,8 @@ class OffloadExperts(Experts):
             if rt.capture.fetching:  # a step that fetches every miss: offload's one step
                 static = rt.capture.host(self._plan_fetching, x, ids, w, False, picks)
                 return self._from_table(x, ids, w) + static
-            static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS, picks)
+            static = rt.capture.host(self._plan, x, ids, w, self.PLAN_READS_INPUTS, picks,
+                                     self._prepare)
             out = self._from_table(x, ids, w) + static
             if self.FINISHES_LATE:
                 out = out + rt.capture.after(self._finish, x)
@@ -197,8 +199,10 @@ class OffloadExperts(Experts):
         the inputs already copied to the host."""
         t0 = time.perf_counter()
         call = None if host is None else self._layer_call(host)
+        prepared, self._prepared = self._prepared, None
         if call is not None:
-            self._rule(call.c.rule, host)
+            if prepared is not call:
+                self._rule(call.c.rule, host)
             if call.run() == STREAMS:
                 routed = call.routed()
                 call.pool.publish(self.shape.layer, empty=True)
@@ -209,6 +213,15 @@ class OffloadExperts(Experts):
             pool.publish(self.shape.layer, empty=True)
             return self._streamed(x, ids, w, pool, routed.hits(), routed.missed())
         return self._plan_misses(x, ids, w, flat, pool, routed, host, t0)
+
+    def _prepare(self, host: HostCopies) -> None:
+        """The part of a plan between pieces that needs no inputs, made while the piece
+        before computes (``HostStep.prepare``): the library's call found and its fetch rule
+        set; :meth:`_plan` then only runs it."""
+        call = self._layer_call(host)
+        if call is not None:
+            self._rule(call.c.rule, host)
+        self._prepared = call
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
         """The library's plan of a call between graph pieces (:mod:`.layer_call`), or None

@@ -20,7 +20,7 @@ from freetoken.cpu.graph_flags import FlagJobs, graph_jobs
 from freetoken.cpu.host_node import HostNodeError, HostNodes
 from freetoken.cpu.row_copy import RowCopier, Spans, current_stream
 from freetoken.moe.flag_steps import FlagHostStep, FlagLateStep
-from freetoken.moe.host_steps import Break, HostStep, LateStep
+from freetoken.moe.host_steps import Break, HostCopies, HostStep, LateStep
 
 T = TypeVar("T", "Break", "HostStep", "LateStep")
 
@@ -73,12 +73,15 @@ class PiecewiseCapture:
 
     def host(self, plan: Callable[..., torch.Tensor | None], x: torch.Tensor, ids: torch.Tensor,
              w: torch.Tensor, inputs: bool = True,
-             predicted: torch.Tensor | None = None) -> torch.Tensor:
+             predicted: torch.Tensor | None = None,
+             prepare: Callable[[HostCopies], None] | None = None) -> torch.Tensor:
         """``plan`` between two pieces (``inputs``: it reads x and w on the host, not only the
         ids: the piece casts them to float32, what the CPU pool reads, so the host converts
         nothing; ``predicted``: a tensor the piece made, copied with the ids); returns the
         static buffer (shaped and typed like ``x``) of its extra output, for the captured
-        compute that follows to add."""
+        compute that follows to add. ``prepare``: what the plan can do before its inputs
+        arrive, run between pieces while the piece before computes (on flags the plan does
+        it all)."""
         xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
         if self.side is not None:
             step = self._flag_host = FlagHostStep(plan, xf, ids, wf, inputs, self.copier,
@@ -86,7 +89,7 @@ class PiecewiseCapture:
                                                   len(self.pieces))
             return step.out
         return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
-                                              predicted, like=x)).out
+                                              predicted, like=x, prepare=prepare)).out
 
     def node(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
              w: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,8 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
                                                          device):
     """Random calls of 1 and 2 tokens (evictions, CPU shares, calls that stream; with
     look-ahead, the next layer's picks ranked, fetched and scored, by the library in its plan
-    and by Python after it) through both plans, layer after layer, on
+    and by Python after it; half of the library's calls set up by ``_prepare`` before their
+    inputs come, as a graph's host step does) through both plans, layer after layer, on
     host copies as a graph step makes them (on CUDA pinned, the copies and the table on the
     driver's streams): every call's result (the device's share through the table, the CPU's
     in the host copies, or the streamed result), the cache's LRU order and owners, the tables
@@ -147,6 +148,7 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
             w = torch.rand(T, s.top_k, generator=g)
             hx, hids, hw = x, ids, w
             x, ids, w = x.to(device), ids.to(device), w.to(device)
+            prepare = rng.random() < 0.5  # the library's call set up before its inputs came
             outs = []
             for i, layers in enumerate(twins):
                 m, la = layers[j], layers[j].lookahead
@@ -159,6 +161,8 @@ def test_the_library_plans_a_call_as_the_python_plan_does(q8_gguf, tmp_path, mon
                     host.predicted.copy_(picks)
                 if isinstance(m, HybridExperts):
                     m.policy = SplitPolicy(fraction, cap, online=False)
+                if prepare and i == 0:
+                    m._prepare(host)
                 early = m._plan(x, ids, w, host)
                 late = m._finish()
                 if early is not None:  # streamed

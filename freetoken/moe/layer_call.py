@@ -79,6 +79,7 @@ class LayerCall:
         self._ref = ctypes.byref(c)
         self.fetch: Span | None = None  # the last call's copies
         self.prefetch: Span | None = None  # the last call's look-ahead copies
+        self._armed: tuple[Span | None, Span | None] | None = None  # by :meth:`arm`
 
     def _ahead(self, la: Lookahead | None, pool: NativeSlotPool, rt: OffloadRuntime, T: int,
                A: int) -> Lookahead | None:
@@ -107,22 +108,36 @@ class LayerCall:
         self.expert_bytes = target.bank.expert_bytes
         return la
 
-    def run(self) -> int:
-        """Plan the call: 0 (planned: :attr:`fetch` is its copies' span, or None; with
-        look-ahead, :attr:`prefetch` its copies') or :data:`STREAMS` (routed only, nothing
-        fetched: the caller streams). The incoming prediction is scored either way."""
+    def arm(self) -> None:
+        """What :meth:`run` sets that needs no inputs: look-ahead's rule (the next layer's
+        share now) and, on a GPU, the copies' events. A host step's prepare calls it before
+        the inputs arrive; else :meth:`run` does."""
+        if self._armed is not None:  # armed for a call that did not run: it is this one's
+            return
         c, rt, la = self.c, self.rt, self.ahead
         span = ahead = None
         if la is not None:
             la.target.prefetch_rule().write(c.ahead.rule, la.budget(c.rows))
         if rt.cuda:
-            c.copy.compute_stream = current_stream(rt.index)
             span = Span(rt.copy_stream, rt.events)
             c.ev_start, c.ev_end = span.start.cuda_event, span.end.cuda_event
-            c.wait_first = None if rt.copied is None else rt.copied.cuda_event
             if la is not None:
                 ahead = Span(rt.copy_stream, rt.events)
                 c.ahead.ev_start, c.ahead.ev_end = ahead.start.cuda_event, ahead.end.cuda_event
+        self._armed = (span, ahead)
+
+    def run(self) -> int:
+        """Plan the call: 0 (planned: :attr:`fetch` is its copies' span, or None; with
+        look-ahead, :attr:`prefetch` its copies') or :data:`STREAMS` (routed only, nothing
+        fetched: the caller streams). The incoming prediction is scored either way."""
+        c, rt, la = self.c, self.rt, self.ahead
+        if self._armed is None:
+            self.arm()
+        assert self._armed is not None
+        (span, ahead), self._armed = self._armed, None
+        if rt.cuda:
+            c.copy.compute_stream = current_stream(rt.index)
+            c.wait_first = None if rt.copied is None else rt.copied.cuda_event
         code = self._plan(self._ref)
         if code < 0:
             for s in (span, ahead):

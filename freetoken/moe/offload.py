@@ -216,11 +216,12 @@ class OffloadExperts(Experts):
 
     def _prepare(self, host: HostCopies) -> None:
         """The part of a plan between pieces that needs no inputs, made while the piece
-        before computes (``HostStep.prepare``): the library's call found and its fetch rule
-        set; :meth:`_plan` then only runs it."""
+        before computes (``HostStep.prepare``): the library's call found, its fetch rule and
+        look-ahead's set (:meth:`LayerCall.arm`); :meth:`_plan` then only runs it."""
         call = self._layer_call(host)
         if call is not None:
             self._rule(call.c.rule, host)
+            call.arm()
         self._prepared = call
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:

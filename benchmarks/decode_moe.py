@@ -145,7 +145,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     plans too (FREETOKEN_HOST_STEPS=flags), ``+pieces`` breaks the graphs at each job and plan
     (FREETOKEN_CPU_HOST_NODE=off, FREETOKEN_HOST_STEPS=pieces; else the engine's defaults),
     ``+early`` launches the next piece once a plan's own device work is queued
-    (FREETOKEN_HOST_STEPS=early),
+    (FREETOKEN_HOST_STEPS=early, the default since a9b9a4b's measure),
     ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's

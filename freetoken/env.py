@@ -151,20 +151,21 @@ def cpu_host_node() -> str:
     return _choice("FREETOKEN_CPU_HOST_NODE", CPU_HOST_NODES)
 
 
-HOST_STEPS = ("pieces", "early", "flags")
+HOST_STEPS = ("early", "pieces", "flags")
 
 
 def host_steps() -> str:
     """FREETOKEN_HOST_STEPS: where decode CUDA graphs run an offloaded or hybrid layer's host
-    plan: ``pieces`` (default: between two graph pieces, after a sync for the routed ids),
-    ``early`` (the same, but the next piece is launched as soon as the plan's own copies and
-    slot table are queued: look-ahead's plan and the call's stats come after it, off the GPU's
-    path) or ``flags`` (inside the graph: the graph sets a flag in pinned memory, the engine
-    thread plans on a side stream that sets the flag the graph waits for, ``cpu/
-    graph_flags.py``; needs the CUDA driver's stream memory operations). On an H100 (24-layer
-    qwen3-30b-a3b q8_0, 2 GB cache, the profile's split held) hybrid decoded 71.3 tok/s between
-    pieces and 65.1 on flags, 80.8 and 73.8 without look-ahead (4f50af5); ``early`` is not
-    measured yet."""
+    plan: ``early`` (default: between two graph pieces, after a sync for the routed ids, and the
+    next piece is launched as soon as the plan's own copies, slot table and look-ahead are
+    queued: the call's stats and bookkeeping come after it, off the GPU's path), ``pieces``
+    (the same, the next piece launched once the whole plan has returned) or ``flags`` (inside
+    the graph: the graph sets a flag in pinned memory, the engine thread plans on a side stream
+    that sets the flag the graph waits for, ``cpu/graph_flags.py``; needs the CUDA driver's
+    stream memory operations). On an H200 (48-layer qwen3-30b-a3b q8_0, 4 GB cache,
+    temperature 1, a9b9a4b) hybrid online decoded 55.2 and 47.1 tok/s early against 47.3 and
+    42.1 between pieces, in two rounds; on an H100 (24 layers, 4f50af5) flags lost 9 % to
+    pieces."""
     return _choice("FREETOKEN_HOST_STEPS", HOST_STEPS)
 
 

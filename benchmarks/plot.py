@@ -125,7 +125,8 @@ def peer_sitting_plot(sha: str = "fca7a5f", file: str = "qwen3-30b-a3b-48l",
     gpu = "H200"
     for f in sorted((ROOT / "benchmarks/results").glob(f"peer_gpu-{file}-*.json")):
         peer = json.loads(f.read_text())
-        if not str(peer.get("sha", "")).startswith(sha):
+        if not str(peer.get("sha", "")).startswith(sha) or (
+                "skew" in str(peer.get("label")) and "skew" not in file):
             continue
         llama = llama or {k: v["tokens_per_s"] for k, v in peer["llamacpp"].items()}
         ncmoe = peer["llamacpp"].get("ncmoe", {}).get("n_cpu_moe", ncmoe)
@@ -252,6 +253,9 @@ if __name__ == "__main__":
     peer_sitting_plot("a42b429")
     peer_sitting_plot("f88b0bf")
     peer_sitting_plot("001e201")
+    peer_sitting_plot("a9b9a4b")
+    peer_sitting_plot("a9b9a4b", "qwen3-30b-a3b-48l-skew",
+                      "48-layer qwen3-30b-a3b q8_0, skewed router")
     peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-mxfp4-30l", "gemma4-26b-a4b mxfp4")

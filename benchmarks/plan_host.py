@@ -97,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for m in layers:
                 at = (7 * i + m.shape.layer) % len(routes)
                 host_copies.ids.copy_(routes[at])
-                if args.prepare:  # a graph's host step: while the piece before computes
+                if args.prepare and not args.fetching:  # a host step's, before the inputs
                     m._prepare(copies[m.shape.layer, at])
                 t0 = time.perf_counter()
                 getattr(m, method)(x, ids, w, copies[m.shape.layer, at])

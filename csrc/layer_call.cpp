@@ -34,7 +34,10 @@ int32_t count_in(const int64_t* ids, int64_t n, const int64_t* sorted, int32_t k
 void score(LayerCall* c, int32_t k) {
   c->la_predicted = -1, c->la_used = 0;
   int64_t* in = c->incoming;
-  if (in == nullptr) return;
+  if (in == nullptr) {
+    c->rule.arrived = 0;
+    return;
+  }
   const int64_t* predicted = in + IN_LISTS;
   if (in[IN_PREDICTED] >= 0) {
     c->la_predicted = (int32_t)in[IN_PREDICTED];

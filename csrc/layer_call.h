@@ -125,9 +125,10 @@ int32_t fetch_count(const FetchRule& r, int32_t m, int32_t* probing);
 
 // 0: planned (CPU job submitted when n_cpu > 0, copies queued, table published, then
 // look-ahead's ranking, admits and copies); 1: the call must stream (routed only: needed,
-// uses, slot hold its experts; the incoming prediction scored and cleared); -1: an id out of range; -2:
-// no slot left to evict; -3: the CPU job refused; -4: an incomplete driver API;
-// kDriverError - e: the CUDA driver's error e.
+// uses, slot hold its experts; the incoming prediction scored and cleared); -1: an id out of
+// range; -2: no slot left to evict; -3: the CPU job refused; -4: an incomplete driver API;
+// -5: a look-ahead pick out of range (the call itself planned); kDriverError - e: the CUDA
+// driver's error e.
 constexpr int kDriverError = -1000;
 int plan_layer_call(LayerCall* c);
 

@@ -6,7 +6,7 @@
 # chat clients send) for STRATEGIES with a CACHE expert cache, and merges both into
 # peer_gpu-*.json (benchmarks/peer_gpu.py). PRESET, LAYERS (default 48: the whole model) and
 # FORMAT pick the file (FORMAT: q8_0 for qwen3-30b-a3b, else the preset's own); the default
-# router is token-specific with no skew (ROUTER adds flags).
+# router is token-specific with no skew (ROUTER adds flags; such a file is named apart).
 # TOKENS (default 64, llama-bench's tg64) and WARMUP (default 16) set our runs' lengths.
 # PREFILL=512,4096 also times our prefill at those prompt lengths (PREFILL_STRATEGIES: whose).
 # WHILE_BUILDING runs a command during the build (the CUDA tests, say); nothing is timed until
@@ -31,11 +31,13 @@ if [[ $PARTS == *peer* ]]; then
   BUILD=$!
 fi
 PRESET=${PRESET:-qwen3-30b-a3b}; LAYERS=${LAYERS:-48}
+# a file written with ROUTER flags is named apart from the default router's
+RTAG=${ROUTER:+-r$(echo "$ROUTER" | md5sum | cut -c1-6)}
 # llama-bench's files stay here, one folder per file, so several files can share one machine
-L=/tmp/llama/$PRESET-${LAYERS}l; mkdir -p $L
+L=/tmp/llama/$PRESET-${LAYERS}l$RTAG; mkdir -p $L
 [ -n "${LLAMA_FROM:-}" ] && cp "$LLAMA_FROM"/{ncmoe,ot_cpu,gpu}.json "$LLAMA_FROM"/machine $L/
 [ "$PRESET" = qwen3-30b-a3b ] && FORMAT=${FORMAT:-q8_0}  # the issue's file; others: their own
-M=/tmp/$PRESET-${LAYERS}l.gguf
+M=/tmp/$PRESET-${LAYERS}l$RTAG.gguf
 [ -f $M ] || python3 -m freetoken.cli synth --preset $PRESET --layers $LAYERS \
   ${FORMAT:+--expert-format $FORMAT} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
@@ -63,8 +65,8 @@ for placement in "ncmoe=-ncmoe ${NCMOE:-42}" "ot_cpu=-ot exps=CPU" "gpu="; do
 done
 MACHINE=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -1)
 [[ $PARTS == *peer* ]] && echo "$MACHINE" > $L/machine \
-  && mkdir -p "$OUT/llama-$PRESET-${LAYERS}l" \
-  && cp $L/{ncmoe,ot_cpu,gpu}.json $L/machine "$OUT/llama-$PRESET-${LAYERS}l/" 2>/dev/null
+  && mkdir -p "$OUT/llama-$PRESET-${LAYERS}l$RTAG" \
+  && cp $L/{ncmoe,ot_cpu,gpu}.json $L/machine "$OUT/llama-$PRESET-${LAYERS}l$RTAG/" 2>/dev/null
 [[ $PARTS == *ours* ]] || exit 0
 # ours alone on a machine that has not run llama.cpp's half: nothing to merge with
 [ -f $L/gpu.json ] || { echo "no llama-bench results in $L: ours only"; exit 0; }

@@ -2,16 +2,18 @@
 them): :class:`HostStep` (the plan, with its inputs in pinned memory after one sync, as
 :class:`HostCopies`), :class:`LateStep` (work the plan left running, collected without a sync)
 and :class:`Break` (a whole experts call). What each puts in its static ``out`` buffer the next
-piece reads. With ``FREETOKEN_HOST_STEPS=early`` a plan has the next piece launched as soon as
-its own device work is queued (``HostCopies.ready``), before look-ahead's plan. A plan may
-come with a ``prepare`` (what it can do before its inputs arrive: a hybrid layer's split rule),
-which runs while the piece before computes.
+piece reads. With ``FREETOKEN_HOST_STEPS=early`` (the default) a plan has the next piece
+launched as soon as its own device work is queued (``HostCopies.ready``: its copies, table and
+look-ahead where the library made it), before its bookkeeping. A plan may come with a
+``prepare`` (what needs no inputs: the library's call found, the split's and look-ahead's rules
+set, the copies' events taken), which runs while the piece before computes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,8 +47,9 @@ class HostCopies:
     w: torch.Tensor
     cpu_out: torch.Tensor
     predicted: torch.Tensor | None = None
-    # called by a plan once the device work its compute reads is queued (copies, slot table),
-    # before work it need not wait for (look-ahead's copies): inside the graph (FlagHostStep)
+    # called by a plan once the device work its compute reads is queued (copies, slot table;
+    # look-ahead's too where the library made it), before work the next piece need not wait
+    # for (Python's look-ahead, the stats): inside the graph (FlagHostStep)
     # the graph goes on, between pieces (FREETOKEN_HOST_STEPS=early) the next piece is
     # launched; such a plan returns None
     ready: Callable[[], None] | None = None
@@ -58,6 +61,18 @@ class HostCopies:
     def inputs(self) -> bool:
         """Whether x and w were copied (a plan that reads only the ids gets them empty)."""
         return self.x.shape[0] == self.ids.shape[0]
+
+
+class Prepared:
+    """What a host step's ``prepare`` left for the plan that follows: the library's layer
+    call it set up (offload) and the host copies of the call it started (hybrid). A plain
+    object: the engine thread writes it every call, which an nn.Module attribute makes slow."""
+
+    __slots__ = ("call", "started")
+
+    def __init__(self) -> None:
+        self.call: Any = None  # a moe/layer_call.py LayerCall
+        self.started: HostCopies | None = None
 
 
 class _Landing:

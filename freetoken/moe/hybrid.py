@@ -65,7 +65,6 @@ class HybridExperts(OffloadExperts):
         self.calls = Calls()  # per-call state, kept off nn.Module's slow attribute setter
         self.host_jobs = HostJobs(shape.layer)  # the CPU's share between graph pieces
         self.prefetch = env.hybrid_prefetch()  # look-ahead's share of predicted misses
-        self._started: HostCopies | None = None  # the call :meth:`_prepare` started
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
         """As offload, with f32 and f16 weights kept as bf16 (what the CPU kernels read)."""
@@ -121,11 +120,12 @@ class HybridExperts(OffloadExperts):
               host: HostCopies | None = None) -> torch.Tensor | None:
         """Offload's plan with the CPU's share (:meth:`_plan_misses`), or, while the wall
         check runs or holds its cpu arm, :meth:`_plan_all_on_cpu` without routing."""
-        started, self._started = self._started, None
+        prep = self.prepared
+        started, prep.started = prep.started, None
         if started is None or started is not host:
             self.policy.start(x.shape[0])
         if self.policy.all_cpu:
-            self._prepared = None
+            prep.call = None
             return self._plan_all_on_cpu(x, ids, w, host)
         return super()._plan(x, ids, w, host)
 
@@ -133,7 +133,7 @@ class HybridExperts(OffloadExperts):
         """Offload's, the call started first (the wall check counts it, which may move the
         arm it holds): the split's rule is set before the inputs arrive."""
         self.policy.start(host.ids.shape[0])
-        self._started = host
+        self.prepared.started = host
         if not self.policy.all_cpu:
             super()._prepare(host)
 

@@ -92,6 +92,10 @@ class LayerCall:
         target, to = la.target, rt.cache.pool(la.layer)
         if not isinstance(to, NativeSlotPool) or target.bank is None:
             return None
+        if target.incoming.experts != len(to.tables[la.layer]):
+            raise ValueError(f"layer {la.layer}: look-ahead's lists hold "
+                             f"{target.incoming.experts} experts, its table "
+                             f"{len(to.tables[la.layer])}")
         if picks.dtype is not torch.int64 or not picks.is_contiguous() or picks.is_cuda:
             raise ValueError("look-ahead reads int64 picks on the host, contiguous")
         a = self.c.ahead
@@ -112,12 +116,12 @@ class LayerCall:
         """What :meth:`run` sets that needs no inputs: look-ahead's rule (the next layer's
         share now) and, on a GPU, the copies' events. A host step's prepare calls it before
         the inputs arrive; else :meth:`run` does."""
-        if self._armed is not None:  # armed for a call that did not run: it is this one's
-            return
         c, rt, la = self.c, self.rt, self.ahead
-        span = ahead = None
         if la is not None:
             la.target.prefetch_rule().write(c.ahead.rule, la.budget(c.rows))
+        if self._armed is not None:  # events taken for a call that did not run: this one's
+            return
+        span = ahead = None
         if rt.cuda:
             span = Span(rt.copy_stream, rt.events)
             c.ev_start, c.ev_end = span.start.cuda_event, span.end.cuda_event
@@ -187,8 +191,9 @@ class LayerCall:
             picks = self.host.predicted
             raise ValueError(f"expert cache: layer {c.ahead.layer} has no experts "
                              f"{None if picks is None else picks.reshape(-1).tolist()}")
-        raise RowCopyError(f"layer {c.layer}: copying {c.n_fetched} expert rows failed: CUDA "
-                           f"driver error {DRIVER_ERROR - code}")
+        raise RowCopyError(f"layer {c.layer}: copying {c.n_fetched} expert rows (and "
+                           f"{c.ahead.n_fetched} for layer {c.ahead.layer}'s look-ahead) failed: "
+                           f"CUDA driver error {DRIVER_ERROR - code}")
 
     def routed(self) -> Routed:
         """The call's experts, their uses and slots (before the split), as the pool's route

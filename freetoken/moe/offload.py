@@ -38,7 +38,7 @@ from freetoken.kernels.expert_matmul import Weights, grouped, use_gather
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.host_job import HostJob
-from freetoken.moe.host_steps import HostCopies
+from freetoken.moe.host_steps import HostCopies, Prepared
 from freetoken.moe.layer_call import STREAMS, LayerCall, LayerCalls, library_plans
 from freetoken.moe.lookahead import EVERY, AheadRule, Incoming, Lookahead
 from freetoken.moe.native_slot_pool import NativeSlotPool
@@ -76,7 +76,7 @@ class OffloadExperts(Experts):
         self.gpu_kernel = "dequant"  # or "fused": set by choose_gpu_kernels
         self.lookahead: Lookahead | None = None  # the next layer's router (moe/lookahead.py)
         self.incoming = Incoming(shape.num_experts)  # what the layer before's look-ahead did
-        self._prepared: LayerCall | None = None  # the call :meth:`_prepare` set its rule for
+        self.prepared = Prepared()  # what a host step's prepare left for the plan
         self.layer_calls: LayerCalls | None = None  # None: the Python plan runs
 
     def load_expert_tensor(self, proj: str, qt: QuantTensor, expert: int | None = None) -> bool:
@@ -199,7 +199,8 @@ class OffloadExperts(Experts):
         the inputs already copied to the host."""
         t0 = time.perf_counter()
         call = None if host is None else self._layer_call(host)
-        prepared, self._prepared = self._prepared, None
+        prep = self.prepared
+        prepared, prep.call = prep.call, None
         if call is not None:
             if prepared is not call:
                 self._rule(call.c.rule, host)
@@ -222,7 +223,7 @@ class OffloadExperts(Experts):
         if call is not None:
             self._rule(call.c.rule, host)
             call.arm()
-        self._prepared = call
+        self.prepared.call = call
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
         """The library's plan of a call between graph pieces (:mod:`.layer_call`), or None
@@ -261,11 +262,11 @@ class OffloadExperts(Experts):
         return None
 
     def _ahead(self, x: torch.Tensor, call: LayerCall, host: HostCopies) -> None:
-        """Look-ahead after the library's plan: made in it where it could (then only the next
-        piece is let start, as :meth:`_prefetch` does first), else here."""
-        if call.ahead is None:
-            if self.lookahead is not None:
-                self._prefetch(x, call.routed(), call.split(), host)
+        """After the library's plan: the next piece let start (``host.ready``), look-ahead
+        made here first where the library could not make it (:meth:`_prefetch` lets the piece
+        start before it)."""
+        if call.ahead is None and self.lookahead is not None:
+            self._prefetch(x, call.routed(), call.split(), host)  # which lets it start first
         elif host.ready is not None:
             host.ready()
 
@@ -398,6 +399,7 @@ class OffloadExperts(Experts):
                              lambda row: grouped(x, ids, w, self.shape.num_experts, row,
                                                  self.act, bias=self.bias()),
                              self._row_weights)
+
 
 def slot_of(routed: Routed, split: Split) -> dict[int, int]:
     """Expert -> slot of a call's hits and of the misses ``split`` fetched."""

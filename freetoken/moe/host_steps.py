@@ -64,15 +64,15 @@ class HostCopies:
 
 
 class Prepared:
-    """What a host step's ``prepare`` left for the plan that follows: the library's layer
-    call it set up (offload) and the host copies of the call it started (hybrid). A plain
-    object: the engine thread writes it every call, which an nn.Module attribute makes slow."""
+    """What a host step's ``prepare`` left for the plan that follows: the host copies it was
+    made on and the library's layer call it set up (None: none). A plain object: the engine
+    thread writes it every call, which an nn.Module attribute makes slow."""
 
-    __slots__ = ("call", "started")
+    __slots__ = ("host", "call")
 
     def __init__(self) -> None:
+        self.host: HostCopies | None = None
         self.call: Any = None  # a moe/layer_call.py LayerCall
-        self.started: HostCopies | None = None
 
 
 class _Landing:

@@ -121,11 +121,10 @@ class HybridExperts(OffloadExperts):
         """Offload's plan with the CPU's share (:meth:`_plan_misses`), or, while the wall
         check runs or holds its cpu arm, :meth:`_plan_all_on_cpu` without routing."""
         prep = self.prepared
-        started, prep.started = prep.started, None
-        if started is None or started is not host:
+        if host is None or prep.host is not host:  # else :meth:`_prepare` started it
             self.policy.start(x.shape[0])
         if self.policy.all_cpu:
-            prep.call = None
+            prep.host = prep.call = None
             return self._plan_all_on_cpu(x, ids, w, host)
         return super()._plan(x, ids, w, host)
 
@@ -133,7 +132,7 @@ class HybridExperts(OffloadExperts):
         """Offload's, the call started first (the wall check counts it, which may move the
         arm it holds): the split's rule is set before the inputs arrive."""
         self.policy.start(host.ids.shape[0])
-        self.prepared.started = host
+        self.prepared.host, self.prepared.call = host, None
         if not self.policy.all_cpu:
             super()._prepare(host)
 

@@ -117,17 +117,21 @@ class LayerCall:
         share now) and, on a GPU, the copies' events. A host step's prepare calls it before
         the inputs arrive; else :meth:`run` does."""
         c, rt, la = self.c, self.rt, self.ahead
+        fetches = False  # whether look-ahead may fetch at all for this call
         if la is not None:
-            la.target.prefetch_rule().write(c.ahead.rule, la.budget(c.rows))
+            rule, budget = la.target.prefetch_rule(), la.budget(c.rows)
+            rule.write(c.ahead.rule, budget)
+            fetches = budget > 0 and rule.count(budget) > 0
         if self._armed is not None:  # events taken for a call that did not run: this one's
             return
         span = ahead = None
         if rt.cuda:
             span = Span(rt.copy_stream, rt.events)
             c.ev_start, c.ev_end = span.start.cuda_event, span.end.cuda_event
-            if la is not None:
+            if fetches:
                 ahead = Span(rt.copy_stream, rt.events)
-                c.ahead.ev_start, c.ahead.ev_end = ahead.start.cuda_event, ahead.end.cuda_event
+            c.ahead.ev_start = None if ahead is None else ahead.start.cuda_event
+            c.ahead.ev_end = None if ahead is None else ahead.end.cuda_event
         self._armed = (span, ahead)
 
     def run(self) -> int:

@@ -198,11 +198,14 @@ class OffloadExperts(Experts):
         experts here, the CPU's share in hybrid), or None. Between graph pieces, ``host`` holds
         the inputs already copied to the host."""
         t0 = time.perf_counter()
-        call = None if host is None else self._layer_call(host)
         prep = self.prepared
-        prepared, prep.call = prep.call, None
+        call = prep.call if host is not None and prep.host is host else None
+        prep.host = prep.call = None
+        fresh = call is None  # else its rule was set by :meth:`_prepare`
+        if fresh and host is not None:
+            call = self._layer_call(host)
         if call is not None:
-            if prepared is not call:
+            if fresh:
                 self._rule(call.c.rule, host)
             if call.run() == STREAMS:
                 routed = call.routed()
@@ -216,14 +219,14 @@ class OffloadExperts(Experts):
         return self._plan_misses(x, ids, w, flat, pool, routed, host, t0)
 
     def _prepare(self, host: HostCopies) -> None:
-        """The part of a plan between pieces that needs no inputs, made while the piece
-        before computes (``HostStep.prepare``): the library's call found, its fetch rule and
-        look-ahead's set (:meth:`LayerCall.arm`); :meth:`_plan` then only runs it."""
+        """What a plan between pieces does without inputs, while the piece before computes
+        (``HostStep.prepare``): the library's call found, armed (:meth:`LayerCall.arm`) and its
+        fetch rule set; :meth:`_plan` then only runs it."""
         call = self._layer_call(host)
         if call is not None:
             self._rule(call.c.rule, host)
             call.arm()
-        self.prepared.call = call
+        self.prepared.host, self.prepared.call = host, call
 
     def _layer_call(self, host: HostCopies) -> LayerCall | None:
         """The library's plan of a call between graph pieces (:mod:`.layer_call`), or None
@@ -262,11 +265,10 @@ class OffloadExperts(Experts):
         return None
 
     def _ahead(self, x: torch.Tensor, call: LayerCall, host: HostCopies) -> None:
-        """After the library's plan: the next piece let start (``host.ready``), look-ahead
-        made here first where the library could not make it (:meth:`_prefetch` lets the piece
-        start before it)."""
+        """After the library's plan: the next piece let start (``host.ready``); look-ahead
+        here where the library did not make it (:meth:`_prefetch` lets the piece start first)."""
         if call.ahead is None and self.lookahead is not None:
-            self._prefetch(x, call.routed(), call.split(), host)  # which lets it start first
+            self._prefetch(x, call.routed(), call.split(), host)
         elif host.ready is not None:
             host.ready()
 

@@ -6,9 +6,12 @@ One call = one MoE layer's pairs (--pairs, distinct experts) of gate/up/down rea
 --slots expert slots, laid out as the expert cache holds them (the engine's bank rows: gate's
 and up's blocks one stack where they follow each other, nvfp4's scales beside its codes).
 Each call is timed eagerly and inside a CUDA graph of 20 calls (as decode runs it: no launch
-overhead). ``--sweep`` times the fused call in a graph for every output-rows / blocks-per-step /
-warps choice of its kernels and reports the fastest (the values
-``kernels/gather_gemv.py:KERNELS`` should carry). Its figures in docs/benchmarks.md up to
+overhead). Successive calls read the next of the --slots // --pairs disjoint sets of slots, so
+a call's weights are not in the GPU's L2 (a layer's 40 MB fit there), as decode's layers find
+them; --hot reads the same pairs every call, as the sweeps before 2026-12-07 did.
+``--sweep`` times the fused call in a graph for every output-rows / blocks-per-step / warps
+choice of its kernels and reports the fastest (the values ``kernels/gather_gemv.py:KERNELS``
+should carry). Its figures in docs/benchmarks.md up to
 2026-12-06 timed the projections as separate stacks (gate and up in two launches).
 
     python benchmarks/gather_gemv.py --formats q8_0,q4_k/q6_k,q5_0/q8_0 --shape 2048x768
@@ -38,30 +41,33 @@ from freetoken.quant import QuantTensor, get_format  # noqa: E402
 
 
 def seconds_per_call(fn: Any, reps: int) -> float:
-    fn()
+    """One call's time, ``fn(i)`` called for i in range(reps) (a call may rotate its inputs by
+    i)."""
+    fn(0)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    for i in range(reps):
+        fn(i)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / reps
 
 
 def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float:
-    """One call's time inside a CUDA graph of ``calls`` calls, replayed ``replays`` times."""
-    fn()
+    """One call's time inside a CUDA graph of ``calls`` calls (``fn(i)``), replayed
+    ``replays`` times."""
+    fn(0)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        fn()
+        fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return seconds_per_call(g.replay, replays) / calls
+        for i in range(calls):
+            fn(i)
+    return seconds_per_call(lambda _: g.replay(), replays) / calls
 
 
 SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
@@ -122,21 +128,28 @@ def slot_stacks(formats: tuple[str, str, str], H: int, I_: int, slots: int,
 
 
 def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: int,
-            reps: int, do_sweep: bool = False, budget_s: float = 0) -> dict[str, Any]:
+            reps: int, do_sweep: bool = False, budget_s: float = 0,
+            cold: bool = True) -> dict[str, Any]:
     stacks, expert_bytes = slot_stacks(formats, H, I_, slots)
     x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
     w = torch.rand(1, pairs, device="cuda")
-    index = torch.randperm(slots)[:pairs].cuda()
+    # hot: the same pairs every call (their weights stay in the GPU's L2, which holds a
+    # layer's 40 MB); cold: each call the next of the disjoint sets the slots make, as decode's
+    # layers read experts the L2 has not kept
+    sets = torch.randperm(slots)[: slots // pairs * pairs].view(-1, pairs).cuda()
+    if not cold:
+        sets = sets[:1]
     act = torch.nn.functional.silu
     nbytes = pairs * expert_bytes
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy_s = seconds_per_call(lambda: dst.copy_(src), reps)
-    def fused() -> Any:
-        return gathered_fused(x, w, index, *stacks, act)
+    copy_s = seconds_per_call(lambda _: dst.copy_(src), reps)
 
-    def slow() -> Any:
-        return gathered_reference(x, w, index, *stacks, act)
+    def fused(i: int) -> Any:
+        return gathered_fused(x, w, sets[i % len(sets)], *stacks, act)
+
+    def slow(i: int) -> Any:
+        return gathered_reference(x, w, sets[i % len(sets)], *stacks, act)
 
     fused_s = seconds_per_call(fused, reps)
     slow_s = seconds_per_call(slow, reps)
@@ -146,6 +159,7 @@ def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: i
     # a copy reads and writes each byte: reading alone runs at about twice its byte rate
     ceiling = 2 * nbytes / copy_s
     return {"formats": "/".join(formats), "hidden": H, "intermediate": I_, "pairs": pairs,
+            "cold": cold, "index_sets": len(sets),
             "weight_bytes": nbytes, "fused_us": fused_s * 1e6, "dequant_matmul_us": slow_s * 1e6,
             "speedup": slow_s / fused_s, "fused_gbps": nbytes / fused_s / 1e9,
             "read_ceiling_gbps": ceiling / 1e9, "fraction_of_ceiling": nbytes / fused_s / ceiling,
@@ -169,6 +183,9 @@ def main() -> None:
                    help="time every kernel choice of rows, step and warps in a graph")
     p.add_argument("--sweep-budget-s", type=float, default=0,
                    help="stop the sweep after this many seconds (0: every choice)")
+    p.add_argument("--hot", action="store_true",
+                   help="the same pairs every call (their weights stay in the L2); default: "
+                        "each call the next disjoint set of --slots // --pairs, as in decode")
     p.add_argument("--label", default="")
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -183,7 +200,7 @@ def main() -> None:
         if len(names) != 3:
             p.error(f"--formats entry {spec!r}: give one format or gate/up/down")
         rows.append(measure((names[0], names[1], names[2]), H, I_, args.slots, args.pairs,
-                            args.reps, args.sweep, args.sweep_budget_s))
+                            args.reps, args.sweep, args.sweep_budget_s, not args.hot))
         r, gr = rows[-1], rows[-1]["graph"]
         print(f"{r['formats']:>16} {H}x{I_}: fused {r['fused_us']:7.1f} us eager, "
               f"{gr['fused_us']:7.1f} us in a graph ({gr['fused_gbps']:6.0f} GB/s, "

@@ -132,6 +132,17 @@ def gemv_launch() -> str:
     return os.environ.get("FREETOKEN_GEMV_LAUNCH", "").strip()
 
 
+GEMV_TOKENS = ("on", "off")
+
+
+def gemv_tokens() -> bool:
+    """FREETOKEN_GEMV_TOKENS: whether decode's fused expert kernels take a token's pairs in
+    one program and sum them in the down launch (``on``, default: two launches a layer, each
+    program's pairs read at once) or one program per pair with the weighted sum in torch
+    (``off``)."""
+    return _choice("FREETOKEN_GEMV_TOKENS", GEMV_TOKENS) == "on"
+
+
 def wall_check() -> str:
     """FREETOKEN_WALL_CHECK: whether an online hybrid split is checked against other fetched
     shares by the decode steps' own wall time (``moe/wall_check.py``): ``on`` (default) or

@@ -297,13 +297,26 @@ def fused(formats: tuple[str, ...]) -> bool:
 
 def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: QuantTensor,
                    up: QuantTensor, down: QuantTensor, act: Act,
-                   bias: ExpertBias | None = None) -> torch.Tensor:
+                   bias: ExpertBias | None = None,
+                   table: torch.Tensor | None = None) -> torch.Tensor:
     """Pairs at once, as ``expert_matmul.gathered``, with pair p's expert ``index[p]`` read from the
-    stacks gate/up (S, I, H) and down (S, H, I); ``bias`` per pair. x (T, H), w (T, A) ->
-    (T, H)."""
-    A = w.shape[1]
+    stacks gate/up (S, I, H) and down (S, H, I); ``bias`` per pair; with ``table`` (int64), from
+    slot ``table[index[p]]`` (-1: the pair adds nothing). x (T, H), w (T, A) -> (T, H).
+
+    Two launches where :func:`by_token` takes the layer (FREETOKEN_GEMV_TOKENS on, no bias, the
+    activation in the kernel, gate and up one stack, down of :data:`LANES`), else one program
+    per pair and block of rows, then the weighted sum in torch."""
+    T, A = w.shape
     both = stacked(gate, up)
     code = glu_code(act)
+    if both is not None and bias is None and code and down.fmt in LANES and env.gemv_tokens():
+        table = _identity(gate.shape[0], x.device) if table is None else table
+        h = token_gemv(gate.fmt, both, index, table, x, A, act=code)
+        return token_gemv(down.fmt, down.data, index, table, h, A, weights=w)
+    if table is not None:
+        slot = table[index]
+        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
+        index = slot.clamp(min=0)
     if both is not None and bias is None and code:  # gate, up and act(g) * u in one launch
         h = gather_gemv(gate.fmt, gate.data, index, x, A, act=code)
     elif paired(gate, up) and bias is None and code:  # the same, up through its own pointers
@@ -321,6 +334,53 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
     if bias is not None:
         y = y + bias.down.to(y.dtype)
     return weigh_pairs(y, w)
+
+
+# formats whose block readers take an activation row per output row (a token's pairs in
+# one program, each on its own row of h: :func:`token_gemv`'s sum)
+LANES = frozenset({"q8_0", "q8_0x8", "mxfp4"})
+_IDENTITY: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _identity(n: int, device: torch.device) -> torch.Tensor:
+    """The slot table of resident stacks: expert e in slot e (int64, as the expert cache's
+    tables, so resident and cached calls run one compiled kernel), made once a device."""
+    key = (device, n)
+    if key not in _IDENTITY:
+        _IDENTITY[key] = torch.arange(n, dtype=torch.int64, device=device)
+    return _IDENTITY[key]
+
+
+def token_gemv(fmt: str, data: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
+               x: torch.Tensor, per: int, act: int = 0,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+    """A token's ``per`` pairs in one program (``triton_gemv.token_gemv``): pair p reads slot
+    ``table[ids[p]]`` of ``fmt`` blocks ``data`` (S, R, row bytes), -1 none. With ``act``,
+    ``data`` is the gate/up stack and x (T, K) one row a token: returns (T * per, R) as
+    :func:`gather_gemv`'s. With ``weights`` (T, per), x (T * per, K) one row a pair: returns
+    (T, R), the pairs weighed and summed per token (:func:`expert_matmul.weigh_pairs`'s
+    roundings)."""
+    import triton
+
+    from freetoken.kernels import triton_gemv
+
+    if (act == 0) == (weights is None) or fmt in SCALED or (weights is not None
+                                                            and fmt not in LANES):
+        raise ValueError(f"token_gemv takes act (gate/up) or weights (down, {sorted(LANES)}), "
+                         f"got act {act}, weights {weights is not None}, {fmt}")
+    spec = _launch_on(fmt, x.device)
+    nb = _blocks_per_row(spec, data, x)
+    R = data.shape[1] // 2 if act else data.shape[1]
+    T = ids.numel() // per
+    rows = max(1, spec.rows // 2) if act else spec.rows
+    out = torch.empty((T * per, R) if act else (T, R), dtype=x.dtype, device=x.device)
+    wt = out if weights is None else weights.contiguous()
+    triton_gemv.token_gemv[(T, triton.cdiv(R, rows))](
+        data, ids.contiguous(), table, x, wt, out, R, data.stride(0), data.stride(1),
+        x.stride(0), out.stride(0), FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act,
+        BITS=spec.bits, A=per, AB=triton.next_power_of_2(per), SUM=weights is not None,
+        num_warps=spec.warps)
+    return out
 
 
 def stacked(gate: QuantTensor, up: QuantTensor) -> torch.Tensor | None:

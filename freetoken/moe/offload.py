@@ -294,15 +294,13 @@ class OffloadExperts(Experts):
         warm-up before any capture) leaves the layer on resident's kernels, with a warning."""
         assert self.runtime is not None
         pool = self.runtime.cache.pool(self.shape.layer)
-        slot = pool.device_tables[self.shape.layer][ids.reshape(-1)]
-        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
-        index = slot.clamp(min=0)
+        table = pool.device_tables[self.shape.layer]
         views = [self._pool_view(pool, p) for p in PROJECTIONS]
         bias = self.bias()
         bias = bias and bias.rows(ids.reshape(-1))
         if self.gpu_kernel == "fused":  # the slots' blocks read in place
             try:
-                return gathered_fused(x, w, index, *views, self.act, bias)
+                return gathered_fused(x, w, ids.reshape(-1), *views, self.act, bias, table)
             except Exception as e:
                 if not raised_by_triton(e):
                     raise
@@ -311,7 +309,9 @@ class OffloadExperts(Experts):
                             "/".join(v.fmt for v in views), type(e).__name__,
                             str(e).splitlines()[0] if str(e) else "")
                 self.gpu_kernel = "dequant"
-        return gathered_reference(x, w, index, *views, self.act, bias)
+        slot = table[ids.reshape(-1)]
+        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
+        return gathered_reference(x, w, slot.clamp(min=0), *views, self.act, bias)
 
     def _runtime(self) -> OffloadRuntime:
         if self.runtime is None or self.bank is None:

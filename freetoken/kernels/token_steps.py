@@ -7,6 +7,10 @@ launch costs more than its arithmetic.
 - Rotary embedding (NeoX halves) instead of seven (two index_selects, casts, cat, neg, two
   muls, add), for q and for k. Its slow twin is ``layers/rotary.py:Rotary.reference``, and the
   kernel rounds where torch's ops round, so compiled the two agree bit for bit.
+- q_norm, k_norm and rotary on both (Qwen3's attention) as one kernel instead of four: each
+  head normalised, rounded as the RMSNorm kernel stores it, then rotated as the rotary kernel
+  does. Its slow twin is the four calls; compiled without fused multiply-adds (rotary's
+  need), the sums of squares may round apart from the RMSNorm kernel's.
 - Routing (softmax, top-k, renormalise, cast) instead of five, from the router's logits. Its
   slow twin is ``models/blocks.py:MoEBlock.choose``: the same experts but where two
   probabilities tie to float32 rounding (the kernel takes the lower id, as the CPU's native
@@ -87,6 +91,40 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             enable_fp_fusion=False)  # torch's float32 path multiplies, rounds, then adds
 
     return out if T == 0 or SWITCH.launch(launch, "rotary") else None
+
+
+def norm_rotary_usable(qk: torch.Tensor, n_q: int, cos: torch.Tensor,
+                       positions: torch.Tensor) -> bool:
+    """Whether :func:`norm_rotary` takes these: GPU (T, heads, D) q-then-k heads, one position a
+    token, float32 tables of D columns, no earlier build failure."""
+    return (qk.is_cuda and SWITCH.on and qk.dim() == 3 and qk.stride(2) == 1
+            and qk.stride(1) == qk.shape[2] and qk.shape[2] % 2 == 0 and 0 < n_q < qk.shape[1]
+            and cos.dtype is torch.float32 and cos.shape[-1] == qk.shape[2]
+            and positions.numel() == qk.shape[0])
+
+
+def norm_rotary(qk: torch.Tensor, n_q: int, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+                mode: str, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q (the first ``n_q`` heads of ``qk`` (T, heads, D)) and k (the rest), each head
+    normalised by its weight (``q_w``, ``k_w`` (D,)) and rotated at ``positions``: (T, n_q, D)
+    and (T, heads - n_q, D); None when the kernel failed to build (logged once)."""
+    import triton
+
+    from freetoken.kernels import triton_token_steps
+
+    T, heads, D = qk.shape
+    q = torch.empty(T, n_q, D, dtype=qk.dtype, device=qk.device)
+    k = torch.empty(T, heads - n_q, D, dtype=qk.dtype, device=qk.device)
+    pos = positions.reshape(-1)
+
+    def launch() -> None:
+        triton_token_steps.norm_rotary[(T, heads)](
+            qk, q_w, k_w, cos, sin, pos, q, k, n_q, qk.stride(0), q.stride(0), k.stride(0), eps,
+            MODE=MODES[mode], HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
+            ROUND=qk.dtype != torch.float32, num_warps=1, enable_fp_fusion=False)
+
+    return (q, k) if T == 0 or SWITCH.launch(launch, "norm and rotary") else None
 
 
 MAX_EXPERTS = 1024  # router logits of one token in one program

@@ -1,4 +1,5 @@
-"""The Triton kernels of :mod:`freetoken.kernels.token_steps` (RMSNorm, rotary embedding),
+"""The Triton kernels of :mod:`freetoken.kernels.token_steps` (RMSNorm, rotary embedding, the
+two as one for attention's q and k, routing),
 imported only when first used: triton is needed on GPU machines, not on CPU installs."""
 
 from __future__ import annotations
@@ -59,6 +60,57 @@ def rotary_neox(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, heads, x_tok, x_head,
     dst = out_ptr + t * out_tok + h * 2 * HALF
     tl.store(dst + i, y_lo.to(dt), mask=ok)
     tl.store(dst + HALF + i, y_hi.to(dt), mask=ok)
+
+
+@triton.jit
+def norm_rotary(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, n_q, x_tok,
+                q_tok, k_tok, eps, MODE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                ROUND: tl.constexpr):
+    """One (token, head) per program over q's heads then k's (a row of x holds them in that
+    order, HALF * 2 values a head): :func:`rms_norm` of the head with q_norm's or k_norm's
+    weight, rounded to the output dtype as it stores, then :func:`rotary_neox` on that."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    is_q = (i * 0 + h) < n_q  # (BLOCK,), as a mask must be
+    src = x_ptr + t * x_tok + h.to(tl.int64) * 2 * HALF
+    lo = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
+    hi = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / (2 * HALF) + eps)
+    w_lo = (tl.load(qw_ptr + i, mask=ok & is_q, other=0.0).to(tl.float32)
+            + tl.load(kw_ptr + i, mask=ok & (~is_q), other=0.0).to(tl.float32))
+    w_hi = (tl.load(qw_ptr + HALF + i, mask=ok & is_q, other=0.0).to(tl.float32)
+            + tl.load(kw_ptr + HALF + i, mask=ok & (~is_q), other=0.0).to(tl.float32))
+    dt = q_ptr.dtype.element_ty
+    lo, hi = lo * r, hi * r
+    if MODE == 0:
+        lo = w_lo * lo.to(dt).to(tl.float32)
+        hi = w_hi * hi.to(dt).to(tl.float32)
+    elif MODE == 1:
+        lo, hi = lo * (1.0 + w_lo), hi * (1.0 + w_hi)
+    else:
+        lo, hi = lo * w_lo, hi * w_hi
+    lo, hi = lo.to(dt).to(tl.float32), hi.to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c_lo = tl.load(cos_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
+    c_hi = tl.load(cos_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
+    s_lo = tl.load(sin_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
+    s_hi = tl.load(sin_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
+    if ROUND:
+        c_lo, c_hi = c_lo.to(dt).to(tl.float32), c_hi.to(dt).to(tl.float32)
+        s_lo, s_hi = s_lo.to(dt).to(tl.float32), s_hi.to(dt).to(tl.float32)
+        y_lo = (lo * c_lo).to(dt).to(tl.float32) + (-hi * s_lo).to(dt).to(tl.float32)
+        y_hi = (hi * c_hi).to(dt).to(tl.float32) + (lo * s_hi).to(dt).to(tl.float32)
+    else:
+        y_lo = lo * c_lo + (-hi) * s_lo
+        y_hi = hi * c_hi + lo * s_hi
+    q_dst = q_ptr + t * q_tok + h.to(tl.int64) * 2 * HALF
+    k_dst = k_ptr + t * k_tok + (h - n_q).to(tl.int64) * 2 * HALF
+    tl.store(q_dst + i, y_lo.to(dt), mask=ok & is_q)
+    tl.store(q_dst + HALF + i, y_hi.to(dt), mask=ok & is_q)
+    tl.store(k_dst + i, y_lo.to(dt), mask=ok & (~is_q))
+    tl.store(k_dst + HALF + i, y_hi.to(dt), mask=ok & (~is_q))
 
 
 @triton.jit

@@ -14,7 +14,13 @@ from freetoken.config import ModelConfig
 from freetoken.cpu.library import ACTIVATIONS as NATIVE_ACTIVATIONS
 from freetoken.cpu.library import optional
 from freetoken.kernels.activation import ACTIVATIONS
-from freetoken.kernels.token_steps import route, route_usable
+from freetoken.kernels.token_steps import (
+    norm_rotary,
+    norm_rotary_usable,
+    route,
+    route_usable,
+    usable,
+)
 from freetoken.layers.attention import attention
 from freetoken.layers.block_linear import product
 from freetoken.layers.context import ForwardContext
@@ -64,16 +70,36 @@ class Attention(nn.Module):
         if self.qkv is not None:
             qkv = product(x, self.qkv)  # bf16, or Q8_0x8 blocks (block_linear.py)
             nq, nk = self.n_q * D, self.n_kv * D
-            q, k = qkv[:, :nq].view(T, self.n_q, D), qkv[:, nq:nq + nk].view(T, self.n_kv, D)
+            both = self._norm_rotary(qkv[:, :nq + nk].view(T, self.n_q + self.n_kv, D), ctx)
+            if both is not None:
+                q, k = both
+            else:
+                q = qkv[:, :nq].view(T, self.n_q, D)
+                k = qkv[:, nq:nq + nk].view(T, self.n_kv, D)
             v = qkv[:, nq + nk:].view(T, self.n_kv, D)
         else:
+            both = None
             q = self.q_proj(x).view(T, self.n_q, D)
             k = self.k_proj(x).view(T, self.n_kv, D)
             v = self.v_proj(x).view(T, self.n_kv, D)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
+        if both is None:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
         o = attention(q, k, v, ctx, self.layer, self.scale, self.window)
         return self.o_proj(o.reshape(T, -1))
+
+
+    def _norm_rotary(self, qk: torch.Tensor,
+                     ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """q and k normalised and rotated in one GPU kernel (``kernels/token_steps.py``; its
+        slow twin: q_norm, k_norm, then rotary on each), or None where it does not apply."""
+        qn, kn, rot = self.q_norm, self.k_norm, self.rotary
+        if not (qn.mode == kn.mode and qn.eps == kn.eps and usable(qk, qn.weight)
+                and usable(qk, kn.weight)
+                and norm_rotary_usable(qk, self.n_q, rot.cos, ctx.positions)):
+            return None
+        return norm_rotary(qk, self.n_q, qn.weight, kn.weight, qn.eps, qn.mode, rot.cos,
+                           rot.sin, ctx.positions)
 
 
 class MLP(nn.Module):

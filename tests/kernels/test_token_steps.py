@@ -111,6 +111,56 @@ def test_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: bool) -> None:
 
 
 @pytest.fixture
+def norm_rotary_kernel(triton_runs):
+    from freetoken.kernels.token_steps import norm_rotary
+
+    return norm_rotary
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [{}, {"unit_offset": True}])
+@pytest.mark.parametrize("T,n_q,n_kv,D", [(1, 4, 2, 128), (3, 2, 1, 64)])
+def test_norm_and_rotary_in_one_kernel_follow_the_four(norm_rotary_kernel, device, dtype, kw,
+                                                       T, n_q, n_kv, D):
+    """q and k heads of one qkv row (v's after them is not read) normalised by q_norm's and
+    k_norm's weights, then rotated, against the four kernels one after another: float32 to its
+    rounding (the sums of squares may round apart), bf16 within a step of it."""
+    from freetoken.kernels.token_steps import rms_norm, rotary
+    from freetoken.layers.rotary import Rotary
+
+    torch.manual_seed(1)
+    rope = Rotary(D, 10000.0, 64).to(device)
+    qn, kn = _norm(D, dtype, device, **kw), _norm(D, dtype, device, **kw)
+    kn.weight.data = kn.weight.data.flip(0)
+    qkv = (torch.randn(T, (n_q + 2 * n_kv) * D) * 3).to(device, dtype)
+    qk = qkv[:, :(n_q + n_kv) * D].view(T, n_q + n_kv, D)
+    pos = torch.randint(0, 64, (T,)).to(device)
+    q, k = norm_rotary_kernel(qk, n_q, qn.weight, kn.weight, qn.eps, qn.mode, rope.cos, rope.sin,
+                              pos)
+    want_q = rotary(rms_norm(qk[:, :n_q], qn.weight, qn.eps, qn.mode), rope.cos, rope.sin, pos)
+    want_k = rotary(rms_norm(qk[:, n_q:], kn.weight, kn.eps, kn.mode), rope.cos, rope.sin, pos)
+    for got, want in ((q, want_q), (k, want_k)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if dtype is torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            step = want.float().abs().clamp(min=1e-2) * 2 ** -6
+            assert ((got.float() - want.float()).abs() <= 2 * step).all()
+
+
+@pytest.mark.parametrize("dtype,rnd", [("*bf16", True), ("*fp32", False)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_norm_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: bool, mode: int) -> None:
+    sig = {"x_ptr": dtype, "qw_ptr": dtype, "kw_ptr": dtype, "cos_ptr": "*fp32",
+           "sin_ptr": "*fp32", "pos_ptr": "*i64", "q_ptr": dtype, "k_ptr": dtype, "n_q": "i32",
+           "x_tok": "i64", "q_tok": "i64", "k_tok": "i64", "eps": "fp32", "MODE": "constexpr",
+           "HALF": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr"}
+    compile_for_sm90(STEPS, "norm_rotary", sig, {"MODE": mode, "HALF": 64, "BLOCK": 64,
+                                                 "ROUND": rnd})
+
+
+@pytest.fixture
 def route_kernel(triton_runs):
     from freetoken.kernels.token_steps import route
 

@@ -163,6 +163,7 @@ def cpu_host_node() -> str:
 
 
 HOST_STEPS = ("early", "pieces", "flags")
+LATE_STEPS = ("breaks", "flags")
 
 
 def host_steps() -> str:
@@ -178,6 +179,16 @@ def host_steps() -> str:
     42.1 between pieces, in two rounds; on an H100 (24 layers, 4f50af5) flags lost 9 % to
     pieces."""
     return _choice("FREETOKEN_HOST_STEPS", HOST_STEPS)
+
+
+def late_steps() -> str:
+    """FREETOKEN_LATE_STEPS: how a decode graph whose plans run between its pieces takes the
+    CPU's result of a plan (hybrid's share): ``breaks`` (default: a step between two more
+    pieces waits for the pool's job, copies the result in and launches the next piece) or
+    ``flags`` (the piece waits on a flag the pool sets as the job ends, then copies the
+    result in itself: no break, no wake-up of the engine thread before the GPU goes on;
+    where the driver has stream memory operations)."""
+    return _choice("FREETOKEN_LATE_STEPS", LATE_STEPS)
 
 
 PREFILL_DEQUANTS = ("expert", "chunk")

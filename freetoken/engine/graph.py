@@ -71,6 +71,13 @@ def host_steps_flagged() -> bool:
     return env.host_steps() == "flags" and not isinstance(stream_memops(), str)
 
 
+def late_steps_flagged() -> bool:
+    """Whether decode graphs whose plans run between pieces wait for the CPU's results on
+    flags inside the next piece (FREETOKEN_LATE_STEPS=flags and a driver with stream memory
+    operations), not in late steps between two more pieces."""
+    return env.late_steps() == "flags" and not isinstance(stream_memops(), str)
+
+
 def graph_sizes(max_bs: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < max_bs]
     return sizes + [max_bs]
@@ -158,14 +165,16 @@ class DecodeGraphs:
         flagged = split is not None and isinstance(split.nodes, FlagJobs) and split.nodes.steps
         log.info("CUDA graphs captured for decode batch sizes %s (keys padded to %d%s%s%s)",
                  self.sizes, max_len, f"; {pieces} pieces around host-planned experts"
-                 if pieces > 1 else "", "; host plans inside the graph, on flags"
+                 if pieces > 1 else "", ("; the CPU's results awaited on flags" if pieces > 1
+                                         else "; host plans inside the graph, on flags")
                  if flagged else "", "; again for steps that fetch every miss"
                  if self.late else "")
 
     def _capture_pieces(self, g: _Graph, pool: tuple[int, int], stream: torch.cuda.Stream,
                         fetching: bool) -> _Pieces:
         rows = next((r.rows for r in self.recorders if r.rows is not None), None)
-        cap = PiecewiseCapture(pool, rows, fetching, flagged=host_steps_flagged())
+        cap = PiecewiseCapture(pool, rows, fetching, flagged=host_steps_flagged(),
+                               late_flags=late_steps_flagged())
         for rt in self.recorders:
             rt.capture = cap
         torch.cuda.synchronize()

@@ -29,7 +29,6 @@ class FlagHostStep(HostStep):
                  side: torch.cuda.Stream, piece: int) -> None:
         super().__init__(plan, x, ids, w, inputs, copier, predicted, like)
         self.flags, self.side = flags, side
-        self.cpu_done = 0  # the flag of the late step that reads host.cpu_out (FlagLateStep)
         self.k = flags.add_step(self, piece)
         self._copy_in(self._make_views(x.shape[0]), sync=False)  # every row, captured
         stream = current_stream(self.device)
@@ -46,7 +45,7 @@ class FlagHostStep(HostStep):
     def _make_views(self, n: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
                                            Spans | None, tuple[torch.Tensor, ...], HostCopies]:
         copies, spans, inputs, host = super()._make_views(n)
-        return copies, spans, inputs, replace(host, ready=self._ready, cpu_done=self.cpu_done)
+        return copies, spans, inputs, replace(host, ready=self._ready)
 
     def _ready(self) -> None:
         """The plan's device work is queued (on the side stream): ``out`` cleared if a result

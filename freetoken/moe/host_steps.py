@@ -131,6 +131,9 @@ class HostStep(_Landing):
         self.host = HostCopies(pinned(x, needed=inputs), pinned(ids), pinned(w, needed=inputs),
                                pinned(x, torch.float32, needed=inputs),
                                None if predicted is None else pinned(predicted))
+        # the flag a late step inside the next piece waits on (FlagLateStep), for the pool's
+        # job to set as it writes cpu_out (0: none)
+        self.cpu_done = 0
         self._go: Callable[[], None] | None = None  # run's launch of the next piece
         self._early = False  # the plan running now said its device work was queued
 
@@ -211,7 +214,8 @@ class HostStep(_Landing):
         copies = [(dst[:n], src[:n]) for src, dst in pairs]
         spans = None if self.copier is None else Spans(copies)
         host = HostCopies(h.x[:n], h.ids[:n], h.w[:n], h.cpu_out[:n],
-                          None if h.predicted is None else h.predicted[:n], self._ready)
+                          None if h.predicted is None else h.predicted[:n], self._ready,
+                          self.cpu_done)
         return copies, spans, (self.x[:n], self.ids[:n], self.w[:n]), host
 
 

@@ -5,7 +5,8 @@ inside one captured graph. While decode graphs are captured (``engine/graph.py``
 experts call :class:`PiecewiseCapture` instead of running: it ends the current piece and
 records the host's part (``moe/host_steps.py``), which the graph runner calls between replays
 of the pieces. With ``FREETOKEN_HOST_STEPS=flags`` the plans and late steps stay inside the
-piece instead (``moe/flag_steps.py``).
+piece instead (``moe/flag_steps.py``); with ``FREETOKEN_LATE_STEPS=flags`` the late steps
+alone do.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ class PiecewiseCapture:
     """
 
     def __init__(self, pool: tuple[int, int], copier: RowCopier | None = None,
-                 fetching: bool = False, flagged: bool = False) -> None:
+                 fetching: bool = False, flagged: bool = False,
+                 late_flags: bool = False) -> None:
         self.pool, self.copier = pool, copier
+        # host steps between pieces, their late steps inside the next piece on flags
+        self.late_flags = late_flags and not flagged
         # host steps inside the pieces, served on flags, their plans on this stream
         self.side = torch.cuda.Stream() if flagged else None
         # the graph is for steps in which every layer fetches every miss: hybrid layers plan
@@ -57,7 +61,8 @@ class PiecewiseCapture:
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
         self.nodes: HostNodes | None = None  # made by the first node()
-        self._flag_host: FlagHostStep | None = None  # the last, for the late step after it
+        # the last host step, for the late step after it
+        self._flag_host: FlagHostStep | HostStep | None = None
         # pinned buffers of the nodes, by (rows, hidden, top-k): the layers take turns on them
         # in stream order
         self._node_buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
@@ -88,8 +93,11 @@ class PiecewiseCapture:
                                                   predicted, x, self._flags(), self.side,
                                                   len(self.pieces))
             return step.out
-        return self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
-                                              predicted, like=x, prepare=prepare)).out
+        step = self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
+                                              predicted, like=x, prepare=prepare))
+        if self.late_flags:
+            self._flag_host = step
+        return step.out
 
     def node(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
              w: torch.Tensor) -> torch.Tensor:
@@ -126,9 +134,10 @@ class PiecewiseCapture:
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:
         """``finish`` between two pieces, after the device work queued so far (no sync);
-        returns the static buffer (shaped like ``like``) of its result. Flagged: inside the
-        piece, after the host step before it (:class:`FlagLateStep`)."""
-        if self.side is not None:
+        returns the static buffer (shaped like ``like``) of its result. Flagged (or with
+        late steps on flags): inside the piece, after the host step before it
+        (:class:`FlagLateStep`)."""
+        if self.side is not None or self.late_flags:
             step, self._flag_host = self._flag_host, None
             if step is None or not step.inputs:
                 raise ValueError("a flag late step follows the host step whose job it reads")

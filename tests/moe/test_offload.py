@@ -446,7 +446,9 @@ def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, mo
                                              ("offload-flags", "dequant"),
                                              ("hybrid-flags", "auto"),
                                              ("offload-early", "dequant"),
-                                             ("hybrid-early", "auto")])
+                                             ("hybrid-early", "auto"),
+                                             ("hybrid-lateflags", "auto"),
+                                             ("hybrid-earlylateflags", "auto")])
 def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strategy, kernel):
     """Captured pieces with the experts planned between them: offload with the dequantise +
     matmul kernel gives eager resident's logits bit for bit; with the fused kernel, and hybrid,
@@ -454,7 +456,8 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
     captured for them, without a late step, and give resident's logits bit for bit too. With
     the plans inside the graph on flags (FREETOKEN_HOST_STEPS=flags) a step is one piece, and
     gives the same logits; so do pieces launched by the plan before it is through
-    (FREETOKEN_HOST_STEPS=early), which some plans are."""
+    (FREETOKEN_HOST_STEPS=early), which some plans are, and the CPU's results awaited on flags
+    inside the pieces (FREETOKEN_LATE_STEPS=flags: no late step between pieces)."""
     from freetoken.config import EngineConfig
     from freetoken.cpu.graph_flags import FlagJobs
     from freetoken.engine.runner import ModelRunner
@@ -470,9 +473,11 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
     logits = {}
     fetching = strategy == "hybrid-fetching"
     flagged = strategy.endswith("-flags")
-    early = strategy.endswith("-early")
+    early = strategy.endswith("-early") or strategy.endswith("-earlylateflags")
+    late_flags = strategy.endswith("lateflags")
     monkeypatch.setenv("FREETOKEN_HOST_STEPS",
                        "flags" if flagged else "early" if early else "pieces")
+    monkeypatch.setenv("FREETOKEN_LATE_STEPS", "flags" if late_flags else "breaks")
     launched: list[bool] = []  # early: whether each plan launched the next piece
     strategy = strategy.split("-")[0]
     ran: list[str] = []  # the host's steps between pieces, in the fetching graphs' run
@@ -488,12 +493,14 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
             # 2 MoE layers -> 3 pieces; hybrid waits for the CPU between two more, except in
             # the graphs of steps that fetch every miss; on flags, one piece and the steps
             assert g.split is not None and len(g.split.pieces) == (
-                1 if flagged else 3 if strategy == "offload" else 5)
+                1 if flagged else 3 if strategy == "offload" or late_flags else 5)
             assert (g.fetching is None) == (strategy == "offload")
             assert g.fetching is None or len(g.fetching.pieces) == (1 if flagged else 3)
             if flagged:
                 assert isinstance(g.split.nodes, FlagJobs)
                 assert len(g.split.nodes.steps) == (2 if strategy == "offload" else 4)
+            if late_flags:  # the two late steps
+                assert isinstance(g.split.nodes, FlagJobs) and len(g.split.nodes.steps) == 2
             if fetching:
                 runner.greedy_step(True)
                 layers = runner.graphs.late

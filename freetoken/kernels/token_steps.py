@@ -7,6 +7,9 @@ launch costs more than its arithmetic.
 - Rotary embedding (NeoX halves) instead of seven (two index_selects, casts, cat, neg, two
   muls, add), for q and for k. Its slow twin is ``layers/rotary.py:Rotary.reference``, and the
   kernel rounds where torch's ops round, so compiled the two agree bit for bit.
+- The residual add and the RMSNorm after it (a layer's two norms) as one kernel: the sum
+  rounded as torch's add rounds it, then the RMSNorm kernel's steps. Its slow twin is the add
+  and the norm.
 - q_norm, k_norm and rotary on both (Qwen3's attention) as one kernel instead of four: each
   head normalised, rounded as the RMSNorm kernel stores it, then rotated as the rotary kernel
   does. Its slow twin is the four calls; compiled without fused multiply-adds (rotary's
@@ -61,6 +64,35 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: str) -> torch.T
             BLOCK=block, num_warps=max(1, min(8, block // 256)))
 
     return out.view(x.shape) if n == 0 or SWITCH.launch(launch, "RMSNorm") else None
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float,
+                 mode: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """h = x + a and h normalised and scaled by w (:func:`rms_norm`), both (T, dim) in x's
+    dtype, in one launch; None when the kernel failed to build (logged once). x and a:
+    (T, dim) rows of unit stride, a in x's dtype."""
+    import triton
+
+    from freetoken.kernels import triton_token_steps
+
+    T, dim = x.shape
+    h = torch.empty_like(x)
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(dim)
+
+    def launch() -> None:
+        triton_token_steps.add_rms_norm[(T,)](
+            x, a, w, h, out, dim, x.stride(0), a.stride(0), h.stride(0), out.stride(0), eps,
+            MODE=MODES[mode], BLOCK=block, num_warps=max(1, min(8, block // 256)))
+
+    return (h, out) if T == 0 or SWITCH.launch(launch, "residual add and RMSNorm") else None
+
+
+def add_usable(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`add_rms_norm` takes these: (T, dim) rows of unit stride in one dtype
+    that :func:`rms_norm` would take."""
+    return (usable(x, w) and x.dim() == 2 and a.shape == x.shape and a.dtype == x.dtype
+            and a.is_cuda and x.stride(1) == 1 and a.stride(1) == 1)
 
 
 def rotary_usable(x: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor) -> bool:

@@ -31,6 +31,31 @@ def rms_norm(x_ptr, w_ptr, out_ptr, dim, heads, x_tok, x_head, out_stride, eps,
 
 
 @triton.jit
+def add_rms_norm(x_ptr, a_ptr, w_ptr, h_ptr, out_ptr, dim, x_stride, a_stride, h_stride,
+                 out_stride, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: h = x + a rounded to h's dtype (as torch's add), then
+    :func:`rms_norm` of h into out."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * a_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    dt = h_ptr.dtype.element_ty
+    h = (x + a).to(dt)
+    tl.store(h_ptr + row * h_stride + cols, h, mask=ok)
+    h = h.to(tl.float32)
+    n = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if MODE == 0:
+        y = w * n.to(dt).to(tl.float32)
+    elif MODE == 1:
+        y = n * (1.0 + w)
+    else:
+        y = n * w
+    tl.store(out_ptr + row * out_stride + cols, y.to(dt), mask=ok)
+
+
+@triton.jit
 def rotary_neox(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, heads, x_tok, x_head, out_tok,
                 HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
     """One (token, head) per program: out = x * cos + rot(x) * sin at the token's position,

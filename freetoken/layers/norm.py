@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from freetoken.cpu.library import optional
-from freetoken.kernels.token_steps import rms_norm, usable
+from freetoken.kernels.token_steps import add_rms_norm, add_usable, rms_norm, usable
 
 
 def _native() -> Any:
@@ -52,6 +52,19 @@ class RMSNorm(nn.Module):
                    self.unit_offset, y.data_ptr())
                 return y
         return self.reference(x)
+
+    def added(self, x: torch.Tensor, a: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+        """``(h, norm(h))`` for the residual sum h = x + a (a None: h = x), on a GPU in one
+        kernel; its slow twin is the add, then :meth:`forward`."""
+        if a is None:
+            return x, self(x)
+        if add_usable(x, a, self.weight):
+            both = add_rms_norm(x, a, self.weight, self.eps, self.mode)
+            if both is not None:
+                return both
+        h = x + a
+        return h, self(h)
 
     @property
     def mode(self) -> str:

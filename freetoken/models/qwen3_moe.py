@@ -2,6 +2,9 @@
 
     h = x + attn(input_layernorm(x))
     y = h + moe(post_attention_layernorm(h))      (dense MLP on mlp_only_layers)
+
+Each residual add is made with the norm that follows it (``RMSNorm.added``: one GPU kernel),
+so a layer hands the next its residual and its output apart.
 """
 
 from __future__ import annotations
@@ -38,11 +41,17 @@ class Qwen3MoeDecoderLayer(nn.Module):
         # (freetoken/models/native_decode.py); these modules are its slow twin.
         self.native: NativeDecodeLayer | None = None
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer on x + ``delta`` (the layer before's output, not yet added: each add goes
+        with the norm after it, one kernel on a GPU); returns the residual and this layer's
+        output, for the next layer (or the final norm) to add."""
         if self.native is not None and ctx.decode:
-            return self.native(x, ctx)
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+            x = x if delta is None else x + delta
+            return self.native(x, ctx), None
+        x, normed = self.input_layernorm.added(x, delta)
+        h, normed = self.post_attention_layernorm.added(x, self.self_attn(normed, ctx))
+        return h, self.mlp(normed)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -58,10 +67,10 @@ class Qwen3MoeModel(nn.Module):
         self.rotary = rotary
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(ids)
+        x, delta = self.embed_tokens(ids), None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, delta = layer(x, ctx, delta)
+        return self.norm.added(x, delta)[1]
 
 
 class Qwen3MoeForCausalLM(CausalLM):

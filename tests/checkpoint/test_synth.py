@@ -212,7 +212,9 @@ def test_48_layers_stay_finite_and_order_one(tmp_path: Path):
     rms: list[float] = []
     for layer in model.modules():
         if isinstance(layer, Qwen3MoeDecoderLayer):
-            layer.register_forward_hook(lambda m, a, y: rms.append(float(y.pow(2).mean().sqrt())))
+            # a layer returns its residual and its output apart: the stream is their sum
+            layer.register_forward_hook(lambda m, a, y: rms.append(
+                float((y[0] if y[1] is None else y[0] + y[1]).pow(2).mean().sqrt())))
     logits = our_logits(model, IDS, prefill=8)
     assert torch.isfinite(logits).all() and len(rms) == 48 * 9
     assert 0.5 < min(rms) and max(rms) < 4.0, (min(rms), max(rms))

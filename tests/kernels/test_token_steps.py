@@ -205,3 +205,43 @@ def test_routing_kernel_compiles_for_a_gpu(dtype: str) -> None:
     sig = {"logits_ptr": dtype, "ids_ptr": "*i64", "w_ptr": dtype, "E": "i32", "stride": "i64",
            "K": "constexpr", "KB": "constexpr", "BLOCK": "constexpr", "NORM": "constexpr"}
     compile_for_sm90(STEPS, "route_topk", sig, {"K": 8, "KB": 8, "BLOCK": 128, "NORM": True})
+
+
+@pytest.fixture
+def add_norm_kernel(triton_runs):
+    from freetoken.kernels.token_steps import add_rms_norm
+
+    return add_rms_norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [{}, {"unit_offset": True}, {"float_scale": True}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_add_and_norm_in_one_kernel_follow_the_two(add_norm_kernel, device, kw,
+                                                            dtype):
+    """h = x + a as torch adds, then the RMSNorm kernel's result on h."""
+    from freetoken.kernels.token_steps import rms_norm
+
+    n = _norm(256, dtype, device, **kw)
+    x, a = ((torch.randn(3, 256) * 3).to(device, dtype) for _ in range(2))
+    h, got = add_norm_kernel(x, a, n.weight, n.eps, n.mode)
+    if dtype is torch.float32 or device == "cuda":  # the interpreter rounds to bf16 its way
+        assert torch.equal(h, x + a)
+    else:
+        torch.testing.assert_close(h.float(), (x + a).float(), atol=0.1, rtol=2 ** -7)
+    want = rms_norm(h, n.weight, n.eps, n.mode)
+    if dtype is torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        step = want.float().abs().clamp(min=1e-3) * 2 ** -6
+        assert ((got.float() - want.float()).abs() <= step).all()
+    assert n.added(x, None)[0] is x
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_add_norm_kernel_compiles_for_a_gpu(dtype: str, mode: int) -> None:
+    sig = {"x_ptr": dtype, "a_ptr": dtype, "w_ptr": dtype, "h_ptr": dtype, "out_ptr": dtype,
+           "dim": "i32", "x_stride": "i64", "a_stride": "i64", "h_stride": "i64",
+           "out_stride": "i64", "eps": "fp32", "MODE": "constexpr", "BLOCK": "constexpr"}
+    compile_for_sm90(STEPS, "add_rms_norm", sig, {"MODE": mode, "BLOCK": 2048})

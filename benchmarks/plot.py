@@ -114,6 +114,36 @@ def peer_48l_plot() -> None:
     plt.close(fig)
 
 
+def resident_sitting_plot(sha: str, file: str = "qwen3-30b-a3b-48l",
+                          names: dict[str, str] | None = None) -> None:
+    """One sitting's resident runs (every variant, named by ``names`` where given) beside
+    llama.cpp all on the GPU."""
+    runs, gpu_line, card = [], 0.0, "H200"
+    for f in sorted((ROOT / "benchmarks/results").glob(f"peer_gpu-{file}-*.json")):
+        peer = json.loads(f.read_text())
+        if not str(peer.get("sha", "")).startswith(sha):
+            continue
+        gpu_line = peer["llamacpp"]["gpu"]["tokens_per_s"]
+        card = "H100" if "H100" in str(peer.get("gpu")) else card
+        runs += [((names or {}).get(r["strategy"], r["strategy"]), r["tokens_per_s"])
+                 for r in peer["strategies"]
+                 if r["strategy"].startswith("resident") and r["tokens_per_s"]]
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(range(len(runs)), [t for _, t in runs], color="#3a6ea5")
+    ax.axhline(gpu_line, color="#aa3333", ls="--",
+               label=f"llama.cpp all on the GPU ({gpu_line:.1f})")
+    ax.set_xticks(range(len(runs)), [name for name, _ in runs], rotation=20, fontsize=7,
+                  ha="right")
+    ax.set_ylabel("decode tok/s (temperature 1)")
+    ax.set_title(f"48-layer qwen3-30b-a3b q8_0, resident, {card} ({sha})", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(ROOT / f"docs/img/resident_{sha}.png", dpi=120)
+    plt.close(fig)
+
+
 def peer_sitting_plot(sha: str = "fca7a5f", file: str = "qwen3-30b-a3b-48l",
                       title: str = "48-layer qwen3-30b-a3b q8_0") -> None:
     """Every strategy and variant of one sitting's peer runs on ``file`` (several calls on one
@@ -254,6 +284,10 @@ if __name__ == "__main__":
     peer_sitting_plot("f88b0bf")
     peer_sitting_plot("001e201")
     peer_sitting_plot("a9b9a4b")
+    peer_sitting_plot("ba5d48c")
+    # at ba5d48c the token kernels were the default and +pairgemv the pair kernels
+    resident_sitting_plot("ba5d48c", names={"resident": "token kernels (then the default)",
+                                            "resident+pairgemv": "pair kernels (now)"})
     peer_sitting_plot("a9b9a4b", "qwen3-30b-a3b-48l-skew",
                       "48-layer qwen3-30b-a3b q8_0, skewed router")
     peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")

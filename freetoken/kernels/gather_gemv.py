@@ -303,9 +303,10 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
     stacks gate/up (S, I, H) and down (S, H, I); ``bias`` per pair; with ``table`` (int64), from
     slot ``table[index[p]]`` (-1: the pair adds nothing). x (T, H), w (T, A) -> (T, H).
 
-    Two launches where :func:`by_token` takes the layer (FREETOKEN_GEMV_TOKENS on, no bias, the
-    activation in the kernel, gate and up one stack, down of :data:`LANES`), else one program
-    per pair and block of rows, then the weighted sum in torch."""
+    Two launches of :func:`token_gemv` where FREETOKEN_GEMV_TOKENS is on (and no bias, the
+    activation in the kernel, gate and up one stack, down of :data:`LANES`), else (the
+    default, faster on an H100) one program per pair and block of rows, then the weighted sum
+    in torch."""
     T, A = w.shape
     both = stacked(gate, up)
     code = glu_code(act)

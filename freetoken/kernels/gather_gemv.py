@@ -33,7 +33,7 @@ import torch
 from freetoken import env
 from freetoken.errors import ConfigError
 from freetoken.kernels.activation import ACTIVATIONS, glu
-from freetoken.kernels.expert_matmul import ExpertBias, gathered, weigh_pairs
+from freetoken.kernels.expert_matmul import ExpertBias, gathered
 from freetoken.quant import QuantTensor, dequantize_as, get_format
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -314,10 +314,10 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
         table = _identity(gate.shape[0], x.device) if table is None else table
         h = token_gemv(gate.fmt, both, index, table, x, A, act=code)
         return token_gemv(down.fmt, down.data, index, table, h, A, weights=w)
+    slot = None
     if table is not None:
         slot = table[index]
-        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
-        index = slot.clamp(min=0)
+        index = slot.clamp(min=0)  # a pair without a slot reads slot 0, weighed 0
     if both is not None and bias is None and code:  # gate, up and act(g) * u in one launch
         h = gather_gemv(gate.fmt, gate.data, index, x, A, act=code)
     elif paired(gate, up) and bias is None and code:  # the same, up through its own pointers
@@ -334,7 +334,31 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
     y = gemv(down, index, h, 1)  # (T*A, H)
     if bias is not None:
         y = y + bias.down.to(y.dtype)
-    return weigh_pairs(y, w)
+    return weighed(y, w, slot)
+
+
+BLOCK_H = 1024  # output columns a program of :func:`weighed` sums
+
+
+def weighed(y: torch.Tensor, w: torch.Tensor, slot: torch.Tensor | None = None) -> torch.Tensor:
+    """``expert_matmul.weigh_pairs(y, w)`` in one launch (``triton_gemv.weigh_sum``; torch's
+    multiply and sum are its slow twin, whose roundings it keeps; the pairs are summed in
+    order), pairs whose ``slot`` is negative weighed 0. y (T*A, H) with unit stride along H,
+    w (T, A) -> (T, H) in y's dtype."""
+    import triton
+
+    from freetoken.kernels import triton_gemv
+
+    T, A = w.shape
+    H = y.shape[1]
+    if y.stride(1) != 1 or y.shape[0] != T * A:
+        raise ValueError(f"pair outputs {tuple(y.shape)} do not fit weights {tuple(w.shape)}")
+    out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    block = min(BLOCK_H, triton.next_power_of_2(H))
+    triton_gemv.weigh_sum[(T, triton.cdiv(H, block))](
+        y, w.contiguous(), y if slot is None else slot.contiguous(), out, H, y.stride(0),
+        out.stride(0), A=A, BLOCK=block, MASK=slot is not None, num_warps=4)
+    return out
 
 
 # formats whose block readers take an activation row per output row (a token's pairs in

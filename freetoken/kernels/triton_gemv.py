@@ -15,6 +15,8 @@ row t; with SUM, down on x row t * A + a (pair a's activations), and the token's
 weighed by ``weights[t, a]`` and summed: ``out[t, rows] = sum_a w * y``, with y and each
 product rounded to out's dtype as two torch ops would (then summed in float32, rounded once).
 
+``weigh_sum`` weighs a token's pair outputs and sums them, one launch for torch's two.
+
 ``gather_gemv_scaled`` is the same for a format whose scales are kept apart from its codes
 (nvfp4): a scale byte per block at ``slot * s_slot_stride + row * s_row_stride + block`` of
 ``s_ptr``, a global scale per slot at ``g_ptr + slot * g_slot_stride``; with ACT, up's
@@ -102,6 +104,27 @@ def token_gemv(w_ptr, ids_ptr, table_ptr, x_ptr, wt_ptr, out_ptr, R, slot_stride
         tl.store(out_ptr + t * out_stride + out_rows, total.to(dt), mask=out_rows < R)
     else:
         tl.store(out_ptr + pair * out_stride + rows, acc.to(dt), mask=have & (rows < R))
+
+
+@triton.jit
+def weigh_sum(y_ptr, w_ptr, slot_ptr, out_ptr, H, y_stride, out_stride, A: tl.constexpr,
+              BLOCK: tl.constexpr, MASK: tl.constexpr):
+    """``out[t, cols] = sum_a w[t, a] * y[t * A + a, cols]`` with torch's roundings of
+    ``weigh_pairs``: w and each product rounded to out's dtype, summed in float32 (pair
+    order), rounded once. MASK: a pair whose ``slot`` is negative adds nothing (its weight
+    counts 0)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for a in tl.static_range(A):
+        w = tl.load(w_ptr + t * A + a).to(dt).to(tl.float32)
+        if MASK:
+            w = tl.where(tl.load(slot_ptr + t * A + a) >= 0, w, 0.0)
+        y = tl.load(y_ptr + (t * A + a) * y_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += (y * w).to(dt).to(tl.float32)
+    tl.store(out_ptr + t * out_stride + cols, acc.to(dt), mask=ok)
 
 
 @triton.jit

@@ -287,6 +287,7 @@ def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fm
     up is not after gate's codes (its scales are between): its launch reads it where it is
     (K 128: GGUF blocks, global scale 1; K 96: ModelOpt's, gate's and up's own)."""
     from freetoken.kernels.activation import ACTIVATIONS, glu
+    from freetoken.kernels.expert_matmul import weigh_pairs
 
     qts = _experts(4, [(fmt, 32, K), (fmt, 32, K), ("q8_0", K, 32)], seed=3, device=device)
     down = qts[2].data
@@ -299,7 +300,7 @@ def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fm
     assert kernels.glu_code(fn) == {"silu": 1, "gelu_pytorch_tanh": 2, "gelu": 0}[act]
     got = kernels.gathered_fused(x, w, index, *qts, fn)
     g, u = (kernels.gemv(q, index, x, 2) for q in qts[:2])
-    want = kernels.weigh_pairs(kernels.gather_gemv("q8_0", down, index, glu(fn, g, u), 1), w)
+    want = weigh_pairs(kernels.gather_gemv("q8_0", down, index, glu(fn, g, u), 1), w)
     # compiled, the kernel's exp is the GPU's fast one: a few float32 ulps of the activation
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
@@ -487,3 +488,38 @@ def test_the_token_kernel_compiles_for_a_gpu(dtype: str, fmt: str, act: int) -> 
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
                       "STEP": spec.step, "ACT": act, "BITS": spec.bits, "A": 8, "AB": 8,
                       "SUM": act == 0})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,A,H", [(1, 8, 2048), (3, 2, 96)])
+def test_the_weighted_sum_is_one_launch_with_torchs_roundings(kernels, device, dtype, T, A, H):
+    """``weighed`` against ``weigh_pairs`` (torch's multiply and sum, the same roundings; the
+    float32 sums may run in another order); pairs whose slot is negative count 0, as the
+    old path's zeroed weights."""
+    from freetoken.kernels.expert_matmul import weigh_pairs
+
+    g = torch.Generator().manual_seed(7)
+    y = (torch.randn(T * A, H, generator=g) * 4).to(device, dtype)
+    w = torch.rand(T, A, generator=g).to(device, dtype)
+    slot = torch.randint(-1, 3, (T * A,), generator=g).to(device)
+    for s, ww in ((None, w), (slot, torch.where((slot >= 0).view(T, A), w, 0.0))):
+        got, want = kernels.weighed(y, w, s), weigh_pairs(y, ww)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if dtype is torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+        elif device == "cuda":  # a float32 sum in another order: a bf16 step apart at most
+            torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+        else:  # the interpreter rounds to bf16 its own way
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2,
+                                       atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("mask", [False, True])
+def test_the_weighted_sum_compiles_for_a_gpu(dtype: str, mask: bool) -> None:
+    sig = {"y_ptr": dtype, "w_ptr": dtype, "slot_ptr": "*i64", "out_ptr": dtype, "H": "i32",
+           "y_stride": "i64", "out_stride": "i64", "A": "constexpr", "BLOCK": "constexpr",
+           "MASK": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "weigh_sum", sig,
+                     {"A": 8, "BLOCK": 1024, "MASK": mask})

@@ -9,6 +9,38 @@ import triton.language as tl
 
 
 @triton.jit
+def _scaled(h, w, dt: tl.constexpr, MODE: tl.constexpr):
+    """Normalised values h scaled by w as :func:`rms_norm`'s MODE says, float32 (Qwen's h
+    rounded to dt first)."""
+    if MODE == 0:
+        y = w * h.to(dt).to(tl.float32)
+    elif MODE == 1:
+        y = h * (1.0 + w)
+    else:
+        y = h * w
+    return y
+
+
+@triton.jit
+def _rotated(lo, hi, cos_ptr, sin_ptr, pos, i, ok, dt: tl.constexpr, HALF: tl.constexpr,
+             ROUND: tl.constexpr):
+    """A head's halves (float32) rotated at ``pos`` as :func:`rotary_neox` says."""
+    c_lo = tl.load(cos_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
+    c_hi = tl.load(cos_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
+    s_lo = tl.load(sin_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
+    s_hi = tl.load(sin_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
+    if ROUND:
+        c_lo, c_hi = c_lo.to(dt).to(tl.float32), c_hi.to(dt).to(tl.float32)
+        s_lo, s_hi = s_lo.to(dt).to(tl.float32), s_hi.to(dt).to(tl.float32)
+        y_lo = (lo * c_lo).to(dt).to(tl.float32) + (-hi * s_lo).to(dt).to(tl.float32)
+        y_hi = (hi * c_hi).to(dt).to(tl.float32) + (lo * s_hi).to(dt).to(tl.float32)
+    else:
+        y_lo = lo * c_lo + (-hi) * s_lo
+        y_hi = hi * c_hi + lo * s_hi
+    return y_lo, y_hi
+
+
+@triton.jit
 def rms_norm(x_ptr, w_ptr, out_ptr, dim, heads, x_tok, x_head, out_stride, eps,
              MODE: tl.constexpr, BLOCK: tl.constexpr):
     """One row per program (row r: token r // heads, head r % heads, at their strides):
@@ -21,12 +53,7 @@ def rms_norm(x_ptr, w_ptr, out_ptr, dim, heads, x_tok, x_head, out_stride, eps,
     x = tl.load(x_ptr + at + cols, mask=ok, other=0.0).to(tl.float32)
     h = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if MODE == 0:
-        y = w * h.to(out_ptr.dtype.element_ty).to(tl.float32)
-    elif MODE == 1:
-        y = h * (1.0 + w)
-    else:
-        y = h * w
+    y = _scaled(h, w, out_ptr.dtype.element_ty, MODE)
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -46,12 +73,7 @@ def add_rms_norm(x_ptr, a_ptr, w_ptr, h_ptr, out_ptr, dim, x_stride, a_stride, h
     h = h.to(tl.float32)
     n = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / dim + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if MODE == 0:
-        y = w * n.to(dt).to(tl.float32)
-    elif MODE == 1:
-        y = n * (1.0 + w)
-    else:
-        y = n * w
+    y = _scaled(n, w, dt, MODE)
     tl.store(out_ptr + row * out_stride + cols, y.to(dt), mask=ok)
 
 
@@ -69,19 +91,8 @@ def rotary_neox(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, heads, x_tok, x_head,
     src = x_ptr + t * x_tok + h * x_head
     lo = tl.load(src + i, mask=ok, other=0.0).to(tl.float32)
     hi = tl.load(src + HALF + i, mask=ok, other=0.0).to(tl.float32)
-    c_lo = tl.load(cos_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
-    c_hi = tl.load(cos_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
-    s_lo = tl.load(sin_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
-    s_hi = tl.load(sin_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
     dt = out_ptr.dtype.element_ty
-    if ROUND:
-        c_lo, c_hi = c_lo.to(dt).to(tl.float32), c_hi.to(dt).to(tl.float32)
-        s_lo, s_hi = s_lo.to(dt).to(tl.float32), s_hi.to(dt).to(tl.float32)
-        y_lo = (lo * c_lo).to(dt).to(tl.float32) + (-hi * s_lo).to(dt).to(tl.float32)
-        y_hi = (hi * c_hi).to(dt).to(tl.float32) + (lo * s_hi).to(dt).to(tl.float32)
-    else:
-        y_lo = lo * c_lo + (-hi) * s_lo
-        y_hi = hi * c_hi + lo * s_hi
+    y_lo, y_hi = _rotated(lo, hi, cos_ptr, sin_ptr, pos, i, ok, dt, HALF, ROUND)
     dst = out_ptr + t * out_tok + h * 2 * HALF
     tl.store(dst + i, y_lo.to(dt), mask=ok)
     tl.store(dst + HALF + i, y_hi.to(dt), mask=ok)
@@ -108,28 +119,10 @@ def norm_rotary(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, 
     w_hi = (tl.load(qw_ptr + HALF + i, mask=ok & is_q, other=0.0).to(tl.float32)
             + tl.load(kw_ptr + HALF + i, mask=ok & (~is_q), other=0.0).to(tl.float32))
     dt = q_ptr.dtype.element_ty
-    lo, hi = lo * r, hi * r
-    if MODE == 0:
-        lo = w_lo * lo.to(dt).to(tl.float32)
-        hi = w_hi * hi.to(dt).to(tl.float32)
-    elif MODE == 1:
-        lo, hi = lo * (1.0 + w_lo), hi * (1.0 + w_hi)
-    else:
-        lo, hi = lo * w_lo, hi * w_hi
+    lo, hi = _scaled(lo * r, w_lo, dt, MODE), _scaled(hi * r, w_hi, dt, MODE)
     lo, hi = lo.to(dt).to(tl.float32), hi.to(dt).to(tl.float32)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    c_lo = tl.load(cos_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
-    c_hi = tl.load(cos_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
-    s_lo = tl.load(sin_ptr + pos * 2 * HALF + i, mask=ok, other=0.0)
-    s_hi = tl.load(sin_ptr + pos * 2 * HALF + HALF + i, mask=ok, other=0.0)
-    if ROUND:
-        c_lo, c_hi = c_lo.to(dt).to(tl.float32), c_hi.to(dt).to(tl.float32)
-        s_lo, s_hi = s_lo.to(dt).to(tl.float32), s_hi.to(dt).to(tl.float32)
-        y_lo = (lo * c_lo).to(dt).to(tl.float32) + (-hi * s_lo).to(dt).to(tl.float32)
-        y_hi = (hi * c_hi).to(dt).to(tl.float32) + (lo * s_hi).to(dt).to(tl.float32)
-    else:
-        y_lo = lo * c_lo + (-hi) * s_lo
-        y_hi = hi * c_hi + lo * s_hi
+    y_lo, y_hi = _rotated(lo, hi, cos_ptr, sin_ptr, pos, i, ok, dt, HALF, ROUND)
     q_dst = q_ptr + t * q_tok + h.to(tl.int64) * 2 * HALF
     k_dst = k_ptr + t * k_tok + (h - n_q).to(tl.int64) * 2 * HALF
     tl.store(q_dst + i, y_lo.to(dt), mask=ok & is_q)

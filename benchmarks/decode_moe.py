@@ -151,10 +151,9 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
     one-call plan's twin), ``+regrouped`` regroups resident Q8_0 experts as Q8_0x8
     (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps Q8_0
-    dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+tokengemv`` runs the
-    fused expert kernels a token's pairs a program (FREETOKEN_GEMV_TOKENS=on; else one
-    program a pair), ``+lateflags`` has the graph wait for the CPU's results on flags inside its
-    pieces (FREETOKEN_LATE_STEPS=flags; else late steps between pieces), ``+nocheck`` leaves an
+    dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+lateflags`` has the
+    graph wait for the CPU's results on flags inside its pieces (FREETOKEN_LATE_STEPS=flags;
+    else late steps between pieces), ``+nocheck`` leaves an
     online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the CPU
     pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A greedy
     run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine does by
@@ -168,7 +167,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
         "hostnode", "flags", "pieces", "early", "greedy", "nocheck", "timing", "regrouped",
-        "denseblocks", "greedysplit", "tokengemv", "lateflags"}
+        "denseblocks", "greedysplit", "lateflags"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -183,7 +182,6 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"
-    os.environ["FREETOKEN_GEMV_TOKENS"] = "on" if "tokengemv" in options else "off"
     os.environ["FREETOKEN_LATE_STEPS"] = "flags" if "lateflags" in options else "breaks"
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")

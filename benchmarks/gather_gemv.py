@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_state, host, save_result  # noqa: E402
-from freetoken import env  # noqa: E402
 from freetoken.kernels import gather_gemv  # noqa: E402
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference  # noqa: E402
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder  # noqa: E402
@@ -73,10 +72,6 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
 
 SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
          "bits": (False, True)}
-# FREETOKEN_GEMV_TOKENS on: a program reads all of a token's pairs (8 at qwen3's top-k), so
-# fewer rows and blocks a step
-SWEEP_TOKENS = {"rows": (1, 2, 4), "step": (2, 4, 8, 16), "warps": (2, 4, 8),
-                "bits": (False, True)}
 BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4", "nvfp4"}  # kernels with a bits choice
 
 
@@ -87,7 +82,7 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list
     t_end = time.perf_counter() + budget_s if budget_s else float("inf")
     saved = dict(gather_gemv.KERNELS)
     looped = any(saved[f].step > 1 for f in formats)
-    grid = SWEEP_TOKENS if env.gemv_tokens() and formats[2] in gather_gemv.LANES else SWEEP
+    grid = SWEEP
     bits = grid["bits"] if BITS_FORMATS & set(formats) else (False,)
     rows = []
     try:
@@ -165,7 +160,7 @@ def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: i
     # a copy reads and writes each byte: reading alone runs at about twice its byte rate
     ceiling = 2 * nbytes / copy_s
     return {"formats": "/".join(formats), "hidden": H, "intermediate": I_, "pairs": pairs,
-            "cold": cold, "index_sets": len(sets), "tokens_kernel": env.gemv_tokens(),
+            "cold": cold, "index_sets": len(sets),
             "weight_bytes": nbytes, "fused_us": fused_s * 1e6, "dequant_matmul_us": slow_s * 1e6,
             "speedup": slow_s / fused_s, "fused_gbps": nbytes / fused_s / 1e9,
             "read_ceiling_gbps": ceiling / 1e9, "fraction_of_ceiling": nbytes / fused_s / ceiling,

@@ -132,18 +132,6 @@ def gemv_launch() -> str:
     return os.environ.get("FREETOKEN_GEMV_LAUNCH", "").strip()
 
 
-GEMV_TOKENS = ("off", "on")
-
-
-def gemv_tokens() -> bool:
-    """FREETOKEN_GEMV_TOKENS: whether decode's fused expert kernels take a token's pairs in
-    one program and sum them in the down launch (``on``: two launches a layer, each program's
-    pairs read at once) or one program per pair with the weighted sum in torch (``off``,
-    default: on an H100 at ba5d48c ``on`` decoded resident at 210 tok/s against 239, its
-    programs holding 140-250 registers)."""
-    return _choice("FREETOKEN_GEMV_TOKENS", GEMV_TOKENS) == "on"
-
-
 def wall_check() -> str:
     """FREETOKEN_WALL_CHECK: whether an online hybrid split is checked against other fetched
     shares by the decode steps' own wall time (``moe/wall_check.py``): ``on`` (default) or

@@ -301,19 +301,11 @@ def gathered_fused(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, gate: 
                    table: torch.Tensor | None = None) -> torch.Tensor:
     """Pairs at once, as ``expert_matmul.gathered``, with pair p's expert ``index[p]`` read from the
     stacks gate/up (S, I, H) and down (S, H, I); ``bias`` per pair; with ``table`` (int64), from
-    slot ``table[index[p]]`` (-1: the pair adds nothing). x (T, H), w (T, A) -> (T, H).
-
-    Two launches of :func:`token_gemv` where FREETOKEN_GEMV_TOKENS is on (and no bias, the
-    activation in the kernel, gate and up one stack, down of :data:`LANES`), else (the
-    default, faster on an H100) one program per pair and block of rows, then the weighted sum
-    in torch."""
+    slot ``table[index[p]]`` (-1: the pair adds nothing). x (T, H), w (T, A) -> (T, H). One
+    program per pair and block of rows, then the weighted sum (:func:`weighed`)."""
     T, A = w.shape
     both = stacked(gate, up)
     code = glu_code(act)
-    if both is not None and bias is None and code and down.fmt in LANES and env.gemv_tokens():
-        table = _identity(gate.shape[0], x.device) if table is None else table
-        h = token_gemv(gate.fmt, both, index, table, x, A, act=code)
-        return token_gemv(down.fmt, down.data, index, table, h, A, weights=w)
     slot = None
     if table is not None:
         slot = table[index]
@@ -358,53 +350,6 @@ def weighed(y: torch.Tensor, w: torch.Tensor, slot: torch.Tensor | None = None) 
     triton_gemv.weigh_sum[(T, triton.cdiv(H, block))](
         y, w.contiguous(), y if slot is None else slot.contiguous(), out, H, y.stride(0),
         out.stride(0), A=A, BLOCK=block, MASK=slot is not None, num_warps=4)
-    return out
-
-
-# formats whose block readers take an activation row per output row (a token's pairs in
-# one program, each on its own row of h: :func:`token_gemv`'s sum)
-LANES = frozenset({"q8_0", "q8_0x8", "mxfp4"})
-_IDENTITY: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _identity(n: int, device: torch.device) -> torch.Tensor:
-    """The slot table of resident stacks: expert e in slot e (int64, as the expert cache's
-    tables, so resident and cached calls run one compiled kernel), made once a device."""
-    key = (device, n)
-    if key not in _IDENTITY:
-        _IDENTITY[key] = torch.arange(n, dtype=torch.int64, device=device)
-    return _IDENTITY[key]
-
-
-def token_gemv(fmt: str, data: torch.Tensor, ids: torch.Tensor, table: torch.Tensor,
-               x: torch.Tensor, per: int, act: int = 0,
-               weights: torch.Tensor | None = None) -> torch.Tensor:
-    """A token's ``per`` pairs in one program (``triton_gemv.token_gemv``): pair p reads slot
-    ``table[ids[p]]`` of ``fmt`` blocks ``data`` (S, R, row bytes), -1 none. With ``act``,
-    ``data`` is the gate/up stack and x (T, K) one row a token: returns (T * per, R) as
-    :func:`gather_gemv`'s. With ``weights`` (T, per), x (T * per, K) one row a pair: returns
-    (T, R), the pairs weighed and summed per token (:func:`expert_matmul.weigh_pairs`'s
-    roundings)."""
-    import triton
-
-    from freetoken.kernels import triton_gemv
-
-    if (act == 0) == (weights is None) or fmt in SCALED or (weights is not None
-                                                            and fmt not in LANES):
-        raise ValueError(f"token_gemv takes act (gate/up) or weights (down, {sorted(LANES)}), "
-                         f"got act {act}, weights {weights is not None}, {fmt}")
-    spec = _launch_on(fmt, x.device)
-    nb = _blocks_per_row(spec, data, x)
-    R = data.shape[1] // 2 if act else data.shape[1]
-    T = ids.numel() // per
-    rows = max(1, spec.rows // 2) if act else spec.rows
-    out = torch.empty((T * per, R) if act else (T, R), dtype=x.dtype, device=x.device)
-    wt = out if weights is None else weights.contiguous()
-    triton_gemv.token_gemv[(T, triton.cdiv(R, rows))](
-        data, ids.contiguous(), table, x, wt, out, R, data.stride(0), data.stride(1),
-        x.stride(0), out.stride(0), FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act,
-        BITS=spec.bits, A=per, AB=triton.next_power_of_2(per), SUM=weights is not None,
-        num_warps=spec.warps)
     return out
 
 

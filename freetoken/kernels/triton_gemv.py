@@ -7,14 +7,6 @@ The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (p
 stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
 sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu).
 
-``token_gemv`` takes a token's pairs in one program (program axis 0: token t, axis 1: BLOCK_R
-output rows), each of its A pairs' rows read at once, A times the bytes in flight of a
-program of ``gather_gemv``. Pair a's expert is ``table[ids[t * A + a]]`` (-1: none, the pair
-adds nothing). With ACT, gate and up as ``gather_gemv``'s, into ``out[t * A + a, rows]``, on x
-row t; with SUM, down on x row t * A + a (pair a's activations), and the token's pairs
-weighed by ``weights[t, a]`` and summed: ``out[t, rows] = sum_a w * y``, with y and each
-product rounded to out's dtype as two torch ops would (then summed in float32, rounded once).
-
 ``weigh_sum`` weighs a token's pair outputs and sums them, one launch for torch's two.
 
 ``gather_gemv_scaled`` is the same for a format whose scales are kept apart from its codes
@@ -68,42 +60,6 @@ def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_strid
         up = block_rows(FMT, w_ptr, w_ptr, up_base, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def token_gemv(w_ptr, ids_ptr, table_ptr, x_ptr, wt_ptr, out_ptr, R, slot_stride, row_stride,
-               x_stride, out_stride, FMT: tl.constexpr, NB: tl.constexpr,
-               BLOCK_R: tl.constexpr, STEP: tl.constexpr, ACT: tl.constexpr,
-               BITS: tl.constexpr, A: tl.constexpr, AB: tl.constexpr, SUM: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, AB * BLOCK_R)  # pair i // BLOCK_R, its row i % BLOCK_R of this program's
-    a = i // BLOCK_R
-    rows = tl.program_id(1) * BLOCK_R + i % BLOCK_R
-    pair = t * A + a
-    have = a < A
-    expert = tl.load(ids_ptr + pair, mask=have, other=0)
-    slot = tl.load(table_ptr + expert, mask=have, other=-1).to(tl.int64)
-    live = have & (slot >= 0) & (rows < R)
-    base = slot * slot_stride + rows.to(tl.int64) * row_stride
-    if SUM:  # each pair its own activation row, in the layout of the blocks' lanes
-        x_row = (x_ptr + pair * x_stride)[:, None, None]
-    else:
-        x_row = x_ptr + t * x_stride
-    acc = block_rows(FMT, w_ptr, w_ptr, base, base, live, x_row, NB, AB * BLOCK_R, STEP, BITS)
-    if ACT:
-        up_base = base + R * row_stride
-        up = block_rows(FMT, w_ptr, w_ptr, up_base, up_base, live, x_row, NB, AB * BLOCK_R,
-                        STEP, BITS)
-        acc = _glu(acc, up, ACT)
-    dt = out_ptr.dtype.element_ty
-    if SUM:
-        w = tl.load(wt_ptr + pair, mask=live, other=0.0).to(dt).to(tl.float32)
-        part = tl.where(live, (acc.to(dt).to(tl.float32) * w).to(dt).to(tl.float32), 0.0)
-        total = tl.sum(tl.reshape(part, [AB, BLOCK_R]), axis=0)
-        out_rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tl.store(out_ptr + t * out_stride + out_rows, total.to(dt), mask=out_rows < R)
-    else:
-        tl.store(out_ptr + pair * out_stride + rows, acc.to(dt), mask=have & (rows < R))
 
 
 @triton.jit

@@ -422,72 +422,22 @@ def test_nvfp4_experts_from_the_engines_own_bank(kernels, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt,T,A", [("q8_0", 2, 3), ("q8_0", 1, 8), ("mxfp4", 2, 3)])
-def test_a_tokens_pairs_in_one_program_give_the_per_pair_launches(kernels, monkeypatch, device,
-                                                                   dtype, fmt, T, A):
-    """FREETOKEN_GEMV_TOKENS on (two launches: a token's pairs in one program, the weighted sum
-    in down's) against off (a program a pair, the sum in torch), through a slot table whose
-    -1 entries add nothing: the same bits in float32 on the interpreter (the same roundings,
-    the same order within a row), close elsewhere (the pairs summed in another order; the
-    interpreter rounds to bfloat16 its own way)."""
+def test_a_slot_table_reads_slots_and_drops_the_pairs_it_lacks(kernels, device, fmt, T, A):
+    """``table``: pair p reads slot table[index[p]], and a pair whose entry is -1 adds nothing:
+    the bits of the slots passed in directly with those pairs' weights 0."""
     H, I_ = 256, 64
     qts = _experts(6, [(fmt, I_, H), (fmt, I_, H), (fmt, H, I_)], seed=5, device=device)
     g = torch.Generator().manual_seed(6)
-    x = torch.randn(T, H, generator=g).to(device, dtype)
+    x = torch.randn(T, H, generator=g).to(device)
     w = torch.rand(T, A, generator=g).to(device)
     ids = torch.randint(0, 9, (T * A,), generator=g).to(device)
     table = torch.tensor([3, -1, 0, 4, 1, -1, 5, 2, -1]).to(device)
     act = torch.nn.functional.silu
-    monkeypatch.setenv("FREETOKEN_GEMV_TOKENS", "on")
     got = kernels.gathered_fused(x, w, ids, *qts, act, None, table)
-    monkeypatch.setenv("FREETOKEN_GEMV_TOKENS", "off")
-    want = kernels.gathered_fused(x, w, ids, *qts, act, None, table)
-    dead = (table[ids] < 0).view(T, A)
-    want_alive = kernels.gathered_fused(x, torch.where(dead, 0.0, w), ids, *qts, act, None,
-                                        table)
-    assert torch.equal(want, want_alive)  # the old path zeroes the dead pairs' weights itself
-    if device == "cpu" and dtype == torch.float32:
-        assert torch.equal(got, want)
-    else:
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), want.float(), rtol=tol,
-                                   atol=tol * want.abs().max().item())
-    monkeypatch.setenv("FREETOKEN_GEMV_TOKENS", "on")  # resident's stacks: expert e in slot e
-    identity = torch.arange(6).to(device)
-    assert torch.equal(kernels.gathered_fused(x, w, ids.clamp(max=5), *qts, act, None, identity),
-                       kernels.gathered_fused(x, w, ids.clamp(max=5), *qts, act))
-
-
-def test_token_gemv_refuses_what_it_cannot_sum():
-    from freetoken.kernels.gather_gemv import token_gemv
-
-    data = torch.zeros(2, 4, 34, dtype=torch.uint8)
-    ids, table = torch.zeros(2, dtype=torch.long), torch.arange(2)
-    for fmt, act, weights in (("q8_0", 0, None), ("q8_0", 1, torch.ones(1, 2)),
-                              ("q5_0", 0, torch.ones(1, 2)), ("nvfp4", 1, None)):
-        with pytest.raises(ValueError, match="token_gemv takes"):
-            token_gemv(fmt, data, ids, table, torch.zeros(2, 32), 2, act, weights)
-
-
-@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
-@pytest.mark.parametrize("fmt,act", [("q8_0", 1), ("q8_0", 0), ("q8_0x8", 0), ("mxfp4", 2),
-                                     ("mxfp4", 0), ("q4_k", 1)])
-def test_the_token_kernel_compiles_for_a_gpu(dtype: str, fmt: str, act: int) -> None:
-    """act 0 here: down's launch, which sums the token's pairs."""
-    from freetoken.kernels.gather_gemv import KERNELS
-
-    spec = KERNELS[fmt]
-    sig = {"w_ptr": "*u8", "ids_ptr": "*i64", "table_ptr": "*i64", "x_ptr": dtype,
-           "wt_ptr": dtype if act else "*fp32", "out_ptr": dtype, "R": "i32",
-           "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32", "out_stride": "i32",
-           "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr", "STEP": "constexpr",
-           "ACT": "constexpr", "BITS": "constexpr", "A": "constexpr", "AB": "constexpr",
-           "SUM": "constexpr"}
-    compile_for_sm90("freetoken.kernels.triton_gemv", "token_gemv", sig,
-                     {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
-                      "STEP": spec.step, "ACT": act, "BITS": spec.bits, "A": 8, "AB": 8,
-                      "SUM": act == 0})
+    slot = table[ids]
+    zeroed = torch.where((slot < 0).view(T, A), 0.0, w)
+    assert torch.equal(got, kernels.gathered_fused(x, zeroed, slot.clamp(min=0), *qts, act))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -194,6 +194,8 @@ def main() -> None:
     if args.sweep and os.environ.get("FREETOKEN_GEMV_LAUNCH"):
         p.error("FREETOKEN_GEMV_LAUNCH is set: its choices would replace every one the sweep "
                 "tries; unset it for --sweep")
+    if args.slots < args.pairs:
+        p.error(f"--slots {args.slots} holds fewer experts than --pairs {args.pairs}")
     H, I_ = (int(v) for v in args.shape.split("x"))
     rows = []
     for spec in args.formats.split(","):

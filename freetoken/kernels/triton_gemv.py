@@ -67,8 +67,7 @@ def weigh_sum(y_ptr, w_ptr, slot_ptr, out_ptr, H, y_stride, out_stride, A: tl.co
               BLOCK: tl.constexpr, MASK: tl.constexpr):
     """``out[t, cols] = sum_a w[t, a] * y[t * A + a, cols]`` with torch's roundings of
     ``weigh_pairs``: w and each product rounded to out's dtype, summed in float32 (pair
-    order), rounded once. MASK: a pair whose ``slot`` is negative adds nothing (its weight
-    counts 0)."""
+    order), rounded once. MASK: a pair whose ``slot`` is negative adds nothing (not read)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -76,10 +75,11 @@ def weigh_sum(y_ptr, w_ptr, slot_ptr, out_ptr, H, y_stride, out_stride, A: tl.co
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for a in tl.static_range(A):
         w = tl.load(w_ptr + t * A + a).to(dt).to(tl.float32)
-        if MASK:
-            w = tl.where(tl.load(slot_ptr + t * A + a) >= 0, w, 0.0)
-        y = tl.load(y_ptr + (t * A + a) * y_stride + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += (y * w).to(dt).to(tl.float32)
+        live = ok
+        if MASK:  # a pair without a slot: its row is not read, its product is 0
+            live = ok & ((cols * 0 + tl.load(slot_ptr + t * A + a)) >= 0)  # a block mask
+        y = tl.load(y_ptr + (t * A + a) * y_stride + cols, mask=live, other=0.0).to(tl.float32)
+        acc += tl.where(live, (y * w).to(dt).to(tl.float32), 0.0)
     tl.store(out_ptr + t * out_stride + cols, acc.to(dt), mask=ok)
 
 

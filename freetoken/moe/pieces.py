@@ -136,9 +136,11 @@ class PiecewiseCapture:
         """``finish`` between two pieces, after the device work queued so far (no sync);
         returns the static buffer (shaped like ``like``) of its result. Flagged (or with
         late steps on flags): inside the piece, after the host step before it
-        (:class:`FlagLateStep`)."""
-        if self.side is not None or self.late_flags:
-            step, self._flag_host = self._flag_host, None
+        (:class:`FlagLateStep`; a late step on flags is not made where the capture's jobs run
+        as host nodes: those are not served on flags)."""
+        step, self._flag_host = self._flag_host, None
+        if self.side is not None or (self.late_flags and (
+                self.nodes is None or isinstance(self.nodes, FlagJobs))):
             if step is None or not step.inputs:
                 raise ValueError("a flag late step follows the host step whose job it reads")
             late = FlagLateStep(finish, like, self._flags(), len(self.pieces),

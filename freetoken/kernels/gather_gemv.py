@@ -369,10 +369,15 @@ def stacked(gate: QuantTensor, up: QuantTensor) -> torch.Tensor | None:
 
 def gathered_reference(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor,
                        gate: QuantTensor, up: QuantTensor, down: QuantTensor,
-                       act: Act, bias: ExpertBias | None = None) -> torch.Tensor:
+                       act: Act, bias: ExpertBias | None = None,
+                       table: torch.Tensor | None = None) -> torch.Tensor:
     """Slow twin, and the path of layers without a fused kernel: the pairs' experts copied
     out, dequantised to ``x``'s dtype, batched matmuls (``expert_matmul.gathered``, so resident's
-    bits)."""
+    bits); ``table`` as :func:`gathered_fused`'s (a pair without a slot weighed 0)."""
+    if table is not None:
+        slot = table[index]
+        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
+        index = slot.clamp(min=0)
 
     def picked(qt: QuantTensor) -> torch.Tensor:
         sub = QuantTensor(qt.fmt, (index.numel(), *qt.shape[1:]), qt.data[index],

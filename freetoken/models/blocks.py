@@ -88,7 +88,6 @@ class Attention(nn.Module):
         o = attention(q, k, v, ctx, self.layer, self.scale, self.window)
         return self.o_proj(o.reshape(T, -1))
 
-
     def _norm_rotary(self, qk: torch.Tensor,
                      ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """q and k normalised and rotated in one GPU kernel (``kernels/token_steps.py``; its

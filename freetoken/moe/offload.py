@@ -309,9 +309,7 @@ class OffloadExperts(Experts):
                             "/".join(v.fmt for v in views), type(e).__name__,
                             str(e).splitlines()[0] if str(e) else "")
                 self.gpu_kernel = "dequant"
-        slot = table[ids.reshape(-1)]
-        w = torch.where((slot >= 0).view(w.shape), w, torch.zeros_like(w))
-        return gathered_reference(x, w, slot.clamp(min=0), *views, self.act, bias)
+        return gathered_reference(x, w, ids.reshape(-1), *views, self.act, bias, table)
 
     def _runtime(self) -> OffloadRuntime:
         if self.runtime is None or self.bank is None:

@@ -61,8 +61,8 @@ class PiecewiseCapture:
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[Break | HostStep | LateStep] = []
         self.nodes: HostNodes | None = None  # made by the first node()
-        # the last host step, for the late step after it
-        self._flag_host: FlagHostStep | HostStep | None = None
+        # the last host step, for a late step on flags after it
+        self._last_host: FlagHostStep | HostStep | None = None
         # pinned buffers of the nodes, by (rows, hidden, top-k): the layers take turns on them
         # in stream order
         self._node_buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
@@ -89,14 +89,14 @@ class PiecewiseCapture:
         it all)."""
         xf, wf = (x.float(), w.float()) if inputs else (x, w)  # ops of the current piece
         if self.side is not None:
-            step = self._flag_host = FlagHostStep(plan, xf, ids, wf, inputs, self.copier,
+            step = self._last_host = FlagHostStep(plan, xf, ids, wf, inputs, self.copier,
                                                   predicted, x, self._flags(), self.side,
                                                   len(self.pieces))
             return step.out
         step = self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
                                               predicted, like=x, prepare=prepare))
         if self.late_flags:
-            self._flag_host = step
+            self._last_host = step
         return step.out
 
     def node(self, executor: CpuMoeExecutor, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -138,7 +138,7 @@ class PiecewiseCapture:
         late steps on flags): inside the piece, after the host step before it
         (:class:`FlagLateStep`; a late step on flags is not made where the capture's jobs run
         as host nodes: those are not served on flags)."""
-        step, self._flag_host = self._flag_host, None
+        step, self._last_host = self._last_host, None
         if self.side is not None or (self.late_flags and (
                 self.nodes is None or isinstance(self.nodes, FlagJobs))):
             if step is None or not step.inputs:

@@ -108,6 +108,17 @@ def gpu_dense() -> str:
     return _choice("FREETOKEN_GPU_DENSE", GPU_DENSE)
 
 
+GPU_PDL = ("off", "on")
+
+
+def gpu_pdl() -> str:
+    """FREETOKEN_GPU_PDL: whether the GPU's Triton kernels are programmatic dependent launches
+    (compute capability 9 and above): ``on`` lets a kernel start while the one before it
+    ends and wait inside for that one's results, which hides a launch in a graph;
+    ``off`` (default until measured on a GPU) launches each after the one before ends."""
+    return _choice("FREETOKEN_GPU_PDL", GPU_PDL)
+
+
 RESIDENT_BLOCKS = ("file", "regrouped")
 
 

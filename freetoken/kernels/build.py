@@ -1,11 +1,18 @@
 """A Triton kernel that fails to build: which errors are Triton's own, and a switch that turns
 a step's kernels off at the first such failure, logged once, so its torch twin runs from then
-on (a GPU or driver the compiler rejects must not take the server down)."""
+on (a GPU or driver the compiler rejects must not take the server down). And the launch
+arguments every kernel takes for programmatic dependent launch (:func:`overlap`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from collections.abc import Callable
+
+import torch
+
+from freetoken import env
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +54,22 @@ class KernelSwitch:
                         self.instead)
             return False
         return True
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    major, _ = torch.cuda.get_device_capability(index)
+    return major
+
+
+def overlap(device: torch.device) -> dict[str, bool]:
+    """Launch arguments for a kernel that may start while the kernel before it in the stream
+    ends (programmatic dependent launch: FREETOKEN_GPU_PDL=on, a GPU of compute capability 9
+    or above, not Triton's interpreter): ``launch_pdl`` for Triton and the kernel's own
+    ``PDL``, with which it waits for the kernel before (``triton_overlap.inputs_ready``)
+    before it reads anything another kernel wrote. Else none: the kernel's PDL stays False."""
+    if device.type != "cuda" or env.gpu_pdl() != "on" or os.environ.get("TRITON_INTERPRET") == "1":
+        return {}
+    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}

@@ -33,6 +33,7 @@ import torch
 from freetoken import env
 from freetoken.errors import ConfigError
 from freetoken.kernels.activation import ACTIVATIONS, glu
+from freetoken.kernels.build import overlap
 from freetoken.kernels.expert_matmul import ExpertBias, gathered
 from freetoken.quant import QuantTensor, dequantize_as, get_format
 
@@ -158,7 +159,7 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
         FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
-        num_warps=spec.warps)
+        num_warps=spec.warps, **overlap(x.device))
     return out
 
 
@@ -228,7 +229,8 @@ def gather_gemv_scaled(w: QuantTensor, index: torch.Tensor, x: torch.Tensor, per
     triton_gemv.gather_gemv_scaled[grid](
         w.data, ws, ws2, wu, su, gu, index, x, out, R, per, w.data.stride(0), w.data.stride(1),
         ws.stride(0), ws.stride(1), g_stride, x.stride(0), out.stride(0), FMT=w.fmt, NB=nb,
-        BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits, num_warps=spec.warps)
+        BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits, num_warps=spec.warps,
+        **overlap(x.device))
     return out
 
 
@@ -273,7 +275,7 @@ def dense_gemv(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     triton_gemv.dense_gemv[(triton.cdiv(R, spec.rows),)](
         data, x, out, R, T, data.stride(0), x.stride(0), out.stride(0),
         NB=row_bytes // 272, BLOCK_R=spec.rows, STEP=spec.step, TOK=triton.next_power_of_2(T),
-        BITS=spec.bits, num_warps=spec.warps)
+        BITS=spec.bits, num_warps=spec.warps, **overlap(x.device))
     return out
 
 
@@ -349,7 +351,9 @@ def weighed(y: torch.Tensor, w: torch.Tensor, slot: torch.Tensor | None = None) 
     block = min(BLOCK_H, triton.next_power_of_2(H))
     triton_gemv.weigh_sum[(T, triton.cdiv(H, block))](
         y, w.contiguous(), y if slot is None else slot.contiguous(), out, H, y.stride(0),
-        out.stride(0), A=A, BLOCK=block, MASK=slot is not None, num_warps=4)
+        out.stride(0), A=A, BLOCK=block, MASK=slot is not None, num_warps=4,
+        enable_fp_fusion=False,  # torch rounds each product before the sum: no fused add
+        **overlap(y.device))
     return out
 
 

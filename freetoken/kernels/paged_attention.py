@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from freetoken.kernels.build import KernelSwitch
+from freetoken.kernels.build import KernelSwitch, overlap
 
 BLOCK_S = 64  # keys per loop step
 SWITCH = KernelSwitch("attention takes the torch path")
@@ -69,6 +69,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
             out.stride(1), scale, window, k, v, slots, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), GROUP=group, GP=max(16, triton.next_power_of_2(group)),
             D=D, DP=max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S,
-            MMA=q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(), num_warps=4)
+            MMA=q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(), num_warps=4,
+            **overlap(q.device))
 
     return out if SWITCH.launch(launch, "decode attention") else None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels.build import KernelSwitch
+from freetoken.kernels.build import KernelSwitch, overlap
 
 MODES = {"qwen": 0, "unit_offset": 1, "float_scale": 2}  # how the scale is applied
 MAX_DIM = 16384  # one row per program, held in registers
@@ -61,7 +61,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: str) -> torch.T
     def launch() -> None:
         triton_token_steps.rms_norm[(n,)](
             rows, w, out, dim, heads, tok, head, out.stride(0), eps, MODE=MODES[mode],
-            BLOCK=block, num_warps=max(1, min(8, block // 256)))
+            BLOCK=block, num_warps=max(1, min(8, block // 256)), **overlap(x.device))
 
     return out.view(x.shape) if n == 0 or SWITCH.launch(launch, "RMSNorm") else None
 
@@ -83,7 +83,8 @@ def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float,
     def launch() -> None:
         triton_token_steps.add_rms_norm[(T,)](
             x, a, w, h, out, dim, x.stride(0), a.stride(0), h.stride(0), out.stride(0), eps,
-            MODE=MODES[mode], BLOCK=block, num_warps=max(1, min(8, block // 256)))
+            MODE=MODES[mode], BLOCK=block, num_warps=max(1, min(8, block // 256)),
+            **overlap(x.device))
 
     return (h, out) if T == 0 or SWITCH.launch(launch, "residual add and RMSNorm") else None
 
@@ -120,7 +121,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             x, cos, sin, pos, out, heads, x.stride(0), x.stride(1), out.stride(0),
             HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
             ROUND=x.dtype != torch.float32, num_warps=1,
-            enable_fp_fusion=False)  # torch's float32 path multiplies, rounds, then adds
+            enable_fp_fusion=False,  # torch's float32 path multiplies, rounds, then adds
+            **overlap(x.device))
 
     return out if T == 0 or SWITCH.launch(launch, "rotary") else None
 
@@ -154,7 +156,8 @@ def norm_rotary(qk: torch.Tensor, n_q: int, q_w: torch.Tensor, k_w: torch.Tensor
         triton_token_steps.norm_rotary[(T, heads)](
             qk, q_w, k_w, cos, sin, pos, q, k, n_q, qk.stride(0), q.stride(0), k.stride(0), eps,
             MODE=MODES[mode], HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2),
-            ROUND=qk.dtype != torch.float32, num_warps=1, enable_fp_fusion=False)
+            ROUND=qk.dtype != torch.float32, num_warps=1, enable_fp_fusion=False,
+            **overlap(qk.device))
 
     return (q, k) if T == 0 or SWITCH.launch(launch, "norm and rotary") else None
 
@@ -184,6 +187,6 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
         triton_token_steps.route_topk[(T,)](
             logits, ids, weights, E, logits.stride(0), K=top_k,
             KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(E),
-            NORM=renormalise, num_warps=1 if E <= 256 else 4)
+            NORM=renormalise, num_warps=1 if E <= 256 else 4, **overlap(logits.device))
 
     return (ids, weights) if T == 0 or SWITCH.launch(launch, "routing") else None

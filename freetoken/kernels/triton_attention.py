@@ -6,18 +6,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton_overlap import inputs_ready
+
 
 @triton.jit
 def decode_attention(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, q_tok, q_head, kv_slot,
                      kv_head, slots_row, out_tok, out_head, scale, window, k_new_ptr, v_new_ptr,
                      new_slot_ptr, k_tok, k_head, v_tok, v_head,
                      GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                     DP: tl.constexpr, BLOCK_S: tl.constexpr, MMA: tl.constexpr):
+                     DP: tl.constexpr, BLOCK_S: tl.constexpr, MMA: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Sequence b (axis 0), KV head h (axis 1): the new key and value of head h stored in
     their slot first, then its GROUP query heads against keys 0..pos of the sequence
     (pos - window < j with a window), read from their slots, online softmax in float32; the
     two products on the tensor cores in the cache's dtype with MMA (the probabilities rounded
     to it first, as flash attention does), else in float32."""
+    inputs_ready(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, GP)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton_blocks import as_f32, block_rows, q8_0x8_blocks
+from freetoken.kernels.triton_overlap import inputs_ready
 
 
 @triton.jit
@@ -51,7 +52,9 @@ def _glu(g, u, ACT: tl.constexpr):
 @triton.jit
 def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
                 out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                STEP: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr = False):
+                STEP: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr = False,
+                PDL: tl.constexpr = False):
+    inputs_ready(PDL)
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
     acc = block_rows(FMT, w_ptr, w_ptr, base, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
@@ -64,10 +67,11 @@ def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_strid
 
 @triton.jit
 def weigh_sum(y_ptr, w_ptr, slot_ptr, out_ptr, H, y_stride, out_stride, A: tl.constexpr,
-              BLOCK: tl.constexpr, MASK: tl.constexpr):
+              BLOCK: tl.constexpr, MASK: tl.constexpr, PDL: tl.constexpr = False):
     """``out[t, cols] = sum_a w[t, a] * y[t * A + a, cols]`` with torch's roundings of
     ``weigh_pairs``: w and each product rounded to out's dtype, summed in float32 (pair
     order), rounded once. MASK: a pair whose ``slot`` is negative adds nothing (not read)."""
+    inputs_ready(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -88,10 +92,11 @@ def gather_gemv_scaled(w_ptr, s_ptr, g_ptr, wu_ptr, su_ptr, gu_ptr, index_ptr, x
                        R, per, slot_stride, row_stride, s_slot_stride, s_row_stride,
                        g_slot_stride, x_stride, out_stride, FMT: tl.constexpr,
                        NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr,
-                       ACT: tl.constexpr, BITS: tl.constexpr = False):
+                       ACT: tl.constexpr, BITS: tl.constexpr = False, PDL: tl.constexpr = False):
     """:func:`gather_gemv` for codes with scales apart (module docstring); the row sums times
     the slot's global scale. With ACT, up's codes, scales and global scales at wu_ptr, su_ptr
     and gu_ptr."""
+    inputs_ready(PDL)
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
     slot = tl.load(index_ptr + p).to(tl.int64)
@@ -107,9 +112,10 @@ def gather_gemv_scaled(w_ptr, s_ptr, g_ptr, wu_ptr, su_ptr, gu_ptr, index_ptr, x
 @triton.jit
 def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
                NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr, TOK: tl.constexpr,
-               BITS: tl.constexpr = False):
+               BITS: tl.constexpr = False, PDL: tl.constexpr = False):
     """``out[t, rows] = W[rows] @ x[t]`` for the T <= TOK rows of x: one Q8_0x8 matrix (a dense
     layer at decode) read once for all of them, each product q8_0's ``q * (x * d)``."""
+    inputs_ready(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     base = rows.to(tl.int64) * row_stride

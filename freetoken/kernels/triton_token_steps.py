@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton_overlap import inputs_ready
+
 
 @triton.jit
 def _scaled(h, w, dt: tl.constexpr, MODE: tl.constexpr):
@@ -42,10 +44,11 @@ def _rotated(lo, hi, cos_ptr, sin_ptr, pos, i, ok, dt: tl.constexpr, HALF: tl.co
 
 @triton.jit
 def rms_norm(x_ptr, w_ptr, out_ptr, dim, heads, x_tok, x_head, out_stride, eps,
-             MODE: tl.constexpr, BLOCK: tl.constexpr):
+             MODE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One row per program (row r: token r // heads, head r % heads, at their strides):
     h = x / rms(x) in float32; MODE 0 (Qwen) w * h rounded to the output dtype first,
     1 (Gemma) h * (1 + w), 2 (plain float scale) h * w."""
+    inputs_ready(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -59,9 +62,11 @@ def rms_norm(x_ptr, w_ptr, out_ptr, dim, heads, x_tok, x_head, out_stride, eps,
 
 @triton.jit
 def add_rms_norm(x_ptr, a_ptr, w_ptr, h_ptr, out_ptr, dim, x_stride, a_stride, h_stride,
-                 out_stride, eps, MODE: tl.constexpr, BLOCK: tl.constexpr):
+                 out_stride, eps, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """One row per program: h = x + a rounded to h's dtype (as torch's add), then
     :func:`rms_norm` of h into out."""
+    inputs_ready(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
@@ -79,10 +84,12 @@ def add_rms_norm(x_ptr, a_ptr, w_ptr, h_ptr, out_ptr, dim, x_stride, a_stride, h
 
 @triton.jit
 def rotary_neox(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, heads, x_tok, x_head, out_tok,
-                HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+                HALF: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                PDL: tl.constexpr = False):
     """One (token, head) per program: out = x * cos + rot(x) * sin at the token's position,
     rot(x) = (-x[half:], x[:half]). With ROUND, cos/sin are first rounded to x's dtype and
     each product and the sum rounded to it, as torch's elementwise ops on that dtype do."""
+    inputs_ready(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, BLOCK)
@@ -101,10 +108,11 @@ def rotary_neox(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, heads, x_tok, x_head,
 @triton.jit
 def norm_rotary(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, n_q, x_tok,
                 q_tok, k_tok, eps, MODE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                ROUND: tl.constexpr):
+                ROUND: tl.constexpr, PDL: tl.constexpr = False):
     """One (token, head) per program over q's heads then k's (a row of x holds them in that
     order, HALF * 2 values a head): :func:`rms_norm` of the head with q_norm's or k_norm's
     weight, rounded to the output dtype as it stores, then :func:`rotary_neox` on that."""
+    inputs_ready(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -133,9 +141,10 @@ def norm_rotary(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, 
 
 @triton.jit
 def route_topk(logits_ptr, ids_ptr, w_ptr, E, stride, K: tl.constexpr, KB: tl.constexpr,
-               BLOCK: tl.constexpr, NORM: tl.constexpr):
+               BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
     """One token per program: softmax over its E router logits in float32, the K largest
     (the lower id first on a tie), renormalised to sum 1 when NORM."""
+    inputs_ready(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     ok = i < E

@@ -14,10 +14,19 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-module, name, signature, constexprs = sys.argv[1], sys.argv[2], *map(json.loads, sys.argv[3:])
+module, name = sys.argv[1], sys.argv[2]
+signature, constexprs, options = map(json.loads, sys.argv[3:])
 fn = getattr(importlib.import_module(module), name)
 src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
+asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm
+assert asm["cubin"], "no cubin"
+if constexprs.get("PDL"):  # no global read before the wait for the kernel before
+    ptx = asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert wait >= 0, "no griddepcontrol.wait"
+    assert "griddepcontrol.launch_dependents" in ptx, "no griddepcontrol.launch_dependents"
+    first = ptx.find("ld.global")
+    assert first < 0 or wait < first, ptx[first - 400:first + 100]
 """
 
 
@@ -31,12 +40,17 @@ def triton_runs(request) -> None:
 
 
 def compile_for_sm90(module: str, kernel: str, signature: dict[str, str],
-                     constexprs: dict[str, object]) -> None:
+                     constexprs: dict[str, object], pdl: bool = False) -> None:
     """``module.kernel`` through Triton's whole compiler for an sm_90 GPU, which needs no GPU:
-    the interpreter runs what the compiler rejects (say, a non-constexpr global)."""
+    the interpreter runs what the compiler rejects (say, a non-constexpr global). With
+    ``pdl``, compiled as ``kernels/build.py:overlap`` launches it, and its PTX must wait for
+    the kernel before it ahead of any global read."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    signature = {**signature, "PDL": "constexpr"}
+    constexprs = {**constexprs, "PDL": pdl}
+    options = {"launch_pdl": True} if pdl else {}
     run = subprocess.run([sys.executable, "-c", _COMPILE, module, kernel, json.dumps(signature),
-                          json.dumps(constexprs)], env=env, capture_output=True, text=True,
-                         timeout=300)
+                          json.dumps(constexprs), json.dumps(options)], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

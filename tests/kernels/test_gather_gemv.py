@@ -227,7 +227,8 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
                       "STEP": spec.step, "ACT": act,
-                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4")})
+                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4")},
+                     pdl=dtype == "*bf16")
 
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
@@ -244,7 +245,8 @@ def test_the_scaled_kernel_compiles_for_a_gpu(dtype: str, act: int) -> None:
            "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv_scaled", sig,
                      {"FMT": "nvfp4", "NB": 2816 // spec.block, "BLOCK_R": spec.rows,
-                      "STEP": spec.step, "ACT": act, "BITS": spec.bits})
+                      "STEP": spec.step, "ACT": act, "BITS": spec.bits},
+                     pdl=dtype == "*bf16")
 
 
 def test_gate_and_up_run_as_one_stack_where_their_rows_follow():
@@ -472,4 +474,5 @@ def test_the_weighted_sum_compiles_for_a_gpu(dtype: str, mask: bool) -> None:
            "y_stride": "i64", "out_stride": "i64", "A": "constexpr", "BLOCK": "constexpr",
            "MASK": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "weigh_sum", sig,
-                     {"A": 8, "BLOCK": 1024, "MASK": mask})
+                     {"A": 8, "BLOCK": 1024, "MASK": mask},
+                     pdl=dtype == "*bf16")

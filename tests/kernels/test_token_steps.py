@@ -71,7 +71,8 @@ def test_kernel_compiles_for_a_gpu(dtype: str, mode: int) -> None:
     sig = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "dim": "i32", "heads": "i32",
            "x_tok": "i64", "x_head": "i64", "out_stride": "i64", "eps": "fp32",
            "MODE": "constexpr", "BLOCK": "constexpr"}
-    compile_for_sm90(STEPS, "rms_norm", sig, {"MODE": mode, "BLOCK": 2048})
+    compile_for_sm90(STEPS, "rms_norm", sig, {"MODE": mode, "BLOCK": 2048},
+                     pdl=dtype == "*bf16")
 
 
 @pytest.fixture
@@ -107,7 +108,8 @@ def test_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: bool) -> None:
     sig = {"x_ptr": dtype, "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
            "out_ptr": dtype, "heads": "i32", "x_tok": "i64", "x_head": "i64", "out_tok": "i64",
            "HALF": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr"}
-    compile_for_sm90(STEPS, "rotary_neox", sig, {"HALF": 64, "BLOCK": 64, "ROUND": rnd})
+    compile_for_sm90(STEPS, "rotary_neox", sig, {"HALF": 64, "BLOCK": 64, "ROUND": rnd},
+                     pdl=dtype == "*bf16")
 
 
 @pytest.fixture
@@ -157,7 +159,8 @@ def test_norm_rotary_kernel_compiles_for_a_gpu(dtype: str, rnd: bool, mode: int)
            "x_tok": "i64", "q_tok": "i64", "k_tok": "i64", "eps": "fp32", "MODE": "constexpr",
            "HALF": "constexpr", "BLOCK": "constexpr", "ROUND": "constexpr"}
     compile_for_sm90(STEPS, "norm_rotary", sig, {"MODE": mode, "HALF": 64, "BLOCK": 64,
-                                                 "ROUND": rnd})
+                                                 "ROUND": rnd},
+                     pdl=dtype == "*bf16")
 
 
 @pytest.fixture
@@ -204,7 +207,8 @@ def test_routing_kernel_takes_the_lower_id_on_a_tie():
 def test_routing_kernel_compiles_for_a_gpu(dtype: str) -> None:
     sig = {"logits_ptr": dtype, "ids_ptr": "*i64", "w_ptr": dtype, "E": "i32", "stride": "i64",
            "K": "constexpr", "KB": "constexpr", "BLOCK": "constexpr", "NORM": "constexpr"}
-    compile_for_sm90(STEPS, "route_topk", sig, {"K": 8, "KB": 8, "BLOCK": 128, "NORM": True})
+    compile_for_sm90(STEPS, "route_topk", sig, {"K": 8, "KB": 8, "BLOCK": 128, "NORM": True},
+                     pdl=dtype == "*bf16")
 
 
 @pytest.fixture
@@ -244,4 +248,5 @@ def test_add_norm_kernel_compiles_for_a_gpu(dtype: str, mode: int) -> None:
     sig = {"x_ptr": dtype, "a_ptr": dtype, "w_ptr": dtype, "h_ptr": dtype, "out_ptr": dtype,
            "dim": "i32", "x_stride": "i64", "a_stride": "i64", "h_stride": "i64",
            "out_stride": "i64", "eps": "fp32", "MODE": "constexpr", "BLOCK": "constexpr"}
-    compile_for_sm90(STEPS, "add_rms_norm", sig, {"MODE": mode, "BLOCK": 2048})
+    compile_for_sm90(STEPS, "add_rms_norm", sig, {"MODE": mode, "BLOCK": 2048},
+                     pdl=dtype == "*bf16")

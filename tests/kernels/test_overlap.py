@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (``kernels/build.py:overlap``, FREETOKEN_GPU_PDL): when the
+kernels take it, and that it changes only when a kernel starts, never what it computes. Each
+kernel's wait ahead of its first global read is checked in its compile test (``pdl=``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from freetoken.config import CacheSizing
+from freetoken.errors import ConfigError
+from freetoken.kernels.build import overlap
+
+
+def test_off_by_default_and_never_on_the_cpu(monkeypatch):
+    monkeypatch.delenv("FREETOKEN_GPU_PDL", raising=False)
+    assert overlap(torch.device("cuda", 0)) == {}
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", "on")
+    assert overlap(torch.device("cpu")) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no such launch
+    assert overlap(torch.device("cuda", 0)) == {}
+
+
+def test_an_unknown_setting_is_named(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", "yes")
+    with pytest.raises(ConfigError, match="FREETOKEN_GPU_PDL='yes' is not one of off, on"):
+        overlap(torch.device("cuda", 0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["resident", "offload", "hybrid", "cpu"])
+def test_decode_graphs_give_the_same_bits_with_overlapped_launches(tmp_path, monkeypatch,
+                                                                   strategy):
+    """A decode through the step's graphs with every Triton kernel launched to overlap the one
+    before gives the logits of plain launches, bit for bit (the same kernels, the same
+    order of sums: only when they start differs)."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine.runner import ModelRunner
+    from freetoken.layers.context import Segment
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9 or above")
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    model = tmp_path / "tiny.gguf"
+    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
+                    "--expert-format", "q8_0", "--out", str(model)], check=True,
+                   capture_output=True, timeout=300)
+    ids = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9]
+    logits = {}
+    for pdl in ("off", "on"):
+        monkeypatch.setenv("FREETOKEN_GPU_PDL", pdl)
+        cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
+                           moe_strategy=strategy, max_seq_len=256, cuda_graph_max_bs=4,
+                           moe_cpu_threads=1, moe_cache=CacheSizing("size", 5),
+                           moe_hybrid_max_fetch=1, moe_hybrid_online=False)
+        runner = ModelRunner(cfg, kv_tokens=512, progress=False)
+        assert runner.graphs is not None
+        assert bool(overlap(torch.device("cuda"))) == (pdl == "on")
+        pages = runner.kv.allocate(runner.pages_for(len(ids)))
+        logits[pdl] = torch.cat([runner.forward([[t]], [Segment(pages, i, 1)]).float().cpu()
+                                 for i, t in enumerate(ids)])
+        del runner
+        torch.cuda.empty_cache()
+    assert torch.equal(logits["on"], logits["off"])

@@ -155,7 +155,9 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     graph wait for the CPU's results on flags inside its pieces (FREETOKEN_LATE_STEPS=flags;
     else late steps between pieces), ``+pdl`` / ``+nopdl`` launch the GPU's Triton kernels
     to overlap the kernel before or not (FREETOKEN_GPU_PDL=on / off; else the engine's
-    default), ``+nocheck`` leaves an
+    default), ``+fusedrouter`` / ``+matmulrouter`` route a decode step with the router's
+    matmul in the routing kernel or apart (FREETOKEN_GPU_ROUTER; else the engine's default),
+    ``+nocheck`` leaves an
     online split without its wall check (FREETOKEN_WALL_CHECK=off), ``+timing`` times the CPU
     pool's jobs item by item (``pool_jobs``: where a hybrid or cpu job's time went). A greedy
     run (``+greedy``, ``--temperature 0``) of hybrid fetches every miss, as the engine does by
@@ -169,7 +171,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     unknown = set(options) - set(shares) - {
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
         "hostnode", "flags", "pieces", "early", "greedy", "nocheck", "timing", "regrouped",
-        "denseblocks", "greedysplit", "lateflags", "pdl", "nopdl"}
+        "denseblocks", "greedysplit", "lateflags", "pdl", "nopdl",
+        "fusedrouter", "matmulrouter"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -186,6 +189,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"
     os.environ["FREETOKEN_LATE_STEPS"] = "flags" if "lateflags" in options else "breaks"
     set_env("FREETOKEN_GPU_PDL", {"pdl": "on", "nopdl": "off"}, options)
+    set_env("FREETOKEN_GPU_ROUTER", {"fusedrouter": "fused", "matmulrouter": "matmul"}, options)
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))
     timed = args.prefill_strategies is None or name in args.prefill_strategies.split(",")
     prefill = [int(n) for n in args.prefill_tokens.split(",") if n and timed]

@@ -119,6 +119,16 @@ def gpu_pdl() -> str:
     return _choice("FREETOKEN_GPU_PDL", GPU_PDL)
 
 
+GPU_ROUTER = ("matmul", "fused")
+
+
+def gpu_router() -> str:
+    """FREETOKEN_GPU_ROUTER: how a decode step routes its tokens on a GPU: ``matmul``
+    (default until measured: the router's matmul, then the routing kernel) or ``fused`` (the
+    two in one kernel, ``kernels/token_steps.py:route_from_hidden``)."""
+    return _choice("FREETOKEN_GPU_ROUTER", GPU_ROUTER)
+
+
 RESIDENT_BLOCKS = ("file", "regrouped")
 
 

@@ -18,12 +18,17 @@ launch costs more than its arithmetic.
   slow twin is ``models/blocks.py:MoEBlock.choose``: the same experts but where two
   probabilities tie to float32 rounding (the kernel takes the lower id, as the CPU's native
   router does), weights to float32 rounding (its exp is not torch's).
+- At decode, the router's matmul and the routing as one kernel (``route_from_hidden``): each
+  program sums a few router rows for a token, and the one that completes the token's logits
+  routes them. Its slow twin is the matmul, then :func:`route`; the logits are summed in
+  another order than the matmul's, so a near tie may pick the other expert.
 """
 
 from __future__ import annotations
 
 import torch
 
+from freetoken import env
 from freetoken.kernels.build import KernelSwitch, overlap
 
 MODES = {"qwen": 0, "unit_offset": 1, "float_scale": 2}  # how the scale is applied
@@ -190,3 +195,61 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool,
             NORM=renormalise, num_warps=1 if E <= 256 else 4, **overlap(logits.device))
 
     return (ids, weights) if T == 0 or SWITCH.launch(launch, "routing") else None
+
+
+ROUTE_TOKENS = 8  # tokens of a decode step whose router matmul runs in the routing kernel
+ROUTE_ROWS = 4  # router rows a program sums
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # per GPU: programs done, per token
+
+
+def route_from_hidden_usable(x: torch.Tensor, gate: torch.Tensor, top_k: int) -> bool:
+    """Whether :func:`route_from_hidden` takes these (FREETOKEN_GPU_ROUTER=fused): at most
+    ROUTE_TOKENS GPU rows x (T, H) with unit stride, a router weight (E, H) contiguous in
+    x's dtype, k <= E <= MAX_EXPERTS."""
+    return (x.is_cuda and SWITCH.on and env.gpu_router() == "fused" and x.dim() == 2
+            and 0 < x.shape[0] <= ROUTE_TOKENS
+            and x.stride(1) == 1 and gate.dim() == 2 and gate.shape[1] == x.shape[1]
+            and gate.dtype == x.dtype and gate.is_contiguous() and gate.device == x.device
+            and top_k <= gate.shape[0] <= MAX_EXPERTS)
+
+
+def _counts(device: torch.device) -> torch.Tensor | None:
+    """The device's per-token counters (zero between launches: the last program of a token
+    sets its counter back). Made outside a graph capture, so a capture finds them made (the
+    eager warm-up before it routes first); None inside a capture that has none yet."""
+    counts = _COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[device] = torch.zeros(ROUTE_TOKENS, dtype=torch.int32, device=device)
+    return counts
+
+
+def route_from_hidden(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalise: bool,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-k expert ids (T, k) int64 and weights (T, k) in ``dtype`` from hidden rows x (T, H)
+    and the router's weight (E, H) in one launch; None when the kernel failed to build
+    (logged once) or has no counters yet inside a capture (the caller takes the matmul and
+    :func:`route`). The launches on a device run one after another (one stream): they share
+    its counters."""
+    import triton
+
+    from freetoken.kernels import triton_token_steps
+
+    T, H = x.shape
+    E = gate.shape[0]
+    counts = _counts(x.device)
+    if counts is None:
+        return None
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k, dtype=dtype, device=x.device)
+
+    def launch() -> None:
+        triton_token_steps.route_hidden[(T, triton.cdiv(E, ROUTE_ROWS))](
+            x, gate, logits, counts, ids, weights, H, E, x.stride(0), K=top_k,
+            KB=triton.next_power_of_2(top_k), BLOCK=triton.next_power_of_2(E), ROWS=ROUTE_ROWS,
+            BLOCK_H=min(512, triton.next_power_of_2(H)), NORM=renormalise, num_warps=4,
+            **overlap(x.device))
+
+    return (ids, weights) if SWITCH.launch(launch, "router and routing") else None

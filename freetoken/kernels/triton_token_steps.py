@@ -140,15 +140,10 @@ def norm_rotary(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, k_ptr, 
 
 
 @triton.jit
-def route_topk(logits_ptr, ids_ptr, w_ptr, E, stride, K: tl.constexpr, KB: tl.constexpr,
-               BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
-    """One token per program: softmax over its E router logits in float32, the K largest
-    (the lower id first on a tie), renormalised to sum 1 when NORM."""
-    inputs_ready(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    ok = i < E
-    logit = tl.load(logits_ptr + t * stride + i, mask=ok, other=float("-inf")).to(tl.float32)
+def _top_k(logit, ok, i, ids_ptr, w_ptr, t, K: tl.constexpr, KB: tl.constexpr,
+           BLOCK: tl.constexpr, NORM: tl.constexpr):
+    """Softmax over a token's logits (float32, -inf where not ``ok``), the K largest (the lower
+    id first on a tie), renormalised to sum 1 when NORM, stored at row t of ids and w."""
     e = tl.exp(logit - tl.max(logit, axis=0))
     e = tl.where(ok, e, 0.0)
     p = e / tl.sum(e, axis=0)
@@ -166,3 +161,50 @@ def route_topk(logits_ptr, ids_ptr, w_ptr, E, stride, K: tl.constexpr, KB: tl.co
         vals = vals / tl.sum(vals, axis=0)
     tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
     tl.store(w_ptr + t * K + slot, vals.to(w_ptr.dtype.element_ty), mask=slot < K)
+
+
+@triton.jit
+def route_topk(logits_ptr, ids_ptr, w_ptr, E, stride, K: tl.constexpr, KB: tl.constexpr,
+               BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    """One token per program: softmax over its E router logits in float32, the K largest
+    (the lower id first on a tie), renormalised to sum 1 when NORM."""
+    inputs_ready(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < E
+    logit = tl.load(logits_ptr + t * stride + i, mask=ok, other=float("-inf")).to(tl.float32)
+    _top_k(logit, ok, i, ids_ptr, w_ptr, t, K, KB, BLOCK, NORM)
+
+
+@triton.jit
+def route_hidden(x_ptr, g_ptr, logits_ptr, count_ptr, ids_ptr, w_ptr, H, E, x_stride,
+                 K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_H: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    """Token t (axis 0), router rows ROWS * axis 1 on: those rows' logits (``x @ g^T``, summed
+    in float32, rounded to x's dtype as the matmul stores them) into float32 ``logits``
+    (T, E); the program that completes the token's logits (``count`` per token, which it sets
+    back to 0 for the next launch) takes the token's top K from them as :func:`route_topk`."""
+    inputs_ready(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < E
+    cols = tl.arange(0, BLOCK_H)
+    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        c = h0 + cols
+        ok = c < H
+        x = tl.load(x_ptr + t * x_stride + c, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rows[:, None].to(tl.int64) * H + c[None, :],
+                    mask=row_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        acc += g * x[None, :]
+    logit = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + t * E + rows, logit, mask=row_ok)
+    # the stores above are seen by whichever program counts last (release, then acquire)
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        i = tl.arange(0, BLOCK)
+        ok = i < E
+        every = tl.load(logits_ptr + t * E + i, mask=ok, other=float("-inf"),
+                        cache_modifier=".cg")  # from L2: other programs wrote them
+        _top_k(every, ok, i, ids_ptr, w_ptr, t, K, KB, BLOCK, NORM)
+        tl.store(count_ptr + t, 0)

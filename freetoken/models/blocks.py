@@ -18,6 +18,8 @@ from freetoken.kernels.token_steps import (
     norm_rotary,
     norm_rotary_usable,
     route,
+    route_from_hidden,
+    route_from_hidden_usable,
     route_usable,
     usable,
 )
@@ -146,7 +148,14 @@ class MoEBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> top-k expert ids (T, A) and their weights (T, A) in x's dtype."""
-        logits = self.gate(x)
+        gate = self.gate
+        if type(gate) is Linear and gate.bias is None \
+                and route_from_hidden_usable(x, gate.weight, self.top_k):
+            # a decode step's matmul and routing in one GPU kernel (kernels/token_steps.py)
+            got = route_from_hidden(x, gate.weight, self.top_k, self.norm_topk_prob, x.dtype)
+            if got is not None:
+                return got
+        logits = gate(x)
         if logits.is_cpu and logits.dtype is torch.float32 and logits.dim() == 2 \
                 and self.top_k <= logits.shape[1]:
             fn = _native_route()

@@ -31,19 +31,24 @@ def test_an_unknown_setting_is_named(monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("router", ["matmul", "fused"])
 @pytest.mark.parametrize("strategy", ["resident", "offload", "hybrid", "cpu"])
 def test_decode_graphs_give_the_same_bits_with_overlapped_launches(tmp_path, monkeypatch,
-                                                                   strategy):
+                                                                   strategy, router):
     """A decode through the step's graphs with every Triton kernel launched to overlap the one
     before gives the logits of plain launches, bit for bit (the same kernels, the same
-    order of sums: only when they start differs)."""
+    order of sums: only when they start differs); so with the router's matmul in the
+    routing kernel (FREETOKEN_GPU_ROUTER=fused, whose counters it then holds)."""
     from freetoken.config import EngineConfig
     from freetoken.engine.runner import ModelRunner
+    from freetoken.kernels.token_steps import _COUNTS
     from freetoken.layers.context import Segment
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9 or above")
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    monkeypatch.setenv("FREETOKEN_GPU_ROUTER", router)
+    _COUNTS.clear()
     model = tmp_path / "tiny.gguf"
     subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
                     "--expert-format", "q8_0", "--out", str(model)], check=True,
@@ -65,3 +70,4 @@ def test_decode_graphs_give_the_same_bits_with_overlapped_launches(tmp_path, mon
         del runner
         torch.cuda.empty_cache()
     assert torch.equal(logits["on"], logits["off"])
+    assert bool(_COUNTS) == (router == "fused")

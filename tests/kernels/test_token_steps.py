@@ -212,6 +212,57 @@ def test_routing_kernel_compiles_for_a_gpu(dtype: str) -> None:
 
 
 @pytest.fixture
+def router_kernel(triton_runs):
+    from freetoken.kernels.token_steps import route_from_hidden
+
+    return route_from_hidden
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T,H,E,k", [(1, 2048, 128, 8), (3, 96, 60, 4), (8, 64, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_router_and_routing_in_one_kernel_follow_the_matmul(router_kernel, device, T, H,
+                                                                 E, k, dtype):
+    """``route_from_hidden`` against the router's matmul then ``MoEBlock.choose``: the same
+    experts (float32 logits do not tie; in bf16 the chosen logits are the twin's to one bf16
+    step, the sums run in another order), their weights to rounding; the counters are back
+    at 0 after each launch, so a second launch gives the same."""
+    from freetoken.kernels.token_steps import _COUNTS
+    from freetoken.models.blocks import MoEBlock
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    gate = (torch.randn(E, H, generator=g) / H ** 0.5 * 3).to(device, dtype)
+    block = MoEBlock.__new__(MoEBlock)
+    block.top_k, block.norm_topk_prob = k, True
+    logits = torch.nn.functional.linear(x, gate)
+    want_ids, want_w = block.choose(logits, dtype)
+    ids, w = router_kernel(x, gate, k, True, dtype)
+    assert ids.dtype == torch.int64 and w.dtype == dtype and ids.shape == (T, k)
+    if dtype is torch.float32:
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-5)
+    else:
+        chosen, wanted = logits.gather(1, ids).float(), logits.gather(1, want_ids).float()
+        torch.testing.assert_close(chosen, wanted, rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=3e-2, atol=3e-2)
+    assert not _COUNTS[torch.device(device)].any()
+    again = router_kernel(x, gate, k, True, dtype)
+    assert torch.equal(again[0], ids) and torch.equal(again[1], w)
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_the_router_kernel_compiles_for_a_gpu(dtype: str) -> None:
+    sig = {"x_ptr": dtype, "g_ptr": dtype, "logits_ptr": "*fp32", "count_ptr": "*i32",
+           "ids_ptr": "*i64", "w_ptr": dtype, "H": "i32", "E": "i32", "x_stride": "i64",
+           "K": "constexpr", "KB": "constexpr", "BLOCK": "constexpr", "ROWS": "constexpr",
+           "BLOCK_H": "constexpr", "NORM": "constexpr"}
+    compile_for_sm90(STEPS, "route_hidden", sig, {"K": 8, "KB": 8, "BLOCK": 128, "ROWS": 4,
+                                                  "BLOCK_H": 512, "NORM": True},
+                     pdl=dtype == "*bf16")
+
+
+@pytest.fixture
 def add_norm_kernel(triton_runs):
     from freetoken.kernels.token_steps import add_rms_norm
 

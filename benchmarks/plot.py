@@ -288,7 +288,11 @@ if __name__ == "__main__":
     # at ba5d48c the token kernels were the default and +pairgemv the pair kernels
     resident_sitting_plot("ba5d48c", names={"resident": "token kernels (then the default)",
                                             "resident+pairgemv": "pair kernels (now)"})
+    peer_sitting_plot("5386f2a")
+    resident_sitting_plot("5386f2a")
     peer_sitting_plot("a9b9a4b", "qwen3-30b-a3b-48l-skew",
+                      "48-layer qwen3-30b-a3b q8_0, skewed router")
+    peer_sitting_plot("5386f2a", "qwen3-30b-a3b-48l-skew",
                       "48-layer qwen3-30b-a3b q8_0, skewed router")
     peer_sitting_plot("e2f4c22", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")
     peer_sitting_plot("7ac4c70", "gemma4-26b-a4b-30l", "gemma4-26b-a4b (29 q8_0 + 1 bf16 layers)")

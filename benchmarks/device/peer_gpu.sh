@@ -42,7 +42,7 @@ M=/tmp/$PRESET-${LAYERS}l$RTAG.gguf
   ${FORMAT:+--expert-format $FORMAT} --device cuda ${ROUTER:-} --out $M 2>&1 | tail -1
 [ -n "${WHILE_BUILDING:-}" ] && bash -c "$WHILE_BUILDING"
 [ -z "$BUILD" ] || wait $BUILD || { tail -20 /tmp/llama-build.log; exit 1; }
-LABEL=$PRESET-${LAYERS}l-${LABEL:-$GPU}
+LABEL=$PRESET-${LAYERS}l$RTAG-${LABEL:-$GPU}  # a ROUTER file's results named apart too
 if [[ -n "${BENCH_BW:-}" && $PARTS == *ours* ]]; then
   python3 -m freetoken.cli bench bw --model $M --device cuda --threads ${THREADS:-15} 2>&1 \
     | grep -v "it/s\]" | tail -3

@@ -15,18 +15,19 @@ from freetoken.errors import ConfigError
 from freetoken.kernels.build import overlap
 
 
-def test_off_by_default_and_never_on_the_cpu(monkeypatch):
-    monkeypatch.delenv("FREETOKEN_GPU_PDL", raising=False)
+def test_never_on_the_cpu_nor_when_off(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", "off")
     assert overlap(torch.device("cuda", 0)) == {}
-    monkeypatch.setenv("FREETOKEN_GPU_PDL", "on")
+    monkeypatch.delenv("FREETOKEN_GPU_PDL")  # on by default, but not on the CPU
     assert overlap(torch.device("cpu")) == {}
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", "on")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no such launch
     assert overlap(torch.device("cuda", 0)) == {}
 
 
 def test_an_unknown_setting_is_named(monkeypatch):
     monkeypatch.setenv("FREETOKEN_GPU_PDL", "yes")
-    with pytest.raises(ConfigError, match="FREETOKEN_GPU_PDL='yes' is not one of off, on"):
+    with pytest.raises(ConfigError, match="FREETOKEN_GPU_PDL='yes' is not one of on, off"):
         overlap(torch.device("cuda", 0))
 
 

@@ -246,7 +246,7 @@ def test_the_router_and_routing_in_one_kernel_follow_the_matmul(router_kernel, d
         chosen, wanted = logits.gather(1, ids).float(), logits.gather(1, want_ids).float()
         torch.testing.assert_close(chosen, wanted, rtol=2 ** -7, atol=2 ** -7)
         torch.testing.assert_close(w.float(), want_w.float(), rtol=3e-2, atol=3e-2)
-    assert not _COUNTS[torch.device(device)].any()
+    assert _COUNTS and not any(c.any() for c in _COUNTS.values())
     again = router_kernel(x, gate, k, True, dtype)
     assert torch.equal(again[0], ids) and torch.equal(again[1], w)
 

@@ -71,8 +71,9 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
 
 
 SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
-         "bits": (False, True)}
+         "bits": (False, True), "sums": (False, True)}
 BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4", "nvfp4"}  # kernels with a bits choice
+SUMS_FORMATS = {"q8_0x8"}  # kernels with a sums choice
 
 
 def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list[dict[str, Any]]:
@@ -84,29 +85,32 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list
     looped = any(saved[f].step > 1 for f in formats)
     grid = SWEEP
     bits = grid["bits"] if BITS_FORMATS & set(formats) else (False,)
+    sums = grid["sums"] if SUMS_FORMATS & set(formats) else (False,)
     rows = []
     try:
         choices = list(itertools.product(grid["rows"], grid["step"] if looped else (1,),
-                                         grid["warps"], bits))
+                                         grid["warps"], bits, sums))
         random.Random(0).shuffle(choices)  # a budget's cut leaves a spread of the choices
         now = saved[formats[0]]
-        if (now.rows, now.step, now.warps, now.bits) in choices:  # today's choice first
-            choices.remove((now.rows, now.step, now.warps, now.bits))
-            choices.insert(0, (now.rows, now.step, now.warps, now.bits))
-        for r, st, w, b in choices:
+        if (now.rows, now.step, now.warps, now.bits, now.sums) in choices:  # today's first
+            choices.remove((now.rows, now.step, now.warps, now.bits, now.sums))
+            choices.insert(0, (now.rows, now.step, now.warps, now.bits, now.sums))
+        for r, st, w, b, sm in choices:
             if time.perf_counter() > t_end:
                 print(f"  sweep stopped at its budget of {budget_s:.0f} s", flush=True)
                 break
             for f in set(formats):
                 gather_gemv.KERNELS[f] = dataclasses.replace(
-                    saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b)
+                    saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b,
+                    sums=sm and f in SUMS_FORMATS)
             try:
                 us = graph_seconds_per_call(call) * 1e6
             except Exception as e:  # noqa: BLE001 - a choice that does not compile is skipped
-                print(f"  rows {r} step {st} warps {w} bits {b:d}: {type(e).__name__}",
-                      flush=True)
+                print(f"  rows {r} step {st} warps {w} bits {b:d} sums {sm:d}: "
+                      f"{type(e).__name__}", flush=True)
                 continue
-            rows.append({"rows": r, "step": st, "warps": w, "bits": b, "graph_us": us})
+            rows.append({"rows": r, "step": st, "warps": w, "bits": b, "sums": sm,
+                         "graph_us": us})
     finally:
         gather_gemv.KERNELS.update(saved)
     return sorted(rows, key=lambda d: d["graph_us"])
@@ -212,7 +216,7 @@ def main() -> None:
               flush=True)
         for t in r["sweep"][:5]:
             print(f"    rows {t['rows']:2d} step {t['step']:2d} warps {t['warps']} "
-                  f"bits {t['bits']:d}: "
+                  f"bits {t['bits']:d} sums {t['sums']:d}: "
                   f"{t['graph_us']:7.1f} us ({r['weight_bytes'] / t['graph_us'] / 1e3:5.0f} GB/s)",
                   flush=True)
         if r["sweep"]:
@@ -220,6 +224,7 @@ def main() -> None:
             r["launch"] = " ".join(
                 f"{f}={best['rows']},{best['step']},{best['warps']}"
                 + (f",{best['bits']:d}" if f in BITS_FORMATS else "")
+                + (f",{best['sums']:d}" if f in SUMS_FORMATS else "")
                 for f in sorted(set(r["formats"].split("/"))))
             print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),

@@ -7,7 +7,12 @@ two bytes a load; Q8_0x8 (``quant/q8_0x8.py``) puts eight blocks' scales first a
 16-byte aligned after them. The count is static (instructions in the program, not executed
 ones): it shows the load width the compiler could use, not a speed.
 
-    python benchmarks/gemv_ptx.py
+``--sass`` also counts the gather kernel's machine instructions a weight (its SASS, loops
+counted as many times as their bounds say) at several launch choices: Nsight Compute found
+the q8_0 kernels issue-bound (``benchmarks/device/ncu_gemv.sh``), so fewer instructions a
+weight is what a faster kernel needs. Also static: a guide to what to time, not a time.
+
+    python benchmarks/gemv_ptx.py --sass
 """
 
 from __future__ import annotations
@@ -30,28 +35,106 @@ DIVISIBLE = ("w_ptr", "index_ptr", "x_ptr", "out_ptr", "slot_stride", "row_strid
              "out_stride")
 
 
-def loads(kernel: str, signature: dict[str, str], constexprs: dict[str, Any],
-          warps: int) -> dict[str, int]:
-    """Global load instructions of ``kernel``'s PTX by kind (``ld.global.v4.b32``: 16 bytes)."""
+def compiled(kernel: str, signature: dict[str, str], constexprs: dict[str, Any],
+             warps: int) -> Any:
+    """``kernel`` compiled for sm_90 (PDL and SUMS off unless ``constexprs`` says)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from freetoken.kernels import triton_gemv
 
+    fn = getattr(triton_gemv, kernel)
+    extra = {n: False for n in ("PDL", "SUMS") if n in fn.arg_names and n not in constexprs}
+    signature = {**signature, **{n: "constexpr" for n in extra}}
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names}
-    src = ASTSource(fn=getattr(triton_gemv, kernel), signature=signature, constexprs=constexprs,
-                    attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": warps}).asm["ptx"]
+    src = ASTSource(fn=fn, signature=signature, constexprs={**constexprs, **extra}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def loads(kernel: str, signature: dict[str, str], constexprs: dict[str, Any],
+          warps: int) -> dict[str, int]:
+    """Global load instructions of ``kernel``'s PTX by kind (``ld.global.v4.b32``: 16 bytes)."""
+    ptx = compiled(kernel, signature, constexprs, warps).asm["ptx"]
     return dict(Counter(re.findall(r"ld\.global[\w.]*", ptx)))
+
+
+def instructions(kernel: Any, iterations: float) -> int:
+    """Machine instructions a thread of ``kernel`` runs (its SASS, from the nvdisasm Triton
+    ships): the straight code once and each loop (a backward branch) ``iterations`` times.
+    Static: every branch taken as the loop's bounds say, none of the rest skipped."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    code: list[str] = []
+    labels: dict[str, int] = {}
+    for line in text.splitlines():
+        if m := re.match(r"\s*\.(L_x_\d+):", line):
+            labels[m.group(1)] = len(code)
+        elif m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line):
+            code.append(m.group(1))
+    total = len(code)
+    for i, op in enumerate(code):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", op)
+        if m and m.group(1) in labels and labels[m.group(1)] < i - 2:  # a loop, not a spin
+            total += round((i - labels[m.group(1)] + 1) * (iterations - 1))
+    return total
+
+
+def per_weight(fmt: str, act: int, rows: int, step: int, warps: int, sums: bool,
+               signature: dict[str, str], width: int = 2048) -> dict[str, Any]:
+    """Instructions a weight, a thread, of the gather kernel at one launch choice (rows: the
+    launch's output rows; with ``act`` a program takes half, each with gate's and up's)."""
+    block = 256 if fmt == "q8_0x8" else 32
+    nb = width // block
+    r = max(1, rows // 2) if act else rows
+    kernel = compiled("gather_gemv", signature, {
+        "FMT": fmt, "NB": nb, "BLOCK_R": r, "STEP": step, "ACT": act, "BITS": False,
+        "SUMS": sums}, warps)
+    blocks = width // 32
+    n = instructions(kernel, blocks / step)
+    weights = (2 if act else 1) * r * width / (32 * warps)  # a thread's share of a program's
+    return {"fmt": fmt, "act": act, "rows": rows, "step": step, "warps": warps, "sums": sums,
+            "registers": registers(kernel), "instructions": n, "per_weight": n / weights}
+
+
+def registers(kernel: Any) -> int:
+    """Registers a thread of ``kernel`` holds (cuobjdump's resource usage of its cubin)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return int(found.group(1)) if found else -1
+
+
+# launch choices (output rows, blocks a step, warps) whose instructions --sass counts
+SASS_CHOICES = ((2, 8, 2), (2, 8, 1), (4, 8, 1), (8, 8, 1), (4, 8, 2), (8, 8, 2), (16, 8, 4))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--label", default="")
+    p.add_argument("--sass", action="store_true",
+                   help="also count the gather kernel's machine instructions a weight at "
+                        "several launch choices (q8_0, q8_0x8, q8_0x8 with block sums)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     from freetoken.kernels.gather_gemv import KERNELS
@@ -85,10 +168,21 @@ def main() -> None:
         what = f"{r['kernel']} {r['fmt']}" + (f" act {r['act']}" if "act" in r else
                                               f" {r['tokens']} tokens")
         print(f"{what:>28}: " + ", ".join(f"{n} x{c}" for n, c in sorted(r["loads"].items())))
+    counts = []
+    if args.sass:
+        for fmt, sums in (("q8_0", False), ("q8_0x8", False), ("q8_0x8", True)):
+            for act in (1, 0):
+                for r, step, warps in SASS_CHOICES:
+                    counts.append(per_weight(fmt, act, r, step, warps, sums, gather))
+                    c = counts[-1]
+                    print(f"  {fmt:6s} sums {int(sums)} act {act} rows {r:2d} step {step:2d} "
+                          f"warps {warps}: {c['registers']:3d} registers, "
+                          f"{c['per_weight']:5.2f} instructions a weight", flush=True)
     import triton
 
     result = {"bench": "gemv_ptx", "label": args.label, **git_state(), **host(),
-              "triton": triton.__version__, "target": "sm_90", "rows": rows}
+              "triton": triton.__version__, "target": "sm_90", "rows": rows,
+              "instructions_a_weight": counts}
     save_result(args.out, f"gemv_ptx{'-' + args.label if args.label else ''}", result)
 
 

@@ -49,13 +49,15 @@ class FusedKernel:
     and bytes) is the quant format's. ``bits`` (q8_0, mxfp4, nvfp4): the weights and bf16
     activations become float32 by integer and add instructions instead of conversion
     instructions, which a GPU runs at a quarter of its rate (the same values, the same
-    sums)."""
+    sums). ``sums`` (q8_0x8): a block's products summed before its scale
+    (``triton_blocks.q8_0x8_sums``: fewer instructions a weight, other roundings)."""
 
     fmt: str
     step: int = 1
     rows: int = 16
     warps: int = 4
     bits: bool = False
+    sums: bool = False
 
     @property
     def block(self) -> int:
@@ -127,17 +129,21 @@ def _launch_overrides() -> dict[str, FusedKernel]:
             rows, step, warps, *more = (int(v) for v in values.split(","))
         except ValueError:
             rows, step, warps, more = 0, 0, 0, []
-        if min(rows, step, warps) < 1 or fmt not in KERNELS or more not in ([], [0], [1]):
+        flags_ok = len(more) <= 2 and set(more) <= {0, 1} and (
+            len(more) < 2 or not more[1] or fmt == "q8_0x8")
+        if min(rows, step, warps) < 1 or fmt not in KERNELS or not flags_ok:
             raise ConfigError(f"FREETOKEN_GEMV_LAUNCH entry {entry!r} is not "
-                              f"fmt=rows,step,warps[,bits] with a format of "
-                              f"{', '.join(KERNELS)}, positive integers and bits 0 or 1, "
-                              "say q8_0=4,16,2")
+                              f"fmt=rows,step,warps[,bits[,sums]] with a format of "
+                              f"{', '.join(KERNELS)}, positive integers, bits 0 or 1 and "
+                              "sums 0 or 1 (1 for q8_0x8 alone), say q8_0=4,16,2")
         found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps,
-                                         bits=bool(more[0]) if more else KERNELS[fmt].bits)
+                                         bits=bool(more[0]) if more else KERNELS[fmt].bits,
+                                         sums=bool(more[1]) if len(more) > 1
+                                         else KERNELS[fmt].sums)
     if found:
         log.info("fused gather-GEMV launch choices from FREETOKEN_GEMV_LAUNCH: %s",
                  ", ".join(f"{k.fmt} rows {k.rows} step {k.step} warps {k.warps} bits "
-                           f"{int(k.bits)}" for k in found.values()))
+                           f"{int(k.bits)} sums {int(k.sums)}" for k in found.values()))
     return found
 
 
@@ -159,7 +165,7 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
         FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
-        num_warps=spec.warps, **overlap(x.device))
+        SUMS=spec.sums and fmt == "q8_0x8", num_warps=spec.warps, **overlap(x.device))
     return out
 
 

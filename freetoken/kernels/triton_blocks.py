@@ -98,6 +98,25 @@ def _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.const
 
 
 @triton.jit
+def q8_0x8_sums(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                STEP: tl.constexpr, BITS: tl.constexpr):
+    """:func:`_q8_0x8_rows` with each block's 32 products ``q * x`` summed first and the sum
+    times the block's scale (one multiply-add a weight, the scale once a block): Q8_0x8's
+    16-byte loads leave a thread 16 values of a block, so the sum is mostly in the thread.
+    Other roundings than ``q * (x * d)``, so not that reader's bits."""
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
+    for b0 in range(0, NB * 8, STEP):
+        blocks = b0 + tl.arange(0, STEP)
+        ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
+        q, d = q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
+        xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
+        x = as_f32(x_row, xi, ok[:, :, None], BITS)
+        acc += tl.sum(q * x, axis=2) * d
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _q5_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                STEP: tl.constexpr):
     half = tl.arange(0, 2)[:, None]  # weight i = 16 * half + j: qs[j]'s low or high nibble

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton_blocks import as_f32, block_rows, q8_0x8_blocks
+from freetoken.kernels.triton_blocks import as_f32, block_rows, q8_0x8_blocks, q8_0x8_sums
 from freetoken.kernels.triton_overlap import inputs_ready
 
 
@@ -50,17 +50,29 @@ def _glu(g, u, ACT: tl.constexpr):
 
 
 @triton.jit
+def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
+          BLOCK_R: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr, SUMS: tl.constexpr):
+    """The rows' sums: with SUMS (Q8_0x8 only) each block's products summed before its
+    scale, else the format's reader."""
+    if SUMS:
+        acc = q8_0x8_sums(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    else:
+        acc = block_rows(FMT, w_ptr, w_ptr, base, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    return acc
+
+
+@triton.jit
 def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
                 out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                 STEP: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr = False,
-                PDL: tl.constexpr = False):
+                PDL: tl.constexpr = False, SUMS: tl.constexpr = False):
     inputs_ready(PDL)
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
-    acc = block_rows(FMT, w_ptr, w_ptr, base, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
     if ACT:
         up_base = base + R * row_stride
-        up = block_rows(FMT, w_ptr, w_ptr, up_base, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+        up = _rows(FMT, w_ptr, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 

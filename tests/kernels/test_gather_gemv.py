@@ -224,10 +224,10 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
            "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
            "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
            "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
-    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
+    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", {**sig, "SUMS": "constexpr"},
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
                       "STEP": spec.step, "ACT": act,
-                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4")},
+                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4"), "SUMS": fmt == "q8_0x8"},
                      pdl=dtype == "*bf16")
 
 
@@ -318,8 +318,10 @@ def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
             gather_gemv.launch("q8_0").warps, gather_gemv.launch("q8_0").bits) == (4, 16, 1, True)
     assert gather_gemv.launch("mxfp4").warps == 4
     assert gather_gemv.launch("q4_k") == gather_gemv.KERNELS["q4_k"]
+    monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0x8=2,8,1,0,1")
+    assert gather_gemv.launch("q8_0x8").sums and not gather_gemv.launch("q8_0x8").bits
     for bad in ("q8_0=4,16", "q9_9=4,16,1", "q8_0=0,16,1", "q8_0=a,b,c", "q8_0=4,16,1,2",
-                "q8_0=4,16,1,1,1"):
+                "q8_0=4,16,1,1,1", "q8_0x8=2,8,1,0,2", "q8_0x8=2,8,1,0,1,1"):
         monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", bad)
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
             gather_gemv.launch("q8_0")
@@ -330,11 +332,17 @@ def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,K", [(40, 512), (17, 768)])
-def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K):
+@pytest.mark.parametrize("sums", [False, True])
+def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K, sums,
+                                                    monkeypatch):
     """Q8_0 regrouped as Q8_0x8 (resident's blocks on a GPU): the kernel on the regrouped bytes
     against the gguf package's dequantisation of the file's Q8_0 bytes, and against the Q8_0
-    kernel on those bytes."""
+    kernel on those bytes; so with each block's products summed before its scale (``sums``,
+    a launch choice of Q8_0x8 alone)."""
     from freetoken.quant.q8_0x8 import regroup
+
+    monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
+                        dataclasses.replace(kernels.KERNELS["q8_0x8"], sums=sums))
 
     _, view = _pool(4, [("q5_0", 3, 32), ("q8_0", R, K)], seed=R + K, device=device)
     g = torch.Generator().manual_seed(K)

@@ -82,17 +82,26 @@ def q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS: tl.constexpr):
 
 
 @triton.jit
+def _q8_0x8_step(w_ptr, base, row_ok, x_row, b0, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                 STEP: tl.constexpr, BITS: tl.constexpr):
+    """Blocks b0 to b0 + STEP of the rows at ``base`` in Q8_0x8's places: their values
+    (BLOCK_R, STEP, 32), scales (BLOCK_R, STEP) and x in the values' layout (read once per
+    row, from L1), as float32."""
+    lane = tl.arange(0, 32)
+    blocks = b0 + tl.arange(0, STEP)
+    ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
+    q, d = q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
+    xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
+    return q, d, as_f32(x_row, xi, ok[:, :, None], BITS)
+
+
+@triton.jit
 def _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                  STEP: tl.constexpr, BITS: tl.constexpr):
     # q8_0's loop and sums over its 32-weight blocks (STEP a step), in Q8_0x8's places
-    lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
     for b0 in range(0, NB * 8, STEP):
-        blocks = b0 + tl.arange(0, STEP)
-        ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
-        q, d = q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
-        xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
-        x = as_f32(x_row, xi, ok[:, :, None], BITS)
+        q, d, x = _q8_0x8_step(w_ptr, base, row_ok, x_row, b0, NB, BLOCK_R, STEP, BITS)
         acc += q * (x * d[:, :, None])
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
@@ -104,14 +113,9 @@ def q8_0x8_sums(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.conste
     times the block's scale (one multiply-add a weight, the scale once a block): Q8_0x8's
     16-byte loads leave a thread 16 values of a block, so the sum is mostly in the thread.
     Other roundings than ``q * (x * d)``, so not that reader's bits."""
-    lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
     for b0 in range(0, NB * 8, STEP):
-        blocks = b0 + tl.arange(0, STEP)
-        ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
-        q, d = q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
-        xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
-        x = as_f32(x_row, xi, ok[:, :, None], BITS)
+        q, d, x = _q8_0x8_step(w_ptr, base, row_ok, x_row, b0, NB, BLOCK_R, STEP, BITS)
         acc += tl.sum(q * x, axis=2) * d
     return tl.sum(acc, axis=1)
 

@@ -49,8 +49,9 @@ class FusedKernel:
     and bytes) is the quant format's. ``bits`` (q8_0, mxfp4, nvfp4): the weights and bf16
     activations become float32 by integer and add instructions instead of conversion
     instructions, which a GPU runs at a quarter of its rate (the same values, the same
-    sums). ``sums`` (q8_0x8): a block's products summed before its scale
-    (``triton_blocks.q8_0x8_sums``: fewer instructions a weight, other roundings)."""
+    sums). ``sums`` (q8_0x8, the expert and the dense kernels): a block's products summed
+    before its scale (``triton_blocks.q8_0x8_sums``: fewer instructions a weight, other
+    roundings)."""
 
     fmt: str
     step: int = 1
@@ -281,7 +282,7 @@ def dense_gemv(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     triton_gemv.dense_gemv[(triton.cdiv(R, spec.rows),)](
         data, x, out, R, T, data.stride(0), x.stride(0), out.stride(0),
         NB=row_bytes // 272, BLOCK_R=spec.rows, STEP=spec.step, TOK=triton.next_power_of_2(T),
-        BITS=spec.bits, num_warps=spec.warps, **overlap(x.device))
+        BITS=spec.bits, SUMS=spec.sums, num_warps=spec.warps, **overlap(x.device))
     return out
 
 

@@ -124,9 +124,11 @@ def gather_gemv_scaled(w_ptr, s_ptr, g_ptr, wu_ptr, su_ptr, gu_ptr, index_ptr, x
 @triton.jit
 def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
                NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr, TOK: tl.constexpr,
-               BITS: tl.constexpr = False, PDL: tl.constexpr = False):
+               BITS: tl.constexpr = False, PDL: tl.constexpr = False,
+               SUMS: tl.constexpr = False):
     """``out[t, rows] = W[rows] @ x[t]`` for the T <= TOK rows of x: one Q8_0x8 matrix (a dense
-    layer at decode) read once for all of them, each product q8_0's ``q * (x * d)``."""
+    layer at decode) read once for all of them, each product q8_0's ``q * (x * d)``; with
+    SUMS a block's products ``q * x`` summed before its scale (as ``q8_0x8_sums``)."""
     inputs_ready(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -134,13 +136,20 @@ def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
     toks = tl.arange(0, TOK)
     lane = tl.arange(0, 32)
     acc = tl.zeros([TOK, BLOCK_R, STEP, 32], dtype=tl.float32)
+    block_acc = tl.zeros([TOK, BLOCK_R, STEP], dtype=tl.float32)
     for b0 in range(0, NB * 8, STEP):
         blocks = b0 + tl.arange(0, STEP)
         live = blocks < NB * 8
         q, d = q8_0x8_blocks(w_ptr, base, row_ok[:, None] & live[None, :], blocks, lane, BITS)
         xi = toks[:, None, None] * x_stride + blocks[None, :, None] * 32 + lane[None, None, :]
         x = as_f32(x_ptr, xi, (toks < T)[:, None, None] & live[None, :, None], BITS)
-        acc += q[None] * (x[:, None] * d[None, :, :, None])
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # (TOK, BLOCK_R)
+        if SUMS:
+            block_acc += tl.sum(q[None] * x[:, None], axis=3) * d[None]
+        else:
+            acc += q[None] * (x[:, None] * d[None, :, :, None])
+    if SUMS:
+        out = tl.sum(block_acc, axis=2)  # (TOK, BLOCK_R)
+    else:
+        out = tl.sum(tl.sum(acc, axis=3), axis=2)
     tl.store(out_ptr + toks[:, None] * out_stride + rows[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(toks < T)[:, None] & row_ok[None, :])

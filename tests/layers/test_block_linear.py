@@ -5,6 +5,8 @@ dequantised at load (its slow twin)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -22,8 +24,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 3, 8, 11])
-def test_a_block_layer_follows_gguf_dequantisation(device, T):
-    """1-8 rows through the kernel (one read of W for all), more (prefill) dequantised."""
+@pytest.mark.parametrize("sums", [False, True])
+def test_a_block_layer_follows_gguf_dequantisation(device, T, sums, monkeypatch):
+    """1-8 rows through the kernel (one read of W for all), more (prefill) dequantised; so
+    with each block's products summed before its scale (Q8_0x8's ``sums`` launch choice)."""
+    from freetoken.kernels import gather_gemv
+
+    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8",
+                        dataclasses.replace(gather_gemv.KERNELS["q8_0x8"], sums=sums))
     g = torch.Generator().manual_seed(T)
     qt = get_format("q8_0").quantize(torch.randn(40, 512, generator=g))
     with torch.device(device):
@@ -67,6 +75,6 @@ def test_the_dense_kernel_compiles_for_a_gpu(tok):
     sig = {"w_ptr": "*u8", "x_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "T": "i32",
            "row_stride": "i32", "x_stride": "i32", "out_stride": "i32", "NB": "constexpr",
            "BLOCK_R": "constexpr", "STEP": "constexpr", "TOK": "constexpr", "BITS": "constexpr"}
-    compile_for_sm90("freetoken.kernels.triton_gemv", "dense_gemv", sig,
+    compile_for_sm90("freetoken.kernels.triton_gemv", "dense_gemv", {**sig, "SUMS": "constexpr"},
                      {"NB": 8, "BLOCK_R": spec.rows, "STEP": spec.step, "TOK": tok,
-                      "BITS": spec.bits}, pdl=tok == 1)
+                      "BITS": spec.bits, "SUMS": tok == 8}, pdl=tok == 1)

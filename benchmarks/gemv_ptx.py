@@ -60,21 +60,26 @@ def loads(kernel: str, signature: dict[str, str], constexprs: dict[str, Any],
     return dict(Counter(re.findall(r"ld\.global[\w.]*", ptx)))
 
 
-def instructions(kernel: Any, iterations: float) -> int:
-    """Machine instructions a thread of ``kernel`` runs (its SASS, from the nvdisasm Triton
-    ships): the straight code once and each loop (a backward branch) ``iterations`` times.
-    Static: every branch taken as the loop's bounds say, none of the rest skipped."""
+def cubin_tool(kernel: Any, tool: str, *flags: str) -> str:
+    """What ``tool`` (one of the CUDA binary tools Triton ships) prints of ``kernel``'s cubin."""
     import subprocess
     import tempfile
 
     import triton
 
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    path = Path(triton.__file__).parent / "backends/nvidia/bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        text = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([str(path), *flags, f.name], capture_output=True, text=True,
                               check=True).stdout
+
+
+def instructions(kernel: Any, iterations: float) -> int:
+    """Machine instructions a thread of ``kernel`` runs (its SASS, from nvdisasm): the
+    straight code once and each loop (a backward branch) ``iterations`` times. Static: every
+    branch taken as the loop's bounds say, none of the rest skipped."""
+    text = cubin_tool(kernel, "nvdisasm", "-c")
     code: list[str] = []
     labels: dict[str, int] = {}
     for line in text.splitlines():
@@ -109,18 +114,7 @@ def per_weight(fmt: str, act: int, rows: int, step: int, warps: int, sums: bool,
 
 def registers(kernel: Any) -> int:
     """Registers a thread of ``kernel`` holds (cuobjdump's resource usage of its cubin)."""
-    import subprocess
-    import tempfile
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    found = re.search(r"REG:(\d+)", usage)
+    found = re.search(r"REG:(\d+)", cubin_tool(kernel, "cuobjdump", "-res-usage"))
     return int(found.group(1)) if found else -1
 
 

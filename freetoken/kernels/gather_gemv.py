@@ -60,6 +60,10 @@ class FusedKernel:
     bits: bool = False
     sums: bool = False
 
+    def __post_init__(self) -> None:
+        if self.sums and self.fmt != "q8_0x8":  # its reader reads Q8_0x8's places alone
+            raise ValueError(f"{self.fmt}: sums is a launch choice of q8_0x8 alone")
+
     @property
     def block(self) -> int:
         return get_format(self.fmt).block_size
@@ -102,9 +106,7 @@ KERNELS: dict[str, FusedKernel] = {
 
 SCALED = frozenset({"nvfp4"})  # formats whose scales are tensors apart from the codes
 
-# output rows a program takes at least on the CPU (Triton's interpreter, which runs the tests
-# there): its time goes by programs, and the GPU's choice of 1-2 rows made them 4-8x as many
-INTERPRETER_ROWS = 16
+INTERPRETER_ROWS = 16  # output rows a program takes at least in Triton's interpreter (tests)
 
 
 def launch(fmt: str) -> FusedKernel:
@@ -166,7 +168,7 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
         FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
-        SUMS=spec.sums and fmt == "q8_0x8", num_warps=spec.warps, **overlap(x.device))
+        SUMS=spec.sums, num_warps=spec.warps, **overlap(x.device))
     return out
 
 

@@ -17,8 +17,9 @@ M=/tmp/$PRESET-${LAYERS}l.gguf
 WRITE=$!
 python3 benchmarks/gather_gemv.py --formats q8_0,q8_0x8 --out "$OUT" --label layout-$GPU \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^ "
-[ -n "${SWEEP:-}" ] && timeout ${SWEEP_S:-150} python3 benchmarks/gather_gemv.py \
-  --formats q8_0x8 --sweep --out "$OUT" --label sweep-$GPU --git-sha "${GIT_SHA:-}" 2>&1 | tail -8
+[ -n "${SWEEP:-}" ] && python3 benchmarks/gather_gemv.py --formats q8_0x8 --sweep \
+  --sweep-budget-s ${SWEEP_S:-150} --out "$OUT" --label sweep-$GPU --git-sha "${GIT_SHA:-}" \
+  2>&1 | tail -8
 wait $WRITE
 python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,resident+regrouped,resident+regrouped+denseblocks} --tokens 64 --repeats 2 \

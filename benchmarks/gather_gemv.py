@@ -70,13 +70,16 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(lambda _: g.replay(), replays) / calls
 
 
-SWEEP = {"rows": (1, 2, 4, 8), "step": (8, 16, 32), "warps": (1, 2, 4),
-         "bits": (False, True), "sums": (False, True)}
+SWEEP = {"rows": (1, 2, 4, 8, 16), "step": (8, 16, 32), "warps": (1, 2, 4),
+         "bits": (False, True)}
+# q8_0x8's readers, as (sums, int8_x): the float one, block sums, int8 x (--readers picks)
+READERS = {"float": (False, False), "sums": (True, False), "int8_x": (False, True)}
 BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4", "nvfp4"}  # kernels with a bits choice
-SUMS_FORMATS = {"q8_0x8"}  # kernels with a sums choice
+SUMS_FORMATS = {"q8_0x8"}  # kernels with sums and int8_x choices
 
 
-def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list[dict[str, Any]]:
+def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
+          readers: tuple[str, ...] = tuple(READERS)) -> list[dict[str, Any]]:
     """The fused call in a graph for every kernel choice (the same for the formats of this
     layer; ``step`` only where a kernel loops over several blocks), for at most ``budget_s``
     seconds where it is set (the choices timed by then)."""
@@ -85,32 +88,33 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0) -> list
     looped = any(saved[f].step > 1 for f in formats)
     grid = SWEEP
     bits = grid["bits"] if BITS_FORMATS & set(formats) else (False,)
-    sums = grid["sums"] if SUMS_FORMATS & set(formats) else (False,)
+    read = [READERS[r] for r in readers] if SUMS_FORMATS & set(formats) else [(False, False)]
     rows = []
     try:
-        choices = list(itertools.product(grid["rows"], grid["step"] if looped else (1,),
-                                         grid["warps"], bits, sums))
+        choices = [(r, st, w, b, sm, ix) for r, st, w, b, (sm, ix) in itertools.product(
+            grid["rows"], grid["step"] if looped else (1,), grid["warps"], bits, read)]
         random.Random(0).shuffle(choices)  # a budget's cut leaves a spread of the choices
         now = saved[formats[0]]
-        if (now.rows, now.step, now.warps, now.bits, now.sums) in choices:  # today's first
-            choices.remove((now.rows, now.step, now.warps, now.bits, now.sums))
-            choices.insert(0, (now.rows, now.step, now.warps, now.bits, now.sums))
-        for r, st, w, b, sm in choices:
+        today = (now.rows, now.step, now.warps, now.bits, now.sums, now.int8_x)
+        if today in choices:  # today's first
+            choices.remove(today)
+            choices.insert(0, today)
+        for r, st, w, b, sm, ix in choices:
             if time.perf_counter() > t_end:
                 print(f"  sweep stopped at its budget of {budget_s:.0f} s", flush=True)
                 break
             for f in set(formats):
                 gather_gemv.KERNELS[f] = dataclasses.replace(
                     saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b,
-                    sums=sm and f in SUMS_FORMATS)
+                    sums=sm and f in SUMS_FORMATS, int8_x=ix and f in SUMS_FORMATS)
             try:
                 us = graph_seconds_per_call(call) * 1e6
             except Exception as e:  # noqa: BLE001 - a choice that does not compile is skipped
-                print(f"  rows {r} step {st} warps {w} bits {b:d} sums {sm:d}: "
+                print(f"  rows {r} step {st} warps {w} bits {b:d} sums {sm:d} int8_x {ix:d}: "
                       f"{type(e).__name__}", flush=True)
                 continue
             rows.append({"rows": r, "step": st, "warps": w, "bits": b, "sums": sm,
-                         "graph_us": us})
+                         "int8_x": ix, "graph_us": us})
     finally:
         gather_gemv.KERNELS.update(saved)
     return sorted(rows, key=lambda d: d["graph_us"])
@@ -134,7 +138,7 @@ def slot_stacks(formats: tuple[str, str, str], H: int, I_: int, slots: int,
 
 def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: int,
             reps: int, do_sweep: bool = False, budget_s: float = 0,
-            cold: bool = True) -> dict[str, Any]:
+            cold: bool = True, readers: tuple[str, ...] = tuple(READERS)) -> dict[str, Any]:
     stacks, expert_bytes = slot_stacks(formats, H, I_, slots)
     x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
     w = torch.rand(1, pairs, device="cuda")
@@ -160,7 +164,7 @@ def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: i
     slow_s = seconds_per_call(slow, reps)
     fused_graph_s = graph_seconds_per_call(fused)
     slow_graph_s = graph_seconds_per_call(slow)
-    tried = sweep(formats, fused, budget_s) if do_sweep else []
+    tried = sweep(formats, fused, budget_s, readers) if do_sweep else []
     # a copy reads and writes each byte: reading alone runs at about twice its byte rate
     ceiling = 2 * nbytes / copy_s
     return {"formats": "/".join(formats), "hidden": H, "intermediate": I_, "pairs": pairs,
@@ -188,6 +192,9 @@ def main() -> None:
                    help="time every kernel choice of rows, step and warps in a graph")
     p.add_argument("--sweep-budget-s", type=float, default=0,
                    help="stop the sweep after this many seconds (0: every choice)")
+    p.add_argument("--readers", default=",".join(READERS),
+                   help="q8_0x8's readers the sweep tries, comma-separated of "
+                        f"{', '.join(READERS)}")
     p.add_argument("--hot", action="store_true",
                    help="the same pairs every call (their weights stay in the L2); default: "
                         "each call the next disjoint set of --slots // --pairs, as in decode")
@@ -195,6 +202,9 @@ def main() -> None:
     p.add_argument("--git-sha", help="commit of the tree when it has no .git (copied trees)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
+    readers = tuple(args.readers.split(","))
+    if not set(readers) <= set(READERS):
+        p.error(f"--readers {args.readers!r}: choose from {', '.join(READERS)}")
     if args.sweep and os.environ.get("FREETOKEN_GEMV_LAUNCH"):
         p.error("FREETOKEN_GEMV_LAUNCH is set: its choices would replace every one the sweep "
                 "tries; unset it for --sweep")
@@ -207,7 +217,8 @@ def main() -> None:
         if len(names) != 3:
             p.error(f"--formats entry {spec!r}: give one format or gate/up/down")
         rows.append(measure((names[0], names[1], names[2]), H, I_, args.slots, args.pairs,
-                            args.reps, args.sweep, args.sweep_budget_s, not args.hot))
+                            args.reps, args.sweep, args.sweep_budget_s, not args.hot,
+                            readers))
         r, gr = rows[-1], rows[-1]["graph"]
         print(f"{r['formats']:>16} {H}x{I_}: fused {r['fused_us']:7.1f} us eager, "
               f"{gr['fused_us']:7.1f} us in a graph ({gr['fused_gbps']:6.0f} GB/s, "
@@ -216,7 +227,7 @@ def main() -> None:
               flush=True)
         for t in r["sweep"][:5]:
             print(f"    rows {t['rows']:2d} step {t['step']:2d} warps {t['warps']} "
-                  f"bits {t['bits']:d} sums {t['sums']:d}: "
+                  f"bits {t['bits']:d} sums {t['sums']:d} int8_x {t['int8_x']:d}: "
                   f"{t['graph_us']:7.1f} us ({r['weight_bytes'] / t['graph_us'] / 1e3:5.0f} GB/s)",
                   flush=True)
         if r["sweep"]:
@@ -224,7 +235,7 @@ def main() -> None:
             r["launch"] = " ".join(
                 f"{f}={best['rows']},{best['step']},{best['warps']}"
                 + (f",{best['bits']:d}" if f in BITS_FORMATS else "")
-                + (f",{best['sums']:d}" if f in SUMS_FORMATS else "")
+                + (f",{best['sums']:d},{best['int8_x']:d}" if f in SUMS_FORMATS else "")
                 for f in sorted(set(r["formats"].split("/"))))
             print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),

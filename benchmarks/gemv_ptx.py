@@ -37,7 +37,8 @@ DIVISIBLE = ("w_ptr", "index_ptr", "x_ptr", "out_ptr", "slot_stride", "row_strid
 
 def compiled(kernel: str, signature: dict[str, str], constexprs: dict[str, Any],
              warps: int) -> Any:
-    """``kernel`` compiled for sm_90 (PDL and SUMS off unless ``constexprs`` says)."""
+    """``kernel`` compiled for sm_90 (PDL, SUMS and INT8_X off unless ``constexprs`` says;
+    ASM on: the GPU's instructions, not the interpreter's twins)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,7 +46,8 @@ def compiled(kernel: str, signature: dict[str, str], constexprs: dict[str, Any],
     from freetoken.kernels import triton_gemv
 
     fn = getattr(triton_gemv, kernel)
-    extra = {n: False for n in ("PDL", "SUMS") if n in fn.arg_names and n not in constexprs}
+    extra = {n: n == "ASM" for n in ("PDL", "SUMS", "INT8_X", "ASM")
+             if n in fn.arg_names and n not in constexprs}
     signature = {**signature, **{n: "constexpr" for n in extra}}
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in names}
@@ -96,7 +98,8 @@ def instructions(kernel: Any, iterations: float) -> int:
 
 
 def per_weight(fmt: str, act: int, rows: int, step: int, warps: int, sums: bool,
-               signature: dict[str, str], width: int = 2048) -> dict[str, Any]:
+               signature: dict[str, str], width: int = 2048,
+               int8_x: bool = False) -> dict[str, Any]:
     """Instructions a weight, a thread, of the gather kernel at one launch choice (rows: the
     launch's output rows; with ``act`` a program takes half, each with gate's and up's)."""
     block = 256 if fmt == "q8_0x8" else 32
@@ -104,12 +107,13 @@ def per_weight(fmt: str, act: int, rows: int, step: int, warps: int, sums: bool,
     r = max(1, rows // 2) if act else rows
     kernel = compiled("gather_gemv", signature, {
         "FMT": fmt, "NB": nb, "BLOCK_R": r, "STEP": step, "ACT": act, "BITS": False,
-        "SUMS": sums}, warps)
+        "SUMS": sums, "INT8_X": int8_x}, warps)
     blocks = width // 32
     n = instructions(kernel, blocks / step)
     weights = (2 if act else 1) * r * width / (32 * warps)  # a thread's share of a program's
     return {"fmt": fmt, "act": act, "rows": rows, "step": step, "warps": warps, "sums": sums,
-            "registers": registers(kernel), "instructions": n, "per_weight": n / weights}
+            "int8_x": int8_x, "registers": registers(kernel), "instructions": n,
+            "per_weight": n / weights}
 
 
 def registers(kernel: Any) -> int:
@@ -119,7 +123,8 @@ def registers(kernel: Any) -> int:
 
 
 # launch choices (output rows, blocks a step, warps) whose instructions --sass counts
-SASS_CHOICES = ((2, 8, 2), (2, 8, 1), (4, 8, 1), (8, 8, 1), (4, 8, 2), (8, 8, 2), (16, 8, 4))
+SASS_CHOICES = ((2, 8, 2), (2, 8, 1), (4, 8, 1), (8, 8, 1), (4, 8, 2), (8, 8, 2), (16, 8, 4),
+                (8, 16, 2), (16, 16, 4))
 
 
 def main() -> None:
@@ -128,7 +133,8 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--sass", action="store_true",
                    help="also count the gather kernel's machine instructions a weight at "
-                        "several launch choices (q8_0, q8_0x8, q8_0x8 with block sums)")
+                        "several launch choices (q8_0, q8_0x8, q8_0x8 with block sums, "
+                        "q8_0x8 with int8 x)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     from freetoken.kernels.gather_gemv import KERNELS
@@ -164,12 +170,15 @@ def main() -> None:
         print(f"{what:>28}: " + ", ".join(f"{n} x{c}" for n, c in sorted(r["loads"].items())))
     counts = []
     if args.sass:
-        for fmt, sums in (("q8_0", False), ("q8_0x8", False), ("q8_0x8", True)):
+        for fmt, sums, ix in (("q8_0", False, False), ("q8_0x8", False, False),
+                              ("q8_0x8", True, False), ("q8_0x8", False, True)):
             for act in (1, 0):
                 for r, step, warps in SASS_CHOICES:
-                    counts.append(per_weight(fmt, act, r, step, warps, sums, gather))
+                    counts.append(per_weight(fmt, act, r, step, warps, sums, gather,
+                                             int8_x=ix))
                     c = counts[-1]
-                    print(f"  {fmt:6s} sums {int(sums)} act {act} rows {r:2d} step {step:2d} "
+                    print(f"  {fmt:6s} sums {int(sums)} int8_x {int(ix)} act {act} rows {r:2d} "
+                          f"step {step:2d} "
                           f"warps {warps}: {c['registers']:3d} registers, "
                           f"{c['per_weight']:5.2f} instructions a weight", flush=True)
     import triton

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU machine: resident Q8_0 experts regrouped as Q8_0x8 against the file's blocks. One layer
 # of the fused kernels (benchmarks/gather_gemv.py: q8_0 and q8_0x8 at 2048x768, then SWEEP=1
-# times q8_0x8's launch choices for at most SWEEP_S seconds), then decode on the 48-layer q8_0
+# times q8_0x8's launch choices of READERS (default int8_x,sums) for at most SWEEP_S seconds,
+# and the decode runs regrouped experts at the fastest), then decode on the 48-layer q8_0
 # file (written here unless /tmp has it; PRESET, LAYERS) with `resident` (the file's blocks),
 # `resident+regrouped` (FREETOKEN_RESIDENT_BLOCKS=regrouped) and `resident+regrouped+denseblocks`
 # (attention and head as Q8_0x8 blocks too, FREETOKEN_GPU_DENSE=blocks) in one decode_moe.py run.
@@ -17,9 +18,14 @@ M=/tmp/$PRESET-${LAYERS}l.gguf
 WRITE=$!
 python3 benchmarks/gather_gemv.py --formats q8_0,q8_0x8 --out "$OUT" --label layout-$GPU \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^ "
-[ -n "${SWEEP:-}" ] && python3 benchmarks/gather_gemv.py --formats q8_0x8 --sweep \
-  --sweep-budget-s ${SWEEP_S:-150} --out "$OUT" --label sweep-$GPU --git-sha "${GIT_SHA:-}" \
-  2>&1 | tail -8
+if [ -n "${SWEEP:-}" ]; then
+  python3 benchmarks/gather_gemv.py --formats q8_0x8 --sweep --readers ${READERS:-int8_x,sums} \
+    --sweep-budget-s ${SWEEP_S:-150} --out "$OUT" --label sweep-$GPU --git-sha "${GIT_SHA:-}" \
+    2>&1 | tail -8 | tee /tmp/sweep.txt
+  # the decode below runs regrouped experts at the sweep's fastest choice
+  best=$(grep -o "FREETOKEN_GEMV_LAUNCH='[^']*'" /tmp/sweep.txt | tail -1 | cut -d"'" -f2)
+  [ -n "$best" ] && export FREETOKEN_GEMV_LAUNCH="$best" && echo "decode with $best"
+fi
 wait $WRITE
 python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
   --strategies ${STRATEGIES:-resident,resident+regrouped,resident+regrouped+denseblocks} --tokens 64 --repeats 2 \

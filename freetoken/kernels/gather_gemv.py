@@ -51,7 +51,9 @@ class FusedKernel:
     instructions, which a GPU runs at a quarter of its rate (the same values, the same
     sums). ``sums`` (q8_0x8, the expert and the dense kernels): a block's products summed
     before its scale (``triton_blocks.q8_0x8_sums``: fewer instructions a weight, other
-    roundings)."""
+    roundings). ``int8_x`` (q8_0x8's expert kernel): x quantised to int8 per 32-value block
+    in the kernel and each block's products summed as integers (``triton_blocks.q8_0x8_int8``:
+    fewer instructions still; x's rounding, as llama.cpp's GPU kernels round it)."""
 
     fmt: str
     step: int = 1
@@ -59,10 +61,14 @@ class FusedKernel:
     warps: int = 4
     bits: bool = False
     sums: bool = False
+    int8_x: bool = False
 
     def __post_init__(self) -> None:
-        if self.sums and self.fmt != "q8_0x8":  # its reader reads Q8_0x8's places alone
-            raise ValueError(f"{self.fmt}: sums is a launch choice of q8_0x8 alone")
+        for name in ("sums", "int8_x"):  # their readers read Q8_0x8's places alone
+            if getattr(self, name) and self.fmt != "q8_0x8":
+                raise ValueError(f"{self.fmt}: {name} is a launch choice of q8_0x8 alone")
+        if self.sums and self.int8_x:
+            raise ValueError("q8_0x8: sums and int8_x are two readers; choose one")
 
     @property
     def block(self) -> int:
@@ -132,21 +138,23 @@ def _launch_overrides() -> dict[str, FusedKernel]:
             rows, step, warps, *more = (int(v) for v in values.split(","))
         except ValueError:
             rows, step, warps, more = 0, 0, 0, []
-        flags_ok = len(more) <= 2 and set(more) <= {0, 1} and (
-            len(more) < 2 or not more[1] or fmt == "q8_0x8")
+        flags_ok = len(more) <= 3 and set(more) <= {0, 1} and (
+            not any(more[1:]) or fmt == "q8_0x8") and sum(more[1:]) < 2
         if min(rows, step, warps) < 1 or fmt not in KERNELS or not flags_ok:
             raise ConfigError(f"FREETOKEN_GEMV_LAUNCH entry {entry!r} is not "
-                              f"fmt=rows,step,warps[,bits[,sums]] with a format of "
-                              f"{', '.join(KERNELS)}, positive integers, bits 0 or 1 and "
-                              "sums 0 or 1 (1 for q8_0x8 alone), say q8_0=4,16,2")
-        found[fmt] = dataclasses.replace(KERNELS[fmt], rows=rows, step=step, warps=warps,
-                                         bits=bool(more[0]) if more else KERNELS[fmt].bits,
-                                         sums=bool(more[1]) if len(more) > 1
-                                         else KERNELS[fmt].sums)
+                              f"fmt=rows,step,warps[,bits[,sums[,int8_x]]] with a format of "
+                              f"{', '.join(KERNELS)}, positive integers, bits 0 or 1, "
+                              "sums and int8_x 0 or 1 (1 for q8_0x8 alone, not both), say "
+                              "q8_0=4,16,2")
+        base = KERNELS[fmt]
+        flags = [bool(v) for v in more] + [base.bits, base.sums, base.int8_x][len(more):]
+        found[fmt] = dataclasses.replace(base, rows=rows, step=step, warps=warps, bits=flags[0],
+                                         sums=flags[1] and not flags[2], int8_x=flags[2])
     if found:
         log.info("fused gather-GEMV launch choices from FREETOKEN_GEMV_LAUNCH: %s",
                  ", ".join(f"{k.fmt} rows {k.rows} step {k.step} warps {k.warps} bits "
-                           f"{int(k.bits)} sums {int(k.sums)}" for k in found.values()))
+                           f"{int(k.bits)} sums {int(k.sums)} int8_x {int(k.int8_x)}"
+                           for k in found.values()))
     return found
 
 
@@ -168,8 +176,20 @@ def gather_gemv(fmt: str, data: torch.Tensor, index: torch.Tensor, x: torch.Tens
     triton_gemv.gather_gemv[grid](
         data, index, x, out, R, per, data.stride(0), data.stride(1), x.stride(0), out.stride(0),
         FMT=fmt, NB=nb, BLOCK_R=rows, STEP=spec.step, ACT=act, BITS=spec.bits,
-        SUMS=spec.sums, num_warps=spec.warps, **overlap(x.device))
+        SUMS=spec.sums, INT8_X=spec.int8_x, ASM=x.device.type == "cuda", num_warps=spec.warps,
+        **overlap(x.device))
     return out
+
+
+def int8_x_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slow twin of the kernels' x as int8 blocks (``triton_blocks.x_int8``): x (N, K) as
+    int8 values (N, K) and float32 scales (N, K // 32), ``d = max |x| / 127`` a block,
+    ``q = round(x * (127 / max |x|))`` half to even, 0 for a block of zeros."""
+    xb = x.float().unflatten(-1, (-1, 32))
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.round(xb * inv[..., None]).to(torch.int8)
+    return q.flatten(-2), amax / 127.0
 
 
 def _launch_shape(spec: FusedKernel, index: torch.Tensor, x: torch.Tensor, R: int,

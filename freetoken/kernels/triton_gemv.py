@@ -5,7 +5,9 @@ The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (p
 0) and BLOCK_R output rows (axis 1), W's blocks read from uint8 ``w_ptr`` at ``slot * slot_stride
 + row * row_stride`` bytes, NB blocks per row, float32 accumulation. With ACT (a gate and up
 stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
-sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu).
+sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu). With
+INT8_X (Q8_0x8) x is quantised to int8 blocks and the blocks' products summed as integers
+(``triton_blocks.q8_0x8_int8``; ASM: with the GPU's dp4a, else its twin in shifts).
 
 ``weigh_sum`` weighs a token's pair outputs and sums them, one launch for torch's two.
 
@@ -23,7 +25,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton_blocks import as_f32, block_rows, q8_0x8_blocks, q8_0x8_sums
+from freetoken.kernels.triton_blocks import (
+    as_f32,
+    block_rows,
+    q8_0x8_blocks,
+    q8_0x8_int8,
+    q8_0x8_sums,
+)
 from freetoken.kernels.triton_overlap import inputs_ready
 
 
@@ -65,14 +73,20 @@ def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
 def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_stride, x_stride,
                 out_stride, FMT: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                 STEP: tl.constexpr, ACT: tl.constexpr, BITS: tl.constexpr = False,
-                PDL: tl.constexpr = False, SUMS: tl.constexpr = False):
+                PDL: tl.constexpr = False, SUMS: tl.constexpr = False,
+                INT8_X: tl.constexpr = False, ASM: tl.constexpr = False):
     inputs_ready(PDL)
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
-    acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
+    up_base = base + R * row_stride  # with ACT: up's rows, after gate's
+    if INT8_X:  # Q8_0x8 only: x as int8 blocks once for gate's and up's rows
+        acc, up = q8_0x8_int8(w_ptr, base, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, ASM,
+                              ACT > 0)
+    else:
+        acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
+        if ACT:
+            up = _rows(FMT, w_ptr, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
     if ACT:
-        up_base = base + R * row_stride
-        up = _rows(FMT, w_ptr, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
         acc = _glu(acc, up, ACT)
     tl.store(out_ptr + p * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 

@@ -84,6 +84,7 @@ def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_strid
                               ACT > 0)
     else:
         acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
+        up = acc  # both branches define it: the compiler joins them
         if ACT:
             up = _rows(FMT, w_ptr, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
     if ACT:

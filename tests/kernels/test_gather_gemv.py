@@ -224,10 +224,12 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
            "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
            "out_stride": "i32", "FMT": "constexpr", "NB": "constexpr", "BLOCK_R": "constexpr",
            "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr"}
-    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", {**sig, "SUMS": "constexpr"},
+    sig = {**sig, "SUMS": "constexpr", "INT8_X": "constexpr", "ASM": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
                      {"FMT": fmt, "NB": 2048 // spec.block, "BLOCK_R": spec.rows,
                       "STEP": spec.step, "ACT": act,
-                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4"), "SUMS": fmt == "q8_0x8"},
+                      "BITS": fmt in ("q8_0", "q8_0x8", "mxfp4"), "SUMS": fmt == "q8_0x8",
+                      "INT8_X": False, "ASM": True},
                      pdl=dtype == "*bf16")
 
 

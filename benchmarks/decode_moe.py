@@ -164,7 +164,8 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     default (``--moe-hybrid-greedy fetch``); ``+greedysplit`` splits it instead. ``+prefetch75``
     has a hybrid layer fetch 75 % of the next layer's predicted misses while it computes
     (FREETOKEN_HYBRID_PREFETCH=0.75; ``+prefetch0``: the split's share; else the engine's
-    default)."""
+    default), ``+chunk`` dequantises a prompt's streamed experts a staging chunk at a time
+    (FREETOKEN_PREFILL_DEQUANT=chunk; else one by one)."""
     base, *options = name.split("+")
     shares = [o for o in options if o.startswith("prefetch") and o[8:].isdigit()]
     os.environ["FREETOKEN_HYBRID_PREFETCH"] = f"{int(shares[-1][8:]) / 100}" if shares else ""
@@ -172,7 +173,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
         "hostnode", "flags", "pieces", "early", "greedy", "nocheck", "timing", "regrouped",
         "denseblocks", "greedysplit", "lateflags", "pdl", "nopdl",
-        "fusedrouter", "matmulrouter"}
+        "fusedrouter", "matmulrouter", "chunk"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -188,6 +189,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
     os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"
     os.environ["FREETOKEN_LATE_STEPS"] = "flags" if "lateflags" in options else "breaks"
+    os.environ["FREETOKEN_PREFILL_DEQUANT"] = "chunk" if "chunk" in options else "expert"
     set_env("FREETOKEN_GPU_PDL", {"pdl": "on", "nopdl": "off"}, options)
     set_env("FREETOKEN_GPU_ROUTER", {"fusedrouter": "fused", "matmulrouter": "matmul"}, options)
     strategy, max_fetch, online, capture = VARIANTS.get(base, (base, "auto", True, True))

@@ -121,7 +121,7 @@ def q8_0x8_sums(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _dp4a(a, b, ASM: tl.constexpr):
+def dp4a(a, b, ASM: tl.constexpr):
     """The sum of the four products of ``a``'s and ``b``'s int8 bytes, as int32: the GPU's
     ``dp4a`` (ASM), else the same integers by shifts and multiplies (the interpreter's twin)."""
     if ASM:
@@ -135,54 +135,56 @@ def _dp4a(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def x_int8(x_row, blocks, ok, BITS: tl.constexpr):
-    """x's 32-value blocks ``blocks`` as int8 (four to an int32, (STEP, 8)) and their scales
-    (STEP,): ``d = max |x| / 127``, ``q = round(x / d)`` (half to even, by the float adder:
+def int8_blocks(x):
+    """float32 x (..., 32): each 32-value block as int8 (four to an int32, (..., 8)) and its
+    scale (...): ``d = max |x| / 127``, ``q = round(x / d)`` (half to even, by the float adder:
     ``2**23 + 2**22`` added puts the rounded integer in the low bits), 0 for a block of
     zeros. ``kernels/gather_gemv.py:int8_x_reference`` is its twin."""
-    lane = tl.arange(0, 32)
-    x = as_f32(x_row, blocks[:, None] * 32 + lane[None, :], ok[:, None], BITS)
-    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.max(tl.abs(x), axis=len(x.shape) - 1)
     inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = (x * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-    shift = (tl.arange(0, 4) * 8)[None, None, :]
-    packed = tl.sum((tl.reshape(q, (x.shape[0], 8, 4)) & 0xFF) << shift, axis=2)
-    return packed, amax / 127.0
+    q = (x * tl.expand_dims(inv, len(x.shape) - 1) + 12582912.0).to(
+        tl.int32, bitcast=True) - 0x4B400000
+    four = tl.reshape(q, x.shape[:-1] + [8, 4]) & 0xFF
+    shift = tl.arange(0, 4) * 8
+    return tl.sum(four << shift, axis=len(x.shape)), amax / 127.0
 
 
 @triton.jit
-def _int8_dots(w_ptr, group, blocks, ok, lane, xq, ASM: tl.constexpr):
-    """The integer dots of Q8_0x8 blocks ``blocks`` of the rows at ``group`` (their groups'
-    starts, (BLOCK_R, STEP)) with x's int8 blocks ``xq``, and the blocks' scales."""
+def q8_0x8_words(w_ptr, group, blocks, ok):
+    """Q8_0x8 blocks ``blocks`` of the rows whose groups start at ``group`` ((BLOCK_R, STEP)
+    byte offsets): their values as int32 words of four (BLOCK_R, STEP, 8) and their scales
+    (BLOCK_R, STEP) as float32."""
     d = tl.load((w_ptr + group).to(tl.pointer_type(tl.float16)) + (blocks % 8)[None, :],
                 mask=ok, other=0.0).to(tl.float32)
     at = (w_ptr + group + 16 + (blocks % 8)[None, :] * 32).to(tl.pointer_type(tl.int32))
-    q = tl.load(at[:, :, None] + lane[None, None, :], mask=ok[:, :, None], other=0)
-    return tl.sum(_dp4a(q, xq[None, :, :], ASM), axis=2), d
+    q = tl.load(at[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
+    return q, d
 
 
 @triton.jit
 def q8_0x8_int8(w_ptr, base, up_base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                 STEP: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, UP: tl.constexpr):
-    """Q8_0x8's rows against x quantised to int8 per 32-value block (:func:`x_int8`), as
+    """Q8_0x8's rows against x quantised to int8 per 32-value block (:func:`int8_blocks`), as
     llama.cpp's GPU kernels do: a block's 32 products summed as integers, four an instruction
-    (:func:`_dp4a`), then times both scales. Far fewer instructions a weight than the float
+    (:func:`dp4a`), then times both scales. Far fewer instructions a weight than the float
     readers; other values: x's rounding to 1/254 of its block's largest. With UP also the
     rows at ``up_base`` on the same quantised x (gate's and up's); returns both sums."""
-    lane = tl.arange(0, 8)
+    lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
     for b0 in range(0, NB * 8, STEP):
         blocks = b0 + tl.arange(0, STEP)
         live = blocks < NB * 8
         ok = row_ok[:, None] & live[None, :]
-        xq, xd = x_int8(x_row, blocks, live, BITS)
+        xq, xd = int8_blocks(as_f32(x_row, blocks[:, None] * 32 + lane[None, :], live[:, None],
+                                    BITS))
         step = (blocks // 8)[None, :] * 272
-        dots, d = _int8_dots(w_ptr, base[:, None] + step, blocks, ok, lane, xq, ASM)
-        acc += dots.to(tl.float32) * (d * xd[None, :])
+        q, d = q8_0x8_words(w_ptr, base[:, None] + step, blocks, ok)
+        acc += tl.sum(dp4a(q, xq[None, :, :], ASM), axis=2).to(tl.float32) * (d * xd[None, :])
         if UP:
-            dots, d = _int8_dots(w_ptr, up_base[:, None] + step, blocks, ok, lane, xq, ASM)
-            acc_up += dots.to(tl.float32) * (d * xd[None, :])
+            q, d = q8_0x8_words(w_ptr, up_base[:, None] + step, blocks, ok)
+            acc_up += tl.sum(dp4a(q, xq[None, :, :], ASM), axis=2).to(tl.float32) * (
+                d * xd[None, :])
     return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
 
 

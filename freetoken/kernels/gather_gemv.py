@@ -51,9 +51,10 @@ class FusedKernel:
     instructions, which a GPU runs at a quarter of its rate (the same values, the same
     sums). ``sums`` (q8_0x8, the expert and the dense kernels): a block's products summed
     before its scale (``triton_blocks.q8_0x8_sums``: fewer instructions a weight, other
-    roundings). ``int8_x`` (q8_0x8's expert kernel): x quantised to int8 per 32-value block
-    in the kernel and each block's products summed as integers (``triton_blocks.q8_0x8_int8``:
-    fewer instructions still; x's rounding, as llama.cpp's GPU kernels round it)."""
+    roundings). ``int8_x`` (q8_0x8, the expert and the dense kernels): x quantised to int8
+    per 32-value block in the kernel and each block's products summed as integers
+    (``triton_blocks.q8_0x8_int8``: fewer instructions still; x's rounding, as llama.cpp's
+    GPU kernels round it)."""
 
     fmt: str
     step: int = 1
@@ -304,7 +305,8 @@ def dense_gemv(data: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     triton_gemv.dense_gemv[(triton.cdiv(R, spec.rows),)](
         data, x, out, R, T, data.stride(0), x.stride(0), out.stride(0),
         NB=row_bytes // 272, BLOCK_R=spec.rows, STEP=spec.step, TOK=triton.next_power_of_2(T),
-        BITS=spec.bits, SUMS=spec.sums, num_warps=spec.warps, **overlap(x.device))
+        BITS=spec.bits, SUMS=spec.sums, INT8_X=spec.int8_x, ASM=x.device.type == "cuda",
+        num_warps=spec.warps, **overlap(x.device))
     return out
 
 

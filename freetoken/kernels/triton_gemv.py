@@ -28,9 +28,12 @@ import triton.language as tl
 from freetoken.kernels.triton_blocks import (
     as_f32,
     block_rows,
+    dp4a,
+    int8_blocks,
     q8_0x8_blocks,
     q8_0x8_int8,
     q8_0x8_sums,
+    q8_0x8_words,
 )
 from freetoken.kernels.triton_overlap import inputs_ready
 
@@ -140,10 +143,13 @@ def gather_gemv_scaled(w_ptr, s_ptr, g_ptr, wu_ptr, su_ptr, gu_ptr, index_ptr, x
 def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
                NB: tl.constexpr, BLOCK_R: tl.constexpr, STEP: tl.constexpr, TOK: tl.constexpr,
                BITS: tl.constexpr = False, PDL: tl.constexpr = False,
-               SUMS: tl.constexpr = False):
+               SUMS: tl.constexpr = False, INT8_X: tl.constexpr = False,
+               ASM: tl.constexpr = False):
     """``out[t, rows] = W[rows] @ x[t]`` for the T <= TOK rows of x: one Q8_0x8 matrix (a dense
     layer at decode) read once for all of them, each product q8_0's ``q * (x * d)``; with
-    SUMS a block's products ``q * x`` summed before its scale (as ``q8_0x8_sums``)."""
+    SUMS a block's products ``q * x`` summed before its scale (as ``q8_0x8_sums``); with
+    INT8_X each row of x as int8 blocks and a block's products summed as integers (as
+    ``q8_0x8_int8``)."""
     inputs_ready(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -155,14 +161,21 @@ def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
     for b0 in range(0, NB * 8, STEP):
         blocks = b0 + tl.arange(0, STEP)
         live = blocks < NB * 8
-        q, d = q8_0x8_blocks(w_ptr, base, row_ok[:, None] & live[None, :], blocks, lane, BITS)
+        ok = row_ok[:, None] & live[None, :]
         xi = toks[:, None, None] * x_stride + blocks[None, :, None] * 32 + lane[None, None, :]
         x = as_f32(x_ptr, xi, (toks < T)[:, None, None] & live[None, :, None], BITS)
-        if SUMS:
-            block_acc += tl.sum(q[None] * x[:, None], axis=3) * d[None]
+        if INT8_X:
+            xq, xd = int8_blocks(x)  # (TOK, STEP, 8), (TOK, STEP)
+            q, d = q8_0x8_words(w_ptr, base[:, None] + (blocks // 8)[None, :] * 272, blocks, ok)
+            dots = tl.sum(dp4a(q[None], xq[:, None], ASM), axis=3).to(tl.float32)
+            block_acc += dots * (d[None] * xd[:, None])
         else:
-            acc += q[None] * (x[:, None] * d[None, :, :, None])
-    if SUMS:
+            q, d = q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
+            if SUMS:
+                block_acc += tl.sum(q[None] * x[:, None], axis=3) * d[None]
+            else:
+                acc += q[None] * (x[:, None] * d[None, :, :, None])
+    if SUMS or INT8_X:
         out = tl.sum(block_acc, axis=2)  # (TOK, BLOCK_R)
     else:
         out = tl.sum(tl.sum(acc, axis=3), axis=2)

@@ -24,14 +24,16 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("T", [1, 3, 8, 11])
-@pytest.mark.parametrize("sums", [False, True])
-def test_a_block_layer_follows_gguf_dequantisation(device, T, sums, monkeypatch):
+@pytest.mark.parametrize("reader", ["float", "sums", "int8_x"])
+def test_a_block_layer_follows_gguf_dequantisation(device, T, reader, monkeypatch):
     """1-8 rows through the kernel (one read of W for all), more (prefill) dequantised; so
-    with each block's products summed before its scale (Q8_0x8's ``sums`` launch choice)."""
+    with each block's products summed before its scale (Q8_0x8's ``sums`` launch choice), and
+    with x as int8 blocks (``int8_x``: against gguf's weights times x as
+    ``int8_x_reference`` rounds it, where the kernel runs)."""
     from freetoken.kernels import gather_gemv
 
-    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8",
-                        dataclasses.replace(gather_gemv.KERNELS["q8_0x8"], sums=sums))
+    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8", dataclasses.replace(
+        gather_gemv.KERNELS["q8_0x8"], sums=reader == "sums", int8_x=reader == "int8_x"))
     g = torch.Generator().manual_seed(T)
     qt = get_format("q8_0").quantize(torch.randn(40, 512, generator=g))
     with torch.device(device):
@@ -40,8 +42,13 @@ def test_a_block_layer_follows_gguf_dequantisation(device, T, sums, monkeypatch)
     x = torch.randn(T, 512, generator=g)
     got = layer(x.to(device)).cpu().double().numpy()
     w = dequantize(qt.data.numpy(), GGMLQuantizationType.Q8_0).reshape(40, 512)
-    np.testing.assert_allclose(got, x.double().numpy() @ w.T.astype(np.float64),
-                               rtol=1e-5, atol=1e-4)
+    xs = x.double()
+    if reader == "int8_x" and T <= gather_gemv.DENSE_TOKENS:
+        q, d = gather_gemv.int8_x_reference(x)
+        xs = (q.double().unflatten(-1, (-1, 32)) * d.double()[..., None]).flatten(-2)
+    tol = 2e-2 if reader == "int8_x" and device == "cuda" else 1e-5  # a quotient's last bit
+    np.testing.assert_allclose(got, xs.numpy() @ w.T.astype(np.float64), rtol=tol,
+                               atol=tol * 10)
 
 
 def test_a_block_layer_takes_only_its_q8_0_matrix():
@@ -67,7 +74,8 @@ def test_a_model_with_block_layers_follows_its_slow_twin(wide_qwen3_moe_q8, monk
 
 
 @pytest.mark.parametrize("tok", [1, 8])
-def test_the_dense_kernel_compiles_for_a_gpu(tok):
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_the_dense_kernel_compiles_for_a_gpu(tok, int8_x):
     from freetoken.kernels.gather_gemv import KERNELS
     from tests.kernels.conftest import compile_for_sm90
 
@@ -75,6 +83,8 @@ def test_the_dense_kernel_compiles_for_a_gpu(tok):
     sig = {"w_ptr": "*u8", "x_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "T": "i32",
            "row_stride": "i32", "x_stride": "i32", "out_stride": "i32", "NB": "constexpr",
            "BLOCK_R": "constexpr", "STEP": "constexpr", "TOK": "constexpr", "BITS": "constexpr"}
-    compile_for_sm90("freetoken.kernels.triton_gemv", "dense_gemv", {**sig, "SUMS": "constexpr"},
+    sig = {**sig, "SUMS": "constexpr", "INT8_X": "constexpr", "ASM": "constexpr"}
+    compile_for_sm90("freetoken.kernels.triton_gemv", "dense_gemv", sig,
                      {"NB": 8, "BLOCK_R": spec.rows, "STEP": spec.step, "TOK": tok,
-                      "BITS": spec.bits, "SUMS": tok == 8}, pdl=tok == 1)
+                      "BITS": spec.bits, "SUMS": tok == 8 and not int8_x, "INT8_X": int8_x,
+                      "ASM": True}, pdl=tok == 1)

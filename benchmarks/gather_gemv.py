@@ -70,7 +70,7 @@ def graph_seconds_per_call(fn: Any, calls: int = 20, replays: int = 20) -> float
     return seconds_per_call(lambda _: g.replay(), replays) / calls
 
 
-SWEEP = {"rows": (1, 2, 4, 8, 16), "step": (8, 16, 32), "warps": (1, 2, 4),
+SWEEP = {"rows": (1, 2, 4, 8, 16, 32), "step": (8, 16, 32), "warps": (1, 2, 4),
          "bits": (False, True)}
 # q8_0x8's readers, as (sums, int8_x): the float one, block sums, int8 x (--readers picks)
 READERS = {"float": (False, False), "sums": (True, False), "int8_x": (False, True)}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU machine: resident Q8_0 experts regrouped as Q8_0x8 against the file's blocks. One layer
 # of the fused kernels (benchmarks/gather_gemv.py: q8_0 and q8_0x8 at 2048x768, then SWEEP=1
-# times q8_0x8's launch choices of READERS (default int8_x,sums) for at most SWEEP_S seconds,
+# times q8_0x8's launch choices of READERS (default int8_x) for at most SWEEP_S seconds,
 # and the decode runs regrouped experts at the fastest), then decode on the 48-layer q8_0
 # file (written here unless /tmp has it; PRESET, LAYERS) with `resident` (the file's blocks),
 # `resident+regrouped` (FREETOKEN_RESIDENT_BLOCKS=regrouped) and `resident+regrouped+denseblocks`
@@ -19,7 +19,7 @@ WRITE=$!
 python3 benchmarks/gather_gemv.py --formats q8_0,q8_0x8 --out "$OUT" --label layout-$GPU \
   --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^ "
 if [ -n "${SWEEP:-}" ]; then
-  python3 benchmarks/gather_gemv.py --formats q8_0x8 --sweep --readers ${READERS:-int8_x,sums} \
+  python3 benchmarks/gather_gemv.py --formats q8_0x8 --sweep --readers ${READERS:-int8_x} \
     --sweep-budget-s ${SWEEP_S:-150} --out "$OUT" --label sweep-$GPU --git-sha "${GIT_SHA:-}" \
     2>&1 | tail -8 | tee /tmp/sweep.txt
   # the decode below runs regrouped experts at the sweep's fastest choice

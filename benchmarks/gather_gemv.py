@@ -75,8 +75,7 @@ SWEEP = {"rows": (1, 2, 4, 8, 16, 32), "step": (8, 16, 32), "warps": (1, 2, 4),
 # q8_0x8's readers, as (sums, int8_x): the float one, block sums, int8 x (--readers picks)
 READERS = {"float": (False, False), "sums": (True, False), "int8_x": (False, True)}
 BITS_FORMATS = {"q8_0", "q8_0x8", "mxfp4", "nvfp4"}  # kernels with a bits choice
-SUMS_FORMATS = {"q8_0x8"}  # kernels with a sums choice
-INT8_X_FORMATS = {"q8_0", "q8_0x8"}  # kernels with an int8_x choice
+SUMS_FORMATS = {"q8_0x8"}  # kernels with sums and int8_x choices
 
 
 def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
@@ -89,9 +88,7 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
     looped = any(saved[f].step > 1 for f in formats)
     grid = SWEEP
     bits = grid["bits"] if BITS_FORMATS & set(formats) else (False,)
-    takes = {"float": True, "sums": bool(SUMS_FORMATS & set(formats)),
-             "int8_x": bool(INT8_X_FORMATS & set(formats))}
-    read = [READERS[r] for r in readers if takes[r]] or [(False, False)]
+    read = [READERS[r] for r in readers] if SUMS_FORMATS & set(formats) else [(False, False)]
     rows = []
     try:
         choices = [(r, st, w, b, sm, ix) for r, st, w, b, (sm, ix) in itertools.product(
@@ -109,7 +106,7 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
             for f in set(formats):
                 gather_gemv.KERNELS[f] = dataclasses.replace(
                     saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b,
-                    sums=sm and f in SUMS_FORMATS, int8_x=ix and f in INT8_X_FORMATS)
+                    sums=sm and f in SUMS_FORMATS, int8_x=ix and f in SUMS_FORMATS)
             try:
                 us = graph_seconds_per_call(call) * 1e6
             except Exception as e:  # noqa: BLE001 - a choice that does not compile is skipped
@@ -238,7 +235,7 @@ def main() -> None:
             r["launch"] = " ".join(
                 f"{f}={best['rows']},{best['step']},{best['warps']}"
                 + (f",{best['bits']:d}" if f in BITS_FORMATS else "")
-                + (f",{best['sums']:d},{best['int8_x']:d}" if f in INT8_X_FORMATS else "")
+                + (f",{best['sums']:d},{best['int8_x']:d}" if f in SUMS_FORMATS else "")
                 for f in sorted(set(r["formats"].split("/"))))
             print(f"    FREETOKEN_GEMV_LAUNCH='{r['launch']}'", flush=True)
     result = {"bench": "gather_gemv", "label": args.label, **git_state(args.git_sha), **host(),

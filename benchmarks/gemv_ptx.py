@@ -133,8 +133,8 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--sass", action="store_true",
                    help="also count the gather kernel's machine instructions a weight at "
-                        "several launch choices (q8_0 and q8_0x8 with float or int8 x, q8_0x8 with "
-                        "block sums)")
+                        "several launch choices (q8_0, q8_0x8, q8_0x8 with block sums, "
+                        "q8_0x8 with int8 x)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     from freetoken.kernels.gather_gemv import KERNELS
@@ -170,9 +170,8 @@ def main() -> None:
         print(f"{what:>28}: " + ", ".join(f"{n} x{c}" for n, c in sorted(r["loads"].items())))
     counts = []
     if args.sass:
-        for fmt, sums, ix in (("q8_0", False, False), ("q8_0", False, True),
-                              ("q8_0x8", False, False), ("q8_0x8", True, False),
-                              ("q8_0x8", False, True)):
+        for fmt, sums, ix in (("q8_0", False, False), ("q8_0x8", False, False),
+                              ("q8_0x8", True, False), ("q8_0x8", False, True)):
             for act in (1, 0):
                 for r, step, warps in SASS_CHOICES:
                     counts.append(per_weight(fmt, act, r, step, warps, sums, gather,

@@ -41,9 +41,6 @@ Act = Callable[[torch.Tensor], torch.Tensor]
 log = logging.getLogger(__name__)
 
 
-INT8_X_FORMATS = frozenset({"q8_0", "q8_0x8"})  # formats with an int8_x reader
-
-
 @dataclass(frozen=True)
 class FusedKernel:
     """A format's gather-GEMV (:mod:`.triton_gemv` compiled for it): blocks per loop
@@ -54,9 +51,9 @@ class FusedKernel:
     instructions, which a GPU runs at a quarter of its rate (the same values, the same
     sums). ``sums`` (q8_0x8, the expert and the dense kernels): a block's products summed
     before its scale (``triton_blocks.q8_0x8_sums``: fewer instructions a weight, other
-    roundings). ``int8_x`` (q8_0 and q8_0x8; q8_0x8's dense kernel too): x quantised to
-    int8 per 32-value block in the kernel and each block's products summed as integers
-    (``triton_blocks.int8_x_rows``: fewer instructions still; x's rounding, as llama.cpp's
+    roundings). ``int8_x`` (q8_0x8, the expert and the dense kernels): x quantised to int8
+    per 32-value block in the kernel and each block's products summed as integers
+    (``triton_blocks.q8_0x8_int8``: fewer instructions still; x's rounding, as llama.cpp's
     GPU kernels round it)."""
 
     fmt: str
@@ -68,11 +65,9 @@ class FusedKernel:
     int8_x: bool = False
 
     def __post_init__(self) -> None:
-        if self.sums and self.fmt != "q8_0x8":  # its reader reads Q8_0x8's places alone
-            raise ValueError(f"{self.fmt}: sums is a launch choice of q8_0x8 alone")
-        if self.int8_x and self.fmt not in INT8_X_FORMATS:
-            raise ValueError(f"{self.fmt}: int8_x is a launch choice of "
-                             f"{' and '.join(sorted(INT8_X_FORMATS))} alone")
+        for name in ("sums", "int8_x"):  # their readers read Q8_0x8's places alone
+            if getattr(self, name) and self.fmt != "q8_0x8":
+                raise ValueError(f"{self.fmt}: {name} is a launch choice of q8_0x8 alone")
         if self.sums and self.int8_x:
             raise ValueError("q8_0x8: sums and int8_x are two readers; choose one")
 
@@ -144,15 +139,14 @@ def _launch_overrides() -> dict[str, FusedKernel]:
             rows, step, warps, *more = (int(v) for v in values.split(","))
         except ValueError:
             rows, step, warps, more = 0, 0, 0, []
-        flags_ok = len(more) <= 3 and set(more) <= {0, 1} and sum(more[1:]) < 2 and (
-            len(more) < 2 or not more[1] or fmt == "q8_0x8") and (
-            len(more) < 3 or not more[2] or fmt in INT8_X_FORMATS)
+        flags_ok = len(more) <= 3 and set(more) <= {0, 1} and (
+            not any(more[1:]) or fmt == "q8_0x8") and sum(more[1:]) < 2
         if min(rows, step, warps) < 1 or fmt not in KERNELS or not flags_ok:
             raise ConfigError(f"FREETOKEN_GEMV_LAUNCH entry {entry!r} is not "
                               f"fmt=rows,step,warps[,bits[,sums[,int8_x]]] with a format of "
                               f"{', '.join(KERNELS)}, positive integers, bits 0 or 1, "
-                              "sums and int8_x 0 or 1 (sums 1 for q8_0x8 alone, int8_x 1 for "
-                              "q8_0 and q8_0x8, not both), say q8_0=4,16,2")
+                              "sums and int8_x 0 or 1 (1 for q8_0x8 alone, not both), say "
+                              "q8_0=4,16,2")
         base = KERNELS[fmt]
         flags = [bool(v) for v in more] + [base.bits, base.sums, base.int8_x][len(more):]
         found[fmt] = dataclasses.replace(base, rows=rows, step=step, warps=warps, bits=flags[0],

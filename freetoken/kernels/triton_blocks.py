@@ -162,52 +162,27 @@ def q8_0x8_words(w_ptr, group, blocks, ok):
 
 
 @triton.jit
-def _q8_0_words(w_ptr, at, ok):
-    """Q8_0 blocks at byte offsets ``at`` (BLOCK_R, STEP): their values as int32 words of four
-    (BLOCK_R, STEP, 8), made of 16-bit loads (GGUF's 34-byte blocks leave the values 2-byte
-    aligned), and their scales as float32."""
-    d = _f16(w_ptr + at, ok)
-    half = tl.load((w_ptr + at + 2).to(tl.pointer_type(tl.uint16))[:, :, None]
-                   + tl.arange(0, 16)[None, None, :], mask=ok[:, :, None], other=0)
-    pairs = tl.reshape(half.to(tl.int32), (at.shape[0], at.shape[1], 8, 2))
-    return tl.sum(pairs << (tl.arange(0, 2) * 16), axis=3), d
-
-
-@triton.jit
-def _words(FMT: tl.constexpr, w_ptr, base, blocks, ok):
-    """Blocks ``blocks`` of the rows at ``base`` in format FMT (q8_0 or q8_0x8): values as int32
-    words of four and scales."""
-    if FMT == "q8_0x8":
-        q, d = q8_0x8_words(w_ptr, base[:, None] + (blocks // 8)[None, :] * 272, blocks, ok)
-    else:
-        q, d = _q8_0_words(w_ptr, base[:, None] + blocks[None, :] * 34, ok)
-    return q, d
-
-
-@triton.jit
-def int8_x_rows(FMT: tl.constexpr, w_ptr, base, up_base, row_ok, x_row, NB: tl.constexpr,
-                BLOCK_R: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr,
-                ASM: tl.constexpr, UP: tl.constexpr):
-    """Q8_0's rows (FMT q8_0, or regrouped as q8_0x8) against x quantised to int8 per 32-value
-    block (:func:`int8_blocks`), as llama.cpp's GPU kernels do: a block's 32 products summed
-    as integers, four an instruction (:func:`dp4a`), then times both scales. Far fewer
-    instructions a weight than the float readers; other values: x's rounding to 1/254 of its
-    block's largest. With UP also the rows at ``up_base`` on the same quantised x (gate's
-    and up's); returns both sums."""
+def q8_0x8_int8(w_ptr, base, up_base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
+                STEP: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, UP: tl.constexpr):
+    """Q8_0x8's rows against x quantised to int8 per 32-value block (:func:`int8_blocks`), as
+    llama.cpp's GPU kernels do: a block's 32 products summed as integers, four an instruction
+    (:func:`dp4a`), then times both scales. Far fewer instructions a weight than the float
+    readers; other values: x's rounding to 1/254 of its block's largest. With UP also the
+    rows at ``up_base`` on the same quantised x (gate's and up's); returns both sums."""
     lane = tl.arange(0, 32)
-    n: tl.constexpr = NB * 8 if FMT == "q8_0x8" else NB  # 32-value blocks a row
     acc = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
-    for b0 in range(0, n, STEP):
+    for b0 in range(0, NB * 8, STEP):
         blocks = b0 + tl.arange(0, STEP)
-        live = blocks < n
+        live = blocks < NB * 8
         ok = row_ok[:, None] & live[None, :]
         xq, xd = int8_blocks(as_f32(x_row, blocks[:, None] * 32 + lane[None, :], live[:, None],
                                     BITS))
-        q, d = _words(FMT, w_ptr, base, blocks, ok)
+        step = (blocks // 8)[None, :] * 272
+        q, d = q8_0x8_words(w_ptr, base[:, None] + step, blocks, ok)
         acc += tl.sum(dp4a(q, xq[None, :, :], ASM), axis=2).to(tl.float32) * (d * xd[None, :])
         if UP:
-            q, d = _words(FMT, w_ptr, up_base, blocks, ok)
+            q, d = q8_0x8_words(w_ptr, up_base[:, None] + step, blocks, ok)
             acc_up += tl.sum(dp4a(q, xq[None, :, :], ASM), axis=2).to(tl.float32) * (
                 d * xd[None, :])
     return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)

@@ -6,8 +6,8 @@ The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (p
 + row * row_stride`` bytes, NB blocks per row, float32 accumulation. With ACT (a gate and up
 stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
 sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu). With
-INT8_X (Q8_0, Q8_0x8) x is quantised to int8 blocks and the blocks' products summed as
-integers (``triton_blocks.int8_x_rows``; ASM: with the GPU's dp4a, else its twin in shifts).
+INT8_X (Q8_0x8) x is quantised to int8 blocks and the blocks' products summed as integers
+(``triton_blocks.q8_0x8_int8``; ASM: with the GPU's dp4a, else its twin in shifts).
 
 ``weigh_sum`` weighs a token's pair outputs and sums them, one launch for torch's two.
 
@@ -30,8 +30,8 @@ from freetoken.kernels.triton_blocks import (
     block_rows,
     dp4a,
     int8_blocks,
-    int8_x_rows,
     q8_0x8_blocks,
+    q8_0x8_int8,
     q8_0x8_sums,
     q8_0x8_words,
 )
@@ -82,9 +82,9 @@ def gather_gemv(w_ptr, index_ptr, x_ptr, out_ptr, R, per, slot_stride, row_strid
     p, rows, row_ok, base, x_row = _pair_rows(index_ptr, x_ptr, R, per, slot_stride, row_stride,
                                               x_stride, BLOCK_R)
     up_base = base + R * row_stride  # with ACT: up's rows, after gate's
-    if INT8_X:  # Q8_0 and Q8_0x8: x as int8 blocks once for gate's and up's rows
-        acc, up = int8_x_rows(FMT, w_ptr, base, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS,
-                              ASM, ACT > 0)
+    if INT8_X:  # Q8_0x8 only: x as int8 blocks once for gate's and up's rows
+        acc, up = q8_0x8_int8(w_ptr, base, up_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, ASM,
+                              ACT > 0)
     else:
         acc = _rows(FMT, w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS, SUMS)
         up = acc  # both branches define it: the compiler joins them
@@ -149,7 +149,7 @@ def dense_gemv(w_ptr, x_ptr, out_ptr, R, T, row_stride, x_stride, out_stride,
     layer at decode) read once for all of them, each product q8_0's ``q * (x * d)``; with
     SUMS a block's products ``q * x`` summed before its scale (as ``q8_0x8_sums``); with
     INT8_X each row of x as int8 blocks and a block's products summed as integers (as
-    ``int8_x_rows``)."""
+    ``q8_0x8_int8``)."""
     inputs_ready(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R

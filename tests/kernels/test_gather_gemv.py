@@ -325,11 +325,9 @@ def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
     monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0x8=8,16,2,0,0,1")
     spec = gather_gemv.launch("q8_0x8")
     assert spec.int8_x and not spec.sums and (spec.rows, spec.step, spec.warps) == (8, 16, 2)
-    monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0=4,16,1,0,0,1")
-    assert gather_gemv.launch("q8_0").int8_x
     for bad in ("q8_0=4,16", "q9_9=4,16,1", "q8_0=0,16,1", "q8_0=a,b,c", "q8_0=4,16,1,2",
                 "q8_0=4,16,1,1,1", "q8_0x8=2,8,1,0,2", "q8_0x8=2,8,1,0,1,1",
-                "q5_0=4,16,1,0,0,1", "q8_0x8=2,8,1,0,0,1,1"):
+                "q8_0=4,16,1,0,0,1", "q8_0x8=2,8,1,0,0,1,1"):
         monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", bad)
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
             gather_gemv.launch("q8_0")
@@ -369,28 +367,25 @@ def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,K", [(40, 512), (17, 768)])
 @pytest.mark.parametrize("act", [0, 1])
-@pytest.mark.parametrize("fmt", ["q8_0", "q8_0x8"])
 def test_int8_x_reader_matches_gguf_dequantisation_of_its_int8_x(kernels, device, dtype, R, K,
-                                                                  act, fmt, monkeypatch):
-    """Q8_0 (the file's blocks, or regrouped as Q8_0x8) with x quantised to int8 blocks in the
-    kernel (``int8_x``): against the gguf package's dequantisation of the file's Q8_0 bytes
-    times x as :func:`int8_x_reference` quantises it (the integer dots are exact: only the
-    float sums' order differs; compiled, a quotient's last bit may move one of x's values by
-    a step), and near the float reader's result; gate and up as one stack with the
-    activation."""
+                                                                  act, monkeypatch):
+    """Q8_0x8 with x quantised to int8 blocks in the kernel (``int8_x``): against the gguf
+    package's dequantisation of the file's Q8_0 bytes times x as :func:`int8_x_reference`
+    quantises it (the integer dots are exact: only the float sums' order differs; compiled,
+    a quotient's last bit may move one of x's values by a step), and near the float reader's
+    result; gate and up as one stack with the activation."""
     from freetoken.kernels.activation import ACTIVATIONS, glu
     from freetoken.quant.q8_0x8 import regroup
 
-    monkeypatch.setitem(kernels.KERNELS, fmt,
-                        dataclasses.replace(kernels.KERNELS[fmt], int8_x=True))
+    monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
+                        dataclasses.replace(kernels.KERNELS["q8_0x8"], int8_x=True))
     _, view = _pool(4, [("q5_0", 3, 32), ("q8_0", 2 * R, K)], seed=R + K, device=device)
     g = torch.Generator().manual_seed(K)
     x = torch.randn(2, K, generator=g).to(dtype)
     x[1, 32:64] = 0  # a block of zeros: scale 0, values 0
     index = torch.randint(0, 4, (6,), generator=g)
-    data = regroup(view) if fmt == "q8_0x8" else view
-    rows = data[:, :R] if act else data  # with act, up's rows follow gate's
-    out = kernels.gather_gemv(fmt, rows, index.to(device), x.to(device), 3,
+    rows = regroup(view)[:, :R] if act else regroup(view)  # with act, up's rows follow gate's
+    out = kernels.gather_gemv("q8_0x8", rows, index.to(device), x.to(device), 3,
                               act=act).cpu().double()
     q, d = kernels.int8_x_reference(x)
     assert q.dtype == torch.int8 and d.shape == (2, K // 32) and q[1, 32:64].eq(0).all()
@@ -402,9 +397,9 @@ def test_int8_x_reader_matches_gguf_dequantisation_of_its_int8_x(kernels, device
         exact = glu(ACTIVATIONS["silu"], exact[:, :R], exact[:, R:])
     tol = (1e-4 if device == "cpu" else 2e-2) if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, exact, rtol=tol, atol=tol)
-    monkeypatch.setitem(kernels.KERNELS, fmt,
-                        dataclasses.replace(kernels.KERNELS[fmt], int8_x=False))
-    floats = kernels.gather_gemv(fmt, rows, index.to(device), x.to(device), 3,
+    monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
+                        dataclasses.replace(kernels.KERNELS["q8_0x8"], int8_x=False))
+    floats = kernels.gather_gemv("q8_0x8", rows, index.to(device), x.to(device), 3,
                                  act=act).cpu().double()
     # x's rounding (each value within 1/254 of its block's largest): about 1 % of the whole
     assert (out - floats).norm() < 0.03 * floats.norm()
@@ -412,8 +407,7 @@ def test_int8_x_reader_matches_gguf_dequantisation_of_its_int8_x(kernels, device
 
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 @pytest.mark.parametrize("act", [0, 1])
-@pytest.mark.parametrize("fmt", ["q8_0", "q8_0x8"])
-def test_the_int8_x_reader_compiles_for_a_gpu(dtype: str, act: int, fmt: str) -> None:
+def test_the_int8_x_reader_compiles_for_a_gpu(dtype: str, act: int) -> None:
     """The int8_x reader with the GPU's dp4a instruction (inline PTX, so ptxas checks it)."""
     sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
            "per": "i32", "slot_stride": "i64", "row_stride": "i32", "x_stride": "i32",
@@ -421,8 +415,7 @@ def test_the_int8_x_reader_compiles_for_a_gpu(dtype: str, act: int, fmt: str) ->
            "STEP": "constexpr", "ACT": "constexpr", "BITS": "constexpr", "SUMS": "constexpr",
            "INT8_X": "constexpr", "ASM": "constexpr"}
     compile_for_sm90("freetoken.kernels.triton_gemv", "gather_gemv", sig,
-                     {"FMT": fmt, "NB": 2048 // (256 if fmt == "q8_0x8" else 32),
-                      "BLOCK_R": 8, "STEP": 16, "ACT": act,
+                     {"FMT": "q8_0x8", "NB": 2048 // 256, "BLOCK_R": 8, "STEP": 16, "ACT": act,
                       "BITS": True, "SUMS": False, "INT8_X": True, "ASM": True},
                      pdl=dtype == "*bf16")
 

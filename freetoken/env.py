@@ -150,7 +150,8 @@ def gemv_launch() -> str:
     """FREETOKEN_GEMV_LAUNCH: launch choices of the fused gather-GEMV kernels that replace
     ``kernels/gather_gemv.py``'s table, for tuning on another GPU: ``fmt=rows,step,warps``
     entries (``,1`` or ``,0`` after them: bit-operation conversions or not, q8_0 and mxfp4;
-    then for q8_0x8 ``,1`` to sum a block's products before its scale) separated by spaces
+    then for q8_0x8 ``,1`` to sum a block's products before its scale, then ``,1`` to read x
+    as int8 blocks with integer dots, ``int8_x``) separated by spaces
     (``q8_0=4,16,2``), as ``benchmarks/gather_gemv.py --sweep`` prints them; unset means
     the table."""
     return os.environ.get("FREETOKEN_GEMV_LAUNCH", "").strip()

@@ -149,9 +149,11 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ``+greedy`` decodes at temperature 0
     whatever --temperature says (sampled against greedy in one run), ``+pycall`` plans each
     layer call between graph pieces in Python (FREETOKEN_LAYER_CALL=python: the library's
-    one-call plan's twin), ``+regrouped`` regroups resident Q8_0 experts as Q8_0x8
-    (FREETOKEN_RESIDENT_BLOCKS=regrouped; else the file's blocks), ``+denseblocks`` keeps Q8_0
-    dense matrices as blocks on the GPU (FREETOKEN_GPU_DENSE=blocks), ``+lateflags`` has the
+    one-call plan's twin), ``+regrouped`` / ``+fileblocks`` keep resident Q8_0 experts
+    regrouped as Q8_0x8 or as the file's blocks (FREETOKEN_RESIDENT_BLOCKS; else the engine's
+    default, regrouped since f51bd7f's measure), ``+denseblocks`` / ``+densedequant`` keep
+    Q8_0 dense matrices as blocks on the GPU or dequantise them (FREETOKEN_GPU_DENSE; else the
+    engine's default, blocks since f51bd7f), ``+lateflags`` has the
     graph wait for the CPU's results on flags inside its pieces (FREETOKEN_LATE_STEPS=flags;
     else late steps between pieces), ``+pdl`` / ``+nopdl`` launch the GPU's Triton kernels
     to overlap the kernel before or not (FREETOKEN_GPU_PDL=on / off; else the engine's
@@ -173,7 +175,7 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "dequant", "lookahead", "nolookahead", "torchcopy", "pyslots", "pycall", "nojoin",
         "hostnode", "flags", "pieces", "early", "greedy", "nocheck", "timing", "regrouped",
         "denseblocks", "greedysplit", "lateflags", "pdl", "nopdl",
-        "fusedrouter", "matmulrouter", "chunk"}
+        "fusedrouter", "matmulrouter", "chunk", "fileblocks", "densedequant"}
     if unknown:
         raise SystemExit(f"unknown strategy option(s) {', '.join(sorted(unknown))} in {name!r}")
     os.environ["FREETOKEN_GPU_EXPERT_KERNEL"] = "dequant" if "dequant" in options else "auto"
@@ -186,8 +188,9 @@ def run_strategy(args: argparse.Namespace, name: str) -> dict[str, Any]:
     set_env("FREETOKEN_HOST_STEPS", {"flags": "flags", "pieces": "pieces", "early": "early"},
             options)
     os.environ["FREETOKEN_WALL_CHECK"] = "off" if "nocheck" in options else "on"
-    os.environ["FREETOKEN_RESIDENT_BLOCKS"] = "regrouped" if "regrouped" in options else "file"
-    os.environ["FREETOKEN_GPU_DENSE"] = "blocks" if "denseblocks" in options else "dequant"
+    set_env("FREETOKEN_RESIDENT_BLOCKS", {"regrouped": "regrouped", "fileblocks": "file"},
+            options)
+    set_env("FREETOKEN_GPU_DENSE", {"denseblocks": "blocks", "densedequant": "dequant"}, options)
     os.environ["FREETOKEN_LATE_STEPS"] = "flags" if "lateflags" in options else "breaks"
     os.environ["FREETOKEN_PREFILL_DEQUANT"] = "chunk" if "chunk" in options else "expert"
     set_env("FREETOKEN_GPU_PDL", {"pdl": "on", "nopdl": "off"}, options)

@@ -3,9 +3,9 @@
 # of the fused kernels (benchmarks/gather_gemv.py: q8_0 and q8_0x8 at 2048x768, then SWEEP=1
 # times q8_0x8's launch choices of READERS (default int8_x) for at most SWEEP_S seconds,
 # and the decode runs regrouped experts at the fastest), then decode on the 48-layer q8_0
-# file (written here unless /tmp has it; PRESET, LAYERS) with `resident` (the file's blocks),
-# `resident+regrouped` (FREETOKEN_RESIDENT_BLOCKS=regrouped) and `resident+regrouped+denseblocks`
-# (attention and head as Q8_0x8 blocks too, FREETOKEN_GPU_DENSE=blocks) in one decode_moe.py run.
+# file (written here unless /tmp has it; PRESET, LAYERS) with `resident+fileblocks+densedequant`
+# (the file's blocks, attention and head dequantised), `resident+regrouped+densedequant` and
+# `resident+regrouped+denseblocks` (today's defaults) in one decode_moe.py run.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/resident_layout.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,6 +28,6 @@ if [ -n "${SWEEP:-}" ]; then
 fi
 wait $WRITE
 python3 benchmarks/decode_moe.py --model $M --device cuda --temperature ${TEMPERATURE:-1} \
-  --strategies ${STRATEGIES:-resident,resident+regrouped,resident+regrouped+denseblocks} --tokens 64 --repeats 2 \
+  --strategies ${STRATEGIES:-resident+fileblocks+densedequant,resident+regrouped+densedequant,resident+regrouped+denseblocks} --tokens 64 --repeats 2 \
   --label $PRESET-${LAYERS}l-layout-$GPU --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 \
   | grep -E '"(strategy|decode_tokens_per_s)"|rror'

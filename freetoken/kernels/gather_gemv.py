@@ -99,9 +99,11 @@ def unavailable() -> str | None:
 # nvfp4, Gemma-4 26B-A4B's 8 pairs of 2816 x 704 (GGUF blocks, 16 weights each: 176 and 44
 # a row), H100, one sweep: 49.1 us at rows 2, step 16, warps 1 with bits (48.2 at rows 4; 61.3
 # at mxfp4's choice, step 32; dequantise + matmul 1,223; mxfp4's kernel at its shape 47.8).
+# q8_0x8 (resident's regrouped Q8_0), H100, f51bd7f's sweep of int8_x: 19.8 us at rows 4,
+# step 8, warps 1 (the float reader at rows 2, step 8, warps 2: 29.6; q8_0's: 31.6).
 KERNELS: dict[str, FusedKernel] = {
     "q8_0": FusedKernel("q8_0", step=8, rows=2, warps=2),
-    "q8_0x8": FusedKernel("q8_0x8", step=8, rows=2, warps=2),
+    "q8_0x8": FusedKernel("q8_0x8", step=8, rows=4, warps=1, int8_x=True),
     "q5_0": FusedKernel("q5_0", step=4),
     "mxfp4": FusedKernel("mxfp4", step=32, rows=1, warps=1, bits=True),
     "nvfp4": FusedKernel("nvfp4", step=16, rows=2, warps=1, bits=True),
@@ -148,9 +150,12 @@ def _launch_overrides() -> dict[str, FusedKernel]:
                               "sums and int8_x 0 or 1 (1 for q8_0x8 alone, not both), say "
                               "q8_0=4,16,2")
         base = KERNELS[fmt]
-        flags = [bool(v) for v in more] + [base.bits, base.sums, base.int8_x][len(more):]
-        found[fmt] = dataclasses.replace(base, rows=rows, step=step, warps=warps, bits=flags[0],
-                                         sums=flags[1] and not flags[2], int8_x=flags[2])
+        # a reader named (sums given) leaves int8_x off unless given; else the table's
+        readers = (bool(more[1]), len(more) > 2 and bool(more[2])) if len(more) > 1 else (
+            base.sums, base.int8_x)
+        found[fmt] = dataclasses.replace(base, rows=rows, step=step, warps=warps,
+                                         bits=bool(more[0]) if more else base.bits,
+                                         sums=readers[0], int8_x=readers[1])
     if found:
         log.info("fused gather-GEMV launch choices from FREETOKEN_GEMV_LAUNCH: %s",
                  ", ".join(f"{k.fmt} rows {k.rows} step {k.step} warps {k.warps} bits "

@@ -348,7 +348,7 @@ def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K
     from freetoken.quant.q8_0x8 import regroup
 
     monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
-                        dataclasses.replace(kernels.KERNELS["q8_0x8"], sums=sums))
+                        dataclasses.replace(kernels.KERNELS["q8_0x8"], sums=sums, int8_x=False))
 
     _, view = _pool(4, [("q5_0", 3, 32), ("q8_0", R, K)], seed=R + K, device=device)
     g = torch.Generator().manual_seed(K)

@@ -60,8 +60,11 @@ def test_a_block_layer_takes_only_its_q8_0_matrix():
 
 def test_a_model_with_block_layers_follows_its_slow_twin(wide_qwen3_moe_q8, monkeypatch):
     """Attention's q/k/v (one stack), o and the head become blocks, the routers do not;
-    prefill (dequantised) and decode (the kernel) within float32 rounding of the weights
-    dequantised at load."""
+    prefill (dequantised) and decode (the kernel's float reader) within float32 rounding of
+    the weights dequantised at load; the default reader (x as int8 blocks) within x's
+    rounding."""
+    from freetoken.kernels import gather_gemv
+
     monkeypatch.setattr(linear, "stacks", lambda weight: True)  # as on a GPU
     ids = [3, 17, 99, 5, 42, 7]
     want = our_logits(load_ours(wide_qwen3_moe_q8), ids, prefill=3)
@@ -70,6 +73,10 @@ def test_a_model_with_block_layers_follows_its_slow_twin(wide_qwen3_moe_q8, monk
     assert isinstance(attn.o_proj, BlockLinear) and isinstance(model.lm_head, BlockLinear)
     assert attn.qkv.dtype == torch.uint8 and attn.q_proj.blocks.data_ptr() == attn.qkv.data_ptr()
     assert not isinstance(model.model.layers[0].mlp.gate, BlockLinear)
+    int8_x = our_logits(model, ids, prefill=3)
+    assert (int8_x - want).norm() < 0.02 * want.norm()
+    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8", dataclasses.replace(
+        gather_gemv.KERNELS["q8_0x8"], int8_x=False))
     torch.testing.assert_close(our_logits(model, ids, prefill=3), want, rtol=1e-4, atol=1e-4)
 
 

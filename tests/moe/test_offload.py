@@ -421,8 +421,9 @@ def test_published_table_masks_what_it_does_not_hold(tiny_qwen3_moe, gather_on_c
 def test_offload_on_cuda_equals_resident_bitwise(checkpoint, prefill, kernel, monkeypatch):
     """Decode calls (2 pairs: both gather) and a 70-token prefill (140 pairs: both group).
     Bit for bit with the dequantise + matmul kernel; the fused one (auto, on Q8_0 slots) sums
-    in another order, so it is close."""
+    in another order, so it is close. Resident keeps the file's blocks here (offload's)."""
     monkeypatch.setenv("FREETOKEN_GPU_EXPERT_KERNEL", kernel)
+    monkeypatch.setenv("FREETOKEN_RESIDENT_BLOCKS", "file")
     ids = (IDS * 4)[: prefill + 20]
     n = 128  # rotary positions past the 90 tokens
     resident = our_logits(load_ours(checkpoint, torch.bfloat16, "cuda", max_seq_len=n), ids,

@@ -290,6 +290,11 @@ if __name__ == "__main__":
                                             "resident+pairgemv": "pair kernels (now)"})
     peer_sitting_plot("5386f2a")
     resident_sitting_plot("5386f2a")
+    peer_sitting_plot("f51bd7f")
+    resident_sitting_plot("f51bd7f", names={
+        "resident": "file blocks, dense dequantised (old default)",
+        "resident+regrouped": "regrouped, x as int8",
+        "resident+regrouped+denseblocks": "+ dense blocks (new default)"})
     peer_sitting_plot("a9b9a4b", "qwen3-30b-a3b-48l-skew",
                       "48-layer qwen3-30b-a3b q8_0, skewed router")
     peer_sitting_plot("5386f2a", "qwen3-30b-a3b-48l-skew",

@@ -395,8 +395,10 @@ def test_int8_x_reader_matches_gguf_dequantisation_of_its_int8_x(kernels, device
     exact = torch.from_numpy(full)
     if act:
         exact = glu(ACTIVATIONS["silu"], exact[:, :R], exact[:, R:])
-    tol = (1e-4 if device == "cpu" else 2e-2) if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, exact, rtol=tol, atol=tol)
+    if device == "cpu" and dtype == torch.float32:
+        torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-4)
+    else:  # bf16's rounding of the result; compiled, a value of x a step off (the quotient)
+        torch.testing.assert_close(out, exact, rtol=2e-2, atol=1e-2 * exact.abs().max().item())
     monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
                         dataclasses.replace(kernels.KERNELS["q8_0x8"], int8_x=False))
     floats = kernels.gather_gemv("q8_0x8", rows, index.to(device), x.to(device), 3,

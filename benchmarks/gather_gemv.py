@@ -10,7 +10,7 @@ overhead). Successive calls read the next of the --slots // --pairs disjoint set
 a call's weights are not in the GPU's L2 (a layer's 40 MB fit there), as decode's layers find
 them; --hot reads the same pairs every call, as the sweeps before 2026-12-07 did.
 ``--sweep`` times the fused call in a graph for every output-rows / blocks-per-step / warps
-choice of its kernels and reports the fastest (the values ``kernels/gather_gemv.py:KERNELS``
+choice of its kernels and reports the fastest (the values ``kernels/gemv_launch.py:KERNELS``
 should carry). Its figures in docs/benchmarks.md up to
 2026-12-06 timed the projections as separate stacks (gate and up in two launches).
 
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import git_state, host, save_result  # noqa: E402
-from freetoken.kernels import gather_gemv  # noqa: E402
+from freetoken.kernels import gemv_launch  # noqa: E402
 from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference  # noqa: E402
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder  # noqa: E402
 from freetoken.quant import QuantTensor, get_format  # noqa: E402
@@ -84,7 +84,7 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
     layer; ``step`` only where a kernel loops over several blocks), for at most ``budget_s``
     seconds where it is set (the choices timed by then)."""
     t_end = time.perf_counter() + budget_s if budget_s else float("inf")
-    saved = dict(gather_gemv.KERNELS)
+    saved = dict(gemv_launch.KERNELS)
     looped = any(saved[f].step > 1 for f in formats)
     grid = SWEEP
     bits = grid["bits"] if BITS_FORMATS & set(formats) else (False,)
@@ -104,7 +104,7 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
                 print(f"  sweep stopped at its budget of {budget_s:.0f} s", flush=True)
                 break
             for f in set(formats):
-                gather_gemv.KERNELS[f] = dataclasses.replace(
+                gemv_launch.KERNELS[f] = dataclasses.replace(
                     saved[f], rows=r, warps=w, step=st if saved[f].step > 1 else 1, bits=b,
                     sums=sm and f in SUMS_FORMATS, int8_x=ix and f in SUMS_FORMATS)
             try:
@@ -116,7 +116,7 @@ def sweep(formats: tuple[str, str, str], call: Any, budget_s: float = 0,
             rows.append({"rows": r, "step": st, "warps": w, "bits": b, "sums": sm,
                          "int8_x": ix, "graph_us": us})
     finally:
-        gather_gemv.KERNELS.update(saved)
+        gemv_launch.KERNELS.update(saved)
     return sorted(rows, key=lambda d: d["graph_us"])
 
 
@@ -175,7 +175,7 @@ def measure(formats: tuple[str, str, str], H: int, I_: int, slots: int, pairs: i
             "graph": {"fused_us": fused_graph_s * 1e6, "dequant_matmul_us": slow_graph_s * 1e6,
                       "fused_gbps": nbytes / fused_graph_s / 1e9,
                       "fraction_of_ceiling": nbytes / fused_graph_s / ceiling},
-            "kernels": {f: dataclasses.asdict(gather_gemv.KERNELS[f]) for f in set(formats)},
+            "kernels": {f: dataclasses.asdict(gemv_launch.KERNELS[f]) for f in set(formats)},
             "sweep": tried}
 
 

@@ -137,7 +137,7 @@ def main() -> None:
                         "q8_0x8 with int8 x)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
-    from freetoken.kernels.gather_gemv import KERNELS
+    from freetoken.kernels.gemv_launch import KERNELS
 
     gather = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": "*bf16", "out_ptr": "*bf16",
               "R": "i32", "per": "i32", "slot_stride": "i64", "row_stride": "i32",

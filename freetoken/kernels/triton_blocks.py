@@ -1,7 +1,7 @@
 """The weight formats' block readers of :mod:`freetoken.kernels.triton_gemv`: BLOCK_R rows of
 one matrix, each format's blocks decoded and summed against x in float32 (``block_rows`` picks
 the format when a kernel is compiled). Scales are read as f16 and codes as bytes at byte
-pointers; BITS makes the int8 and bf16 conversions with integer instructions (``_i8_f32``,
+pointers; BITS makes the int8 and bf16 conversions with integer instructions (``i8_f32``,
 ``as_f32``), not the GPU's slower conversions.
 
 Like the kernels, these helpers carry no type annotations (see :mod:`.triton_gemv`).
@@ -33,7 +33,7 @@ def as_f32(x_row, offs, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _i8_f32(qb, BITS: tl.constexpr):
+def i8_f32(qb, BITS: tl.constexpr):
     """Bytes holding int8 values, as float32. BITS: as 2**23 + 128 + q (the byte with its sign
     bit flipped, under 2**23's exponent) less 2**23 + 128, the same values with integer and
     add instructions instead of the GPU's slower conversions."""
@@ -48,7 +48,7 @@ def _i8_f32(qb, BITS: tl.constexpr):
 def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
                STEP: tl.constexpr, BITS: tl.constexpr):
     # every product kept in its own lane until the loop ends: one reduction across threads
-    # per row instead of one per block (BITS: _i8_f32)
+    # per row instead of one per block (BITS: i8_f32)
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
     for b0 in range(0, NB, STEP):  # d: f16 | qs: int8[32]
@@ -58,134 +58,12 @@ def _q8_0_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constex
         d = _f16(w_ptr + at, ok)
         qb = tl.load(w_ptr + at[:, :, None] + 2 + lane[None, None, :], mask=ok[:, :, None],
                      other=0x80 if BITS else 0)
-        q = _i8_f32(qb, BITS)
+        q = i8_f32(qb, BITS)
         # x read once per row (from L1) lands in q's layout: no exchange between threads
         xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
         x = as_f32(x_row, xi, ok[:, :, None], BITS)
         acc += q * (x * d[:, :, None])
     return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
-def q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS: tl.constexpr):
-    """Q8_0 blocks ``blocks`` of the rows at ``base`` where Q8_0x8 keeps them: block b's scale
-    at (b // 8) * 272 + 2 (b % 8), its values at (b // 8) * 272 + 16 + 32 (b % 8), both 16-byte
-    aligned, so the values come 16 bytes a load. Returns the values (BLOCK_R, STEP, 32) and
-    scales (BLOCK_R, STEP) as float32 (BITS: q8_0's integer conversion)."""
-    group = base[:, None] + (blocks // 8)[None, :] * 272  # (BLOCK_R, STEP)
-    d = tl.load((w_ptr + group).to(tl.pointer_type(tl.float16)) + (blocks % 8)[None, :],
-                mask=ok, other=0.0).to(tl.float32)
-    at = group + 16 + (blocks % 8)[None, :] * 32
-    qb = tl.load(w_ptr + at[:, :, None] + lane[None, None, :], mask=ok[:, :, None],
-                 other=0x80 if BITS else 0)
-    return _i8_f32(qb, BITS), d
-
-
-@triton.jit
-def _q8_0x8_step(w_ptr, base, row_ok, x_row, b0, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                 STEP: tl.constexpr, BITS: tl.constexpr):
-    """Blocks b0 to b0 + STEP of the rows at ``base`` in Q8_0x8's places: their values
-    (BLOCK_R, STEP, 32), scales (BLOCK_R, STEP) and x in the values' layout (read once per
-    row, from L1), as float32."""
-    lane = tl.arange(0, 32)
-    blocks = b0 + tl.arange(0, STEP)
-    ok = row_ok[:, None] & (blocks < NB * 8)[None, :]
-    q, d = q8_0x8_blocks(w_ptr, base, ok, blocks, lane, BITS)
-    xi = tl.broadcast_to(blocks[None, :, None] * 32 + lane[None, None, :], (BLOCK_R, STEP, 32))
-    return q, d, as_f32(x_row, xi, ok[:, :, None], BITS)
-
-
-@triton.jit
-def _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                 STEP: tl.constexpr, BITS: tl.constexpr):
-    # q8_0's loop and sums over its 32-weight blocks (STEP a step), in Q8_0x8's places
-    acc = tl.zeros([BLOCK_R, STEP, 32], dtype=tl.float32)
-    for b0 in range(0, NB * 8, STEP):
-        q, d, x = _q8_0x8_step(w_ptr, base, row_ok, x_row, b0, NB, BLOCK_R, STEP, BITS)
-        acc += q * (x * d[:, :, None])
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
-def q8_0x8_sums(w_ptr, base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                STEP: tl.constexpr, BITS: tl.constexpr):
-    """:func:`_q8_0x8_rows` with each block's 32 products ``q * x`` summed first and the sum
-    times the block's scale (one multiply-add a weight, the scale once a block): Q8_0x8's
-    16-byte loads leave a thread 16 values of a block, so the sum is mostly in the thread.
-    Other roundings than ``q * (x * d)``, so not that reader's bits."""
-    acc = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
-    for b0 in range(0, NB * 8, STEP):
-        q, d, x = _q8_0x8_step(w_ptr, base, row_ok, x_row, b0, NB, BLOCK_R, STEP, BITS)
-        acc += tl.sum(q * x, axis=2) * d
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def dp4a(a, b, ASM: tl.constexpr):
-    """The sum of the four products of ``a``'s and ``b``'s int8 bytes, as int32: the GPU's
-    ``dp4a`` (ASM), else the same integers by shifts and multiplies (the interpreter's twin)."""
-    if ASM:
-        c = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        c = ((a << 24) >> 24) * ((b << 24) >> 24)
-        for k in tl.static_range(1, 4):
-            c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
-    return c
-
-
-@triton.jit
-def int8_blocks(x):
-    """float32 x (..., 32): each 32-value block as int8 (four to an int32, (..., 8)) and its
-    scale (...): ``d = max |x| / 127``, ``q = round(x / d)`` (half to even, by the float adder:
-    ``2**23 + 2**22`` added puts the rounded integer in the low bits), 0 for a block of
-    zeros. ``kernels/gather_gemv.py:int8_x_reference`` is its twin."""
-    amax = tl.max(tl.abs(x), axis=len(x.shape) - 1)
-    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
-    q = (x * tl.expand_dims(inv, len(x.shape) - 1) + 12582912.0).to(
-        tl.int32, bitcast=True) - 0x4B400000
-    four = tl.reshape(q, x.shape[:-1] + [8, 4]) & 0xFF
-    shift = tl.arange(0, 4) * 8
-    return tl.sum(four << shift, axis=len(x.shape)), amax / 127.0
-
-
-@triton.jit
-def q8_0x8_words(w_ptr, group, blocks, ok):
-    """Q8_0x8 blocks ``blocks`` of the rows whose groups start at ``group`` ((BLOCK_R, STEP)
-    byte offsets): their values as int32 words of four (BLOCK_R, STEP, 8) and their scales
-    (BLOCK_R, STEP) as float32."""
-    d = tl.load((w_ptr + group).to(tl.pointer_type(tl.float16)) + (blocks % 8)[None, :],
-                mask=ok, other=0.0).to(tl.float32)
-    at = (w_ptr + group + 16 + (blocks % 8)[None, :] * 32).to(tl.pointer_type(tl.int32))
-    q = tl.load(at[:, :, None] + tl.arange(0, 8)[None, None, :], mask=ok[:, :, None], other=0)
-    return q, d
-
-
-@triton.jit
-def q8_0x8_int8(w_ptr, base, up_base, row_ok, x_row, NB: tl.constexpr, BLOCK_R: tl.constexpr,
-                STEP: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, UP: tl.constexpr):
-    """Q8_0x8's rows against x quantised to int8 per 32-value block (:func:`int8_blocks`), as
-    llama.cpp's GPU kernels do: a block's 32 products summed as integers, four an instruction
-    (:func:`dp4a`), then times both scales. Far fewer instructions a weight than the float
-    readers; other values: x's rounding to 1/254 of its block's largest. With UP also the
-    rows at ``up_base`` on the same quantised x (gate's and up's); returns both sums."""
-    lane = tl.arange(0, 32)
-    acc = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_R, STEP], dtype=tl.float32)
-    for b0 in range(0, NB * 8, STEP):
-        blocks = b0 + tl.arange(0, STEP)
-        live = blocks < NB * 8
-        ok = row_ok[:, None] & live[None, :]
-        xq, xd = int8_blocks(as_f32(x_row, blocks[:, None] * 32 + lane[None, :], live[:, None],
-                                    BITS))
-        step = (blocks // 8)[None, :] * 272
-        q, d = q8_0x8_words(w_ptr, base[:, None] + step, blocks, ok)
-        acc += tl.sum(dp4a(q, xq[None, :, :], ASM), axis=2).to(tl.float32) * (d * xd[None, :])
-        if UP:
-            q, d = q8_0x8_words(w_ptr, up_base[:, None] + step, blocks, ok)
-            acc_up += tl.sum(dp4a(q, xq[None, :, :], ASM), axis=2).to(tl.float32) * (
-                d * xd[None, :])
-    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
 
 
 @triton.jit
@@ -403,8 +281,6 @@ def block_rows(FMT: tl.constexpr, w_ptr, s_ptr, base, s_base, row_ok, x_row, NB:
         acc = _nvfp4_rows(w_ptr, s_ptr, base, s_base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "q8_0":
         acc = _q8_0_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
-    elif FMT == "q8_0x8":
-        acc = _q8_0x8_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "mxfp4":
         acc = _mxfp4_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     elif FMT == "q5_0":

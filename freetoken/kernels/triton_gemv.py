@@ -7,7 +7,7 @@ The kernel: ``out[p, rows] = W[index[p]][rows] @ x[p // per]`` for one pair p (p
 stack of 2R rows, up's after gate's): ``out[p, rows] = act(gate rows) * (up rows)``, the two
 sums and the product in float32, rounded once (ACT 1 silu, 2 tanh-approximated gelu). With
 INT8_X (Q8_0x8) x is quantised to int8 blocks and the blocks' products summed as integers
-(``triton_blocks.q8_0x8_int8``; ASM: with the GPU's dp4a, else its twin in shifts).
+(``triton_q8_0x8.q8_0x8_int8``; ASM: with the GPU's dp4a, else its twin in shifts).
 
 ``weigh_sum`` weighs a token's pair outputs and sums them, one launch for torch's two.
 
@@ -25,17 +25,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton_blocks import (
-    as_f32,
-    block_rows,
+from freetoken.kernels.triton_blocks import as_f32, block_rows
+from freetoken.kernels.triton_overlap import inputs_ready
+from freetoken.kernels.triton_q8_0x8 import (
     dp4a,
     int8_blocks,
     q8_0x8_blocks,
     q8_0x8_int8,
+    q8_0x8_rows,
     q8_0x8_sums,
     q8_0x8_words,
 )
-from freetoken.kernels.triton_overlap import inputs_ready
 
 
 @triton.jit
@@ -63,10 +63,12 @@ def _glu(g, u, ACT: tl.constexpr):
 @triton.jit
 def _rows(FMT: tl.constexpr, w_ptr, base, row_ok, x_row, NB: tl.constexpr,
           BLOCK_R: tl.constexpr, STEP: tl.constexpr, BITS: tl.constexpr, SUMS: tl.constexpr):
-    """The rows' sums: with SUMS (Q8_0x8 only) each block's products summed before its
-    scale, else the format's reader."""
+    """The rows' sums: Q8_0x8's (with SUMS each block's products summed before its scale),
+    else the format's reader."""
     if SUMS:
         acc = q8_0x8_sums(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
+    elif FMT == "q8_0x8":
+        acc = q8_0x8_rows(w_ptr, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     else:
         acc = block_rows(FMT, w_ptr, w_ptr, base, base, row_ok, x_row, NB, BLOCK_R, STEP, BITS)
     return acc

@@ -17,7 +17,8 @@ from freetoken import env
 from freetoken.config import CacheSizing, human_bytes
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.errors import ConfigError
-from freetoken.kernels.gather_gemv import KERNELS, fused, unavailable
+from freetoken.kernels.gather_gemv import unavailable
+from freetoken.kernels.gemv_launch import KERNELS, fused
 from freetoken.moe import lookahead
 from freetoken.moe.cpu import CpuExperts
 from freetoken.moe.expert_cache import ExpertCache

@@ -22,7 +22,7 @@ from freetoken.cpu import executor as cx
 from freetoken.cpu.cores import CorePlan, core_plan, cpu_model, usable_cores
 from freetoken.cpu.library import run_isa
 from freetoken.errors import ConfigError
-from freetoken.kernels.gather_gemv import fused
+from freetoken.kernels.gemv_launch import fused
 from freetoken.moe.expert_cache import PoolPlan
 from freetoken.moe.host_banks import available_host_bytes, expert_bytes
 from freetoken.moe.layer_kind import LayerKind, kind_words, layer_kinds, layer_span

@@ -24,12 +24,8 @@ from freetoken import env
 from freetoken.kernels.activation import expert_activation, glu
 from freetoken.kernels.build import raised_by_triton
 from freetoken.kernels.expert_matmul import Weights, gathered, grouped, use_gather
-from freetoken.kernels.gather_gemv import (
-    fused,
-    gathered_fused,
-    gathered_reference,
-    unavailable,
-)
+from freetoken.kernels.gather_gemv import gathered_fused, gathered_reference, unavailable
+from freetoken.kernels.gemv_launch import fused
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder, HostBank
 from freetoken.moe.strategy import Experts, ExpertShape
 from freetoken.quant import QuantTensor, dequantize_as

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from freetoken.kernels import gemv_launch
 from freetoken.moe.host_banks import PROJECTIONS, BankBuilder
 from freetoken.quant import QuantTensor, get_format, gguf_quantize, gguf_read
 from tests.kernels.conftest import compile_for_sm90
@@ -166,8 +167,8 @@ def test_the_gpus_launch_choices_compute_the_same(monkeypatch, fmt):
     w, index = torch.rand(2, 2, generator=g), torch.tensor([0, 2, 1, 1])
     act = torch.nn.functional.silu
     coarse = kernels.gathered_fused(x, w, index, *qts, act)
-    monkeypatch.setattr(kernels, "INTERPRETER_ROWS", 1)
-    assert kernels.launch(fmt).rows <= 2
+    monkeypatch.setattr(gemv_launch, "INTERPRETER_ROWS", 1)
+    assert gemv_launch.launch(fmt).rows <= 2
     fine = kernels.gathered_fused(x, w, index, *qts, act)
     torch.testing.assert_close(fine, coarse, rtol=1e-5, atol=1e-5)
     # the reference sums in torch's order, which the CPU's SIMD width sets: on an AVX2 box one
@@ -189,18 +190,19 @@ def test_bit_operations_give_the_same_bits(kernels, monkeypatch, device, dtype, 
     w, index = torch.rand(2, 2, generator=g).to(device), torch.tensor([0, 2, 1, 1]).to(device)
     act = torch.nn.functional.silu
     plain = kernels.gathered_fused(x, w, index, *qts, act)
-    monkeypatch.setitem(kernels.KERNELS, fmt,
-                        dataclasses.replace(kernels.KERNELS[fmt], bits=True, step=2))
-    monkeypatch.setattr(kernels, "INTERPRETER_ROWS", 1)
+    monkeypatch.setitem(gemv_launch.KERNELS, fmt,
+                        dataclasses.replace(gemv_launch.KERNELS[fmt], bits=True, step=2))
+    monkeypatch.setattr(gemv_launch, "INTERPRETER_ROWS", 1)
     by_bits = kernels.gathered_fused(x, w, index, *qts, act)
-    monkeypatch.setitem(kernels.KERNELS, fmt,
-                        dataclasses.replace(kernels.KERNELS[fmt], bits=False, step=2))
+    monkeypatch.setitem(gemv_launch.KERNELS, fmt,
+                        dataclasses.replace(gemv_launch.KERNELS[fmt], bits=False, step=2))
     assert torch.equal(by_bits, kernels.gathered_fused(x, w, index, *qts, act))
     torch.testing.assert_close(by_bits.float(), plain.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_shapes_that_do_not_fit_are_refused():
-    from freetoken.kernels.gather_gemv import fused, gather_gemv
+    from freetoken.kernels.gather_gemv import gather_gemv
+    from freetoken.kernels.gemv_launch import fused
 
     rows = torch.zeros(2, 3 * 34, dtype=torch.uint8).view(2, 1, 102)
     with pytest.raises(ValueError, match="does not fit 96 inputs"):
@@ -217,7 +219,7 @@ def test_shapes_that_do_not_fit_are_refused():
 @pytest.mark.parametrize("fmt", [*GGUF_TYPE, "q8_0x8"])
 @pytest.mark.parametrize("act", [0, 1, 2])
 def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
-    from freetoken.kernels.gather_gemv import KERNELS
+    from freetoken.kernels.gemv_launch import KERNELS
 
     spec = KERNELS[fmt]
     sig = {"w_ptr": "*u8", "index_ptr": "*i64", "x_ptr": dtype, "out_ptr": dtype, "R": "i32",
@@ -236,7 +238,7 @@ def test_kernels_compile_for_a_gpu(fmt: str, dtype: str, act: int) -> None:
 @pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
 @pytest.mark.parametrize("act", [0, 1, 2])
 def test_the_scaled_kernel_compiles_for_a_gpu(dtype: str, act: int) -> None:
-    from freetoken.kernels.gather_gemv import KERNELS
+    from freetoken.kernels.gemv_launch import KERNELS
 
     spec = KERNELS["nvfp4"]
     sig = {"w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "wu_ptr": "*u8", "su_ptr": "*u8",
@@ -311,28 +313,27 @@ def test_the_stack_applies_the_activation_in_its_launch(kernels, device, act, fm
 
 def test_launch_choices_can_be_set_from_the_environment(monkeypatch):
     from freetoken.errors import ConfigError
-    from freetoken.kernels import gather_gemv
 
-    monkeypatch.setattr(gather_gemv, "_launch_overrides", gather_gemv._launch_overrides.__wrapped__)
-    assert gather_gemv.launch("q8_0") == gather_gemv.KERNELS["q8_0"]
+    monkeypatch.setattr(gemv_launch, "_launch_overrides", gemv_launch._launch_overrides.__wrapped__)
+    assert gemv_launch.launch("q8_0") == gemv_launch.KERNELS["q8_0"]
     monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0=4,16,1,1 mxfp4=2,8,4")
-    assert (gather_gemv.launch("q8_0").rows, gather_gemv.launch("q8_0").step,
-            gather_gemv.launch("q8_0").warps, gather_gemv.launch("q8_0").bits) == (4, 16, 1, True)
-    assert gather_gemv.launch("mxfp4").warps == 4
-    assert gather_gemv.launch("q4_k") == gather_gemv.KERNELS["q4_k"]
+    assert (gemv_launch.launch("q8_0").rows, gemv_launch.launch("q8_0").step,
+            gemv_launch.launch("q8_0").warps, gemv_launch.launch("q8_0").bits) == (4, 16, 1, True)
+    assert gemv_launch.launch("mxfp4").warps == 4
+    assert gemv_launch.launch("q4_k") == gemv_launch.KERNELS["q4_k"]
     monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0x8=2,8,1,0,1")
-    assert gather_gemv.launch("q8_0x8").sums and not gather_gemv.launch("q8_0x8").bits
+    assert gemv_launch.launch("q8_0x8").sums and not gemv_launch.launch("q8_0x8").bits
     monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", "q8_0x8=8,16,2,0,0,1")
-    spec = gather_gemv.launch("q8_0x8")
+    spec = gemv_launch.launch("q8_0x8")
     assert spec.int8_x and not spec.sums and (spec.rows, spec.step, spec.warps) == (8, 16, 2)
     for bad in ("q8_0=4,16", "q9_9=4,16,1", "q8_0=0,16,1", "q8_0=a,b,c", "q8_0=4,16,1,2",
                 "q8_0=4,16,1,1,1", "q8_0x8=2,8,1,0,2", "q8_0x8=2,8,1,0,1,1",
                 "q8_0=4,16,1,0,0,1", "q8_0x8=2,8,1,0,0,1,1"):
         monkeypatch.setenv("FREETOKEN_GEMV_LAUNCH", bad)
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
-            gather_gemv.launch("q8_0")
+            gemv_launch.launch("q8_0")
         with pytest.raises(ConfigError, match="FREETOKEN_GEMV_LAUNCH entry"):
-            gather_gemv.fused(("q8_0", "q8_0", "q8_0"))  # what a layer asks when it is built
+            gemv_launch.fused(("q8_0", "q8_0", "q8_0"))  # what a layer asks when it is built
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -347,8 +348,8 @@ def test_regrouped_q8_0_matches_gguf_dequantisation(kernels, device, dtype, R, K
     a launch choice of Q8_0x8 alone)."""
     from freetoken.quant.q8_0x8 import regroup
 
-    monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
-                        dataclasses.replace(kernels.KERNELS["q8_0x8"], sums=sums, int8_x=False))
+    monkeypatch.setitem(gemv_launch.KERNELS, "q8_0x8",
+                        dataclasses.replace(gemv_launch.KERNELS["q8_0x8"], sums=sums, int8_x=False))
 
     _, view = _pool(4, [("q5_0", 3, 32), ("q8_0", R, K)], seed=R + K, device=device)
     g = torch.Generator().manual_seed(K)
@@ -377,8 +378,8 @@ def test_int8_x_reader_matches_gguf_dequantisation_of_its_int8_x(kernels, device
     from freetoken.kernels.activation import ACTIVATIONS, glu
     from freetoken.quant.q8_0x8 import regroup
 
-    monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
-                        dataclasses.replace(kernels.KERNELS["q8_0x8"], int8_x=True))
+    monkeypatch.setitem(gemv_launch.KERNELS, "q8_0x8",
+                        dataclasses.replace(gemv_launch.KERNELS["q8_0x8"], int8_x=True))
     _, view = _pool(4, [("q5_0", 3, 32), ("q8_0", 2 * R, K)], seed=R + K, device=device)
     g = torch.Generator().manual_seed(K)
     x = torch.randn(2, K, generator=g).to(dtype)
@@ -399,8 +400,8 @@ def test_int8_x_reader_matches_gguf_dequantisation_of_its_int8_x(kernels, device
         torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-4)
     else:  # bf16's rounding of the result; compiled, a value of x a step off (the quotient)
         torch.testing.assert_close(out, exact, rtol=2e-2, atol=1e-2 * exact.abs().max().item())
-    monkeypatch.setitem(kernels.KERNELS, "q8_0x8",
-                        dataclasses.replace(kernels.KERNELS["q8_0x8"], int8_x=False))
+    monkeypatch.setitem(gemv_launch.KERNELS, "q8_0x8",
+                        dataclasses.replace(gemv_launch.KERNELS["q8_0x8"], int8_x=False))
     floats = kernels.gather_gemv("q8_0x8", rows, index.to(device), x.to(device), 3,
                                  act=act).cpu().double()
     # x's rounding (each value within 1/254 of its block's largest): about 1 % of the whole

@@ -30,10 +30,10 @@ def test_a_block_layer_follows_gguf_dequantisation(device, T, reader, monkeypatc
     with each block's products summed before its scale (Q8_0x8's ``sums`` launch choice), and
     with x as int8 blocks (``int8_x``: against gguf's weights times x as
     ``int8_x_reference`` rounds it, where the kernel runs)."""
-    from freetoken.kernels import gather_gemv
+    from freetoken.kernels import gather_gemv, gemv_launch
 
-    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8", dataclasses.replace(
-        gather_gemv.KERNELS["q8_0x8"], sums=reader == "sums", int8_x=reader == "int8_x"))
+    monkeypatch.setitem(gemv_launch.KERNELS, "q8_0x8", dataclasses.replace(
+        gemv_launch.KERNELS["q8_0x8"], sums=reader == "sums", int8_x=reader == "int8_x"))
     g = torch.Generator().manual_seed(T)
     qt = get_format("q8_0").quantize(torch.randn(40, 512, generator=g))
     with torch.device(device):
@@ -63,7 +63,7 @@ def test_a_model_with_block_layers_follows_its_slow_twin(wide_qwen3_moe_q8, monk
     prefill (dequantised) and decode (the kernel's float reader) within float32 rounding of
     the weights dequantised at load; the default reader (x as int8 blocks) within x's
     rounding."""
-    from freetoken.kernels import gather_gemv
+    from freetoken.kernels import gemv_launch
 
     monkeypatch.setattr(linear, "stacks", lambda weight: True)  # as on a GPU
     ids = [3, 17, 99, 5, 42, 7]
@@ -75,15 +75,15 @@ def test_a_model_with_block_layers_follows_its_slow_twin(wide_qwen3_moe_q8, monk
     assert not isinstance(model.model.layers[0].mlp.gate, BlockLinear)
     int8_x = our_logits(model, ids, prefill=3)
     assert (int8_x - want).norm() < 0.02 * want.norm()
-    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8", dataclasses.replace(
-        gather_gemv.KERNELS["q8_0x8"], int8_x=False))
+    monkeypatch.setitem(gemv_launch.KERNELS, "q8_0x8", dataclasses.replace(
+        gemv_launch.KERNELS["q8_0x8"], int8_x=False))
     torch.testing.assert_close(our_logits(model, ids, prefill=3), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tok", [1, 8])
 @pytest.mark.parametrize("int8_x", [False, True])
 def test_the_dense_kernel_compiles_for_a_gpu(tok, int8_x):
-    from freetoken.kernels.gather_gemv import KERNELS
+    from freetoken.kernels.gemv_launch import KERNELS
     from tests.kernels.conftest import compile_for_sm90
 
     spec = KERNELS["q8_0x8"]

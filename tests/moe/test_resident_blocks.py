@@ -125,7 +125,7 @@ def test_regrouped_blocks_follow_the_files_blocks(wide_qwen3_moe_q8, as_blocks, 
     prefill (dequantised) gives the file layout's logits bit for bit; decode through the
     float reader within float32 rounding, through the default reader (x as int8 blocks)
     within x's rounding."""
-    from freetoken.kernels import gather_gemv
+    from freetoken.kernels import gemv_launch
 
     monkeypatch.setenv("FREETOKEN_RESIDENT_BLOCKS", "file")
     as_file = load_ours(wide_qwen3_moe_q8)
@@ -139,10 +139,10 @@ def test_regrouped_blocks_follow_the_files_blocks(wide_qwen3_moe_q8, as_blocks, 
         assert torch.equal(our_logits(regrouped, ids, prefill=3),
                            our_logits(as_file, ids, prefill=3))
     want = our_logits(as_file, ids, prefill=1)
-    assert gather_gemv.launch("q8_0x8").int8_x
+    assert gemv_launch.launch("q8_0x8").int8_x
     int8_x = our_logits(regrouped, ids, prefill=1)
     assert (int8_x - want).norm() < 0.02 * want.norm()
-    monkeypatch.setitem(gather_gemv.KERNELS, "q8_0x8", dataclasses.replace(
-        gather_gemv.KERNELS["q8_0x8"], int8_x=False))
+    monkeypatch.setitem(gemv_launch.KERNELS, "q8_0x8", dataclasses.replace(
+        gemv_launch.KERNELS["q8_0x8"], int8_x=False))
     torch.testing.assert_close(our_logits(regrouped, ids, prefill=1), want, rtol=1e-4,
                                atol=1e-4)

@@ -216,6 +216,9 @@ FT_API void ft_worker_states(void* ex, int64_t* out) {
   ((ft::Executor*)ex)->worker_states(out);
 }
 
+// Job slots free now (Pool::kSlots when every submitted job has been waited for).
+FT_API int ft_free_jobs(void* ex) { return ((ft::Executor*)ex)->free_jobs(); }
+
 // Returns 0, or -1 with the reason in err. glu: null, or the clamped SwiGLU's parameters and
 // the experts' biases (copied).
 FT_API int ft_add_layer(void* ex, int layer, int E, int H, int I, int activation,

@@ -20,7 +20,7 @@ namespace ft {
 
 // The C ABI's version: bump it with any change to a signature, struct or enum the Python side
 // mirrors (freetoken/cpu/abi.py checks it, and the tables below, when it loads the library).
-constexpr int ABI_VERSION = 18;
+constexpr int ABI_VERSION = 19;
 
 // Weight formats; the numbering is part of the C ABI (FORMATS in freetoken/cpu/abi.py).
 enum Fmt : int {

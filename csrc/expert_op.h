@@ -200,6 +200,8 @@ class Executor {
   void set_timing(bool on) { pool_.set_timing(on); }
   // Pool::kWorkerFields int64s per worker (Pool::worker_states).
   void worker_states(int64_t* out) const { pool_.worker_states(out); }
+  // Job slots free now: a job submitted and never waited for keeps its slot.
+  int free_jobs() const { return pool_.free_slots(); }
   // Whether the thread in wait() runs items of its job too (the default) or only blocks.
   void set_join(bool on) { join_ = on; }
   // The phase-2 split of later jobs (DownSplit); false for a value that is none.

@@ -115,11 +115,12 @@ int32_t fetch_count(const FetchRule& r, int32_t m, int32_t* probing) {
 int plan_layer_call(LayerCall* c) {
   auto* lru = (SlotLru*)c->slots;
   int32_t n_ids = c->rows * c->top_k;
+  c->ticket = -1;  // no CPU job yet: read by the caller whatever the answer
   int32_t k = lru->route(c->layer, c->ids, n_ids, c->needed, c->uses, c->slot);
   if (k < 0) return -1;
   int32_t misses = 0;
   for (int32_t i = 0; i < k; ++i) misses += c->slot[i] < 0;
-  c->n_needed = k, c->misses = misses, c->n_fetched = 0, c->n_cpu = 0, c->ticket = -1;
+  c->n_needed = k, c->misses = misses, c->n_fetched = 0, c->n_cpu = 0;
   c->probing = PROBE_NONE;
   c->submit_ns = c->copy_ns = 0;
   c->ahead.n_predicted = -1, c->ahead.n_fetched = 0, c->ahead.copy_ns = 0;

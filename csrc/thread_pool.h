@@ -86,6 +86,8 @@ class Pool {
   };
   enum WorkerField : int { kWfState = 0, kWfPhase, kWfForNs, kWfJobs, kWfItems, kWorkerFields };
   void worker_states(int64_t* out) const;
+  // Job slots free now (kSlots when every job has been waited for).
+  int free_slots() const { return (int)free_count_.v.load(std::memory_order_relaxed); }
 
  private:
   struct alignas(64) Slot {

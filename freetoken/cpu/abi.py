@@ -17,7 +17,7 @@ import ctypes as c
 
 from freetoken.quant import get_format
 
-ABI_VERSION = 18  # csrc/common.h ABI_VERSION
+ABI_VERSION = 19  # csrc/common.h ABI_VERSION
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_bf16")  # lowest tier first
 FORMATS = ("bf16", "q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4", "nvfp4", "fp8_block",
            "f32")

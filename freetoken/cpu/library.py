@@ -83,6 +83,7 @@ def native() -> ctypes.CDLL:
         "ft_executor_threads": (c.c_int, [c.c_void_p]),
         "ft_executor_isa": (c.c_int, [c.c_void_p]),
         "ft_worker_states": (None, [c.c_void_p, c.POINTER(c.c_int64)]),
+        "ft_free_jobs": (c.c_int, [c.c_void_p]),
         "ft_add_layer": (
             c.c_int,
             [

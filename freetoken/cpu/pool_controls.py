@@ -86,6 +86,12 @@ class PoolControls:
                         "jobs": rec["jobs"], "items": rec["items"]})
         return out
 
+    def free_jobs(self) -> int:
+        """Job slots of the pool free now (``MAX_IN_FLIGHT`` when every job submitted has been
+        waited for: one never waited for keeps its slot, and ``MAX_IN_FLIGHT`` of them stall
+        the next submit)."""
+        return int(self._lib.ft_free_jobs(self._handle))
+
     def describe_workers(self) -> str:
         """:meth:`worker_states` as lines for a stack dump."""
         return "\n".join(

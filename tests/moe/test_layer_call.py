@@ -216,3 +216,41 @@ def test_an_expert_id_out_of_range_is_refused_as_the_python_plan_refuses_it(
         assert pool.state() == before
         errors.append(str(e.value))
     assert errors[0] == errors[1]
+
+
+def test_a_call_that_fails_after_its_cpu_job_went_out_gives_the_pools_slot_back(
+        q8_gguf, tmp_path, monkeypatch, gather_on_cpu):
+    """Look-ahead's picks name an expert the next layer lacks: the library fails the call
+    after it submitted the CPU's share. The error names the picks, and the job is waited for,
+    so the pool has as many free job slots as before (a job never waited for keeps its slot,
+    and the pool has 16)."""
+    monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
+    monkeypatch.setenv("FREETOKEN_LAYER_CALL", "native")
+    model = load_ours(q8_gguf, device="cpu", strategy="hybrid", cache=CacheSizing("size", 3),
+                      lookahead="on")
+    m = next(m for m in model.modules() if isinstance(m, HybridExperts) and m.lookahead)
+    s, executor = m.shape, m.executor
+    assert executor is not None and m.lookahead is not None
+    seen: list[LayerCall] = []
+    run = LayerCall.run
+
+    def run_and_keep(self: LayerCall) -> int:
+        seen.append(self)
+        return run(self)
+
+    monkeypatch.setattr(LayerCall, "run", run_and_keep)
+    g = torch.Generator().manual_seed(5)
+    free = executor.free_jobs()
+    for _ in range(executor.free_jobs() + 2):  # more failures than the pool has slots
+        x = torch.randn(1, s.hidden, generator=g)
+        ids = torch.randperm(s.num_experts, generator=g)[:s.top_k].reshape(1, -1)
+        w = torch.rand(1, s.top_k, generator=g)
+        picks = m.lookahead.route(x).clone()
+        picks.view(-1)[0] = s.num_experts
+        host = HostCopies(x.clone(), ids.clone(), w.clone(), torch.zeros_like(x), picks)
+        m.policy = SplitPolicy(0.0, None, online=False)  # every miss on the CPU
+        m.lookahead.target.policy = SplitPolicy(1.0, None, online=False)  # picks all fetched
+        with pytest.raises(ValueError, match="has no experts"):
+            m._plan(x, ids, w, host)
+        assert seen[-1].c.ticket >= 0 and seen[-1].c.n_cpu > 0, "the CPU's job did not go out"
+        assert executor.free_jobs() == free

@@ -112,10 +112,37 @@ int32_t fetch_count(const FetchRule& r, int32_t m, int32_t* probing) {
   return n;
 }
 
+// The planned call's copies (the misses', then the table's) and look-ahead: 0, or
+// plan_layer_call's error.
+int queue_copies(LayerCall* c) {
+  int err = 0;
+  auto stream_wait = (int (*)(void*, void*, unsigned))c->api->stream_wait_event;
+  if (c->n_fetched > 0) {
+    RowCopy rc = c->copy;
+    for (int32_t i = 0; i < c->n_fetched; ++i)
+      c->dst_rows[i] = (int32_t)c->fetched_slots[i], c->src_rows[i] = (int32_t)c->fetched[i];
+    rc.dst_rows = c->dst_rows, rc.src_rows = c->src_rows, rc.n = c->n_fetched;
+    rc.ev_start = c->ev_start, rc.ev_end = c->ev_end, rc.compute_waits = 1;
+    int64_t t0 = now_ns();
+    err = copy_rows(*c->api, rc);
+    c->copy_ns = now_ns() - t0;
+  } else if (c->wait_first != nullptr && stream_wait != nullptr) {
+    err = stream_wait(c->copy.compute_stream, c->wait_first, 0);
+  }
+  if (err) return err == -1 ? -4 : kDriverError - err;
+  std::memcpy(c->staged, c->table, (size_t)c->table_bytes);
+  uint64_t src = (uint64_t)(uintptr_t)c->staged;
+  err = copy_spans(*c->api, c->copy.compute_stream, 1, &c->device_table, &src,
+                   &c->table_bytes, nullptr, 0);
+  if (err == 0) err = look_ahead(c);
+  if (err == -2 || err == -5) return err;
+  return err == -1 ? -4 : err ? kDriverError - err : 0;
+}
+
 int plan_layer_call(LayerCall* c) {
   auto* lru = (SlotLru*)c->slots;
   int32_t n_ids = c->rows * c->top_k;
-  c->ticket = -1;  // no CPU job yet: read by the caller whatever the answer
+  c->ticket = -1;  // no CPU job yet
   int32_t k = lru->route(c->layer, c->ids, n_ids, c->needed, c->uses, c->slot);
   if (k < 0) return -1;
   int32_t misses = 0;
@@ -143,28 +170,10 @@ int plan_layer_call(LayerCall* c) {
     c->submit_ns = now_ns() - t0;
     if (c->ticket < 0) return -3;
   }
-  int err = 0;
-  auto stream_wait = (int (*)(void*, void*, unsigned))c->api->stream_wait_event;
-  if (c->n_fetched > 0) {
-    RowCopy rc = c->copy;
-    for (int32_t i = 0; i < c->n_fetched; ++i)
-      c->dst_rows[i] = (int32_t)c->fetched_slots[i], c->src_rows[i] = (int32_t)c->fetched[i];
-    rc.dst_rows = c->dst_rows, rc.src_rows = c->src_rows, rc.n = c->n_fetched;
-    rc.ev_start = c->ev_start, rc.ev_end = c->ev_end, rc.compute_waits = 1;
-    int64_t t0 = now_ns();
-    err = copy_rows(*c->api, rc);
-    c->copy_ns = now_ns() - t0;
-  } else if (c->wait_first != nullptr && stream_wait != nullptr) {
-    err = stream_wait(c->copy.compute_stream, c->wait_first, 0);
-  }
-  if (err) return err == -1 ? -4 : kDriverError - err;
-  std::memcpy(c->staged, c->table, (size_t)c->table_bytes);
-  uint64_t src = (uint64_t)(uintptr_t)c->staged;
-  err = copy_spans(*c->api, c->copy.compute_stream, 1, &c->device_table, &src,
-                   &c->table_bytes, nullptr, 0);
-  if (err == 0) err = look_ahead(c);
-  if (err == -2 || err == -5) return err;
-  return err == -1 ? -4 : err ? kDriverError - err : 0;
+  int code = queue_copies(c);
+  if (code < 0 && c->ticket >= 0)  // the CPU's job went out: waited for, so its slot comes back
+    ((Executor*)c->executor)->wait(c->ticket);
+  return code;
 }
 
 }  // namespace ft

@@ -113,7 +113,7 @@ struct LayerCall {
   int32_t n_needed, misses, n_fetched, n_cpu;
   int32_t probing;             // Probing
   int32_t pad1;
-  int64_t ticket;              // the CPU job's (n_cpu > 0)
+  int64_t ticket;              // the CPU job's (n_cpu > 0), else -1
   int64_t submit_ns;           // the submit's host time
   int64_t copy_ns;             // the copies' host time (the span on the CPU)
   int32_t la_predicted;        // the incoming prediction's experts (-1: none), those of them
@@ -128,7 +128,8 @@ int32_t fetch_count(const FetchRule& r, int32_t m, int32_t* probing);
 // uses, slot hold its experts; the incoming prediction scored and cleared); -1: an id out of
 // range; -2: no slot left to evict; -3: the CPU job refused; -4: an incomplete driver API;
 // -5: a look-ahead pick out of range (the call itself planned); kDriverError - e: the CUDA
-// driver's error e.
+// driver's error e. A call that fails after its CPU job went out has waited for the job (its
+// pool slot back, its result dropped): the caller adopts a job only on 0.
 constexpr int kDriverError = -1000;
 int plan_layer_call(LayerCall* c);
 

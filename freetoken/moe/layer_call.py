@@ -151,7 +151,6 @@ class LayerCall:
             for s in (span, ahead):
                 if s is not None:
                     rt.events.give(s.start, s.end)
-            self._drop_job()
             self._raise(code)
         if code == 0 and rt.cuda:
             rt.copied = None  # the compute stream waits for every copy queued so far
@@ -167,13 +166,6 @@ class LayerCall:
                     rt.copied = self.prefetch.end
                 rt.stats.record_prefetch(la.layer, n, n * self.expert_bytes, self.prefetch)
         return code
-
-    def _drop_job(self) -> None:
-        """A call that failed after its CPU job went out (a copy, the table's or look-ahead's
-        failed): the job waited for and its result dropped, so that its pool slot comes back
-        (the pool has ``MAX_IN_FLIGHT``; a job never waited for would keep one for good)."""
-        if self.c.ticket >= 0 and self.job is not None:
-            self.job.executor.adopt(self.c.ticket, self.job.job).wait()
 
     def _span(self, span: Span | None, n: int, copy_ns: int) -> Span | None:
         """The span of ``n`` rows copied (None where none: its events go back); on the CPU

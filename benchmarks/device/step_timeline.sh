@@ -14,7 +14,7 @@ M=/tmp/qwen3-30b-a3b-48l.gguf
   --expert-format q8_0 --device cuda --out $M 2>&1 | tail -1) &
 SYNTH=$!
 if [ -n "${TESTS:-}" ]; then
-  timeout ${TESTS_S:-300} python3 -m pytest -m cuda -q -p no:cacheprovider -rfE -x --durations=5 \
+  timeout ${TESTS_S:-300} python3 -m pytest -m cuda -q -p no:cacheprovider -rfE --durations=5 \
     $TESTS > "$OUT/cuda_tests.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -30
 fi

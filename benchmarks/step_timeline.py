@@ -6,13 +6,14 @@ segments say where a layer's period goes:
 
 - ``gpu_attention``: the GPU from the later of (the result's launch, its own share done) to
   the next layer's routed ids (the CPU's result added, attention, router, look-ahead's picks);
-- ``ids_to_host``: the GPU's ids made -> the host past its sync;
+- ``ids_to_host``: the GPU's ids made -> the host past its sync (``host_late``: the host came to
+  its wait after that, by this much; ``copy_in_prepare``: the host step up to its wait);
 - ``before_plan``: the host's sync -> the library's plan called (Python);
 - ``plan``: the library's call (the CPU's job submitted a few us in, then the copies);
 - ``plan_to_launch``: the library's return -> the GPU's share launched;
 - ``cpu_job``: the plan's call -> the pool's job done (``future.seconds`` from its submit);
 - ``job_to_host``: the job done -> the engine thread past its wait;
-- ``wait_to_launch``: past its wait -> the next piece launched;
+- ``wait_to_launch``: past its wait -> the next piece launched (``land``: the result's copy);
 - ``gpu_share``: the GPU's share launched -> done on the GPU (the copies it waits for, the
   kernels), and ``gpu_late``: how often the GPU's share, not the CPU's, ended last.
 
@@ -44,13 +45,14 @@ Record = list[tuple[Any, ...]]
 
 
 class Timeline:
-    """What the wrappers saw in one decode step: ("launch", t0, t1), ("host", t_in, t_sync,
-    t_call0, t_call1, n_cpu, n_fetched, n_ahead, t_out, gpu_at), ("late", t_in, t_wait0,
-    t_wait1, job_s, t_out, gpu_at); times in microseconds on the host's clock, gpu_at a CUDA
-    event until the step ends (then microseconds on the host's clock)."""
+    """What the wrappers saw in one decode step: ("launch", t0, t1), ("host", t_in, t_wait,
+    t_sync, t_call0, t_call1, n_cpu, n_fetched, n_ahead, t_out, gpu_at), ("late", t_in,
+    t_wait0, t_wait1, job_us, land_us, t_out, gpu_at); times in microseconds on the host's
+    clock, gpu_at a CUDA event until the step ends (then microseconds on the host's clock)."""
 
     def __init__(self) -> None:
         import torch
+        self.wait_us = self.land_us = 0.0
         self.torch = torch
         self.on = False
         self.steps: list[Record] = []
@@ -97,6 +99,7 @@ def instrument(tl: Timeline) -> None:
 
     run, launch = graph.DecodeGraphs.run, graph.Launches.__call__
     host_run, host_wait, late_run = HostStep.run, HostStep._wait, LateStep.run
+    land = LateStep.land
     call_run, wait = LayerCall.run, CpuMoeFuture.wait
 
     def step(self: Any, tokens: Any, segments: Any) -> Any:
@@ -117,14 +120,15 @@ def instrument(tl: Timeline) -> None:
         if not tl.on:
             return host_run(self, n, go)
         gpu_at, t_in, at = tl.event(), tl.us(), len(tl.now)
-        tl.call, tl.sync_us = None, 0.0
+        tl.call, tl.sync_us, tl.wait_us = None, 0.0, 0.0
         tl.now.append(("busy",))  # ahead of the launches made inside
         early = host_run(self, n, go)
         c = tl.call or (0.0, 0.0, 0, 0, 0)
-        tl.now[at] = ("host", t_in, tl.sync_us, *c, tl.us(), gpu_at)
+        tl.now[at] = ("host", t_in, tl.wait_us, tl.sync_us, *c, tl.us(), gpu_at)
         return early
 
     def synced(self: Any) -> None:
+        tl.wait_us = tl.us()
         host_wait(self)
         tl.sync_us = tl.us()
 
@@ -139,12 +143,17 @@ def instrument(tl: Timeline) -> None:
         if not tl.on:
             return late_run(self, n)
         gpu_at, t_in, at = tl.event(), tl.us(), len(tl.now)
-        tl.job = None
+        tl.job, tl.land_us = None, 0.0
         tl.now.append(("busy",))
         late_run(self, n)
         j = tl.job or (0.0, 0.0, 0.0)
-        tl.now[at] = ("late", t_in, *j, tl.us(), gpu_at)
+        tl.now[at] = ("late", t_in, *j, tl.land_us, tl.us(), gpu_at)
         return None
+
+    def landed(self: Any, extra: Any, n: int) -> None:
+        t0 = tl.us()
+        land(self, extra, n)
+        tl.land_us = tl.us() - t0
 
     def waited(self: Any) -> Any:
         t0 = tl.us()
@@ -154,7 +163,7 @@ def instrument(tl: Timeline) -> None:
 
     graph.DecodeGraphs.run = step
     graph.Launches.__call__ = launched
-    HostStep.run, HostStep._wait, LateStep.run = planned, synced, late
+    HostStep.run, HostStep._wait, LateStep.run, LateStep.land = planned, synced, late, landed
     LayerCall.run, CpuMoeFuture.wait = called, waited
 
 
@@ -165,12 +174,12 @@ def layers_of(rec: Record) -> list[dict[str, float]]:
     for i, r in enumerate(rec):
         if r[0] != "host":
             continue
-        _, t_in, t_sync, c0, c1, n_cpu, n_fetch, n_ahead, t_out, gpu_ids = r
+        _, t_in, t_wait, t_sync, c0, c1, n_cpu, n_fetch, n_ahead, t_out, gpu_ids = r
         share = next((x for x in rec[i + 1:] if x[0] == "launch"), None)
         j = next((k for k in range(i + 1, len(rec)) if rec[k][0] in ("late", "host")), None)
         if j is None or rec[j][0] != "late" or share is None or not n_cpu:
             continue
-        _, l_in, w0, w1, job_us, l_out, gpu_share = rec[j]
+        _, l_in, w0, w1, job_us, land_us, l_out, gpu_share = rec[j]
         after = next((x for x in rec[j + 1:] if x[0] == "launch"), None)
         ids_next = next((x for x in rec[j + 1:] if x[0] == "host"), None)
         row = {"before_plan": c0 - t_sync, "plan": c1 - c0, "plan_to_launch": share[1] - c1,
@@ -179,13 +188,14 @@ def layers_of(rec: Record) -> list[dict[str, float]]:
                "wait_before_job_end": c0 + job_us - w0, "host_step": t_out - t_in,
                "late_step": l_out - l_in,
                "n_cpu": n_cpu, "n_fetched": n_fetch, "n_ahead": n_ahead,
-               "ids_to_host": t_sync - gpu_ids}
+               "ids_to_host": t_sync - gpu_ids, "host_late": t_wait - gpu_ids,
+               "copy_in_prepare": t_wait - t_in, "land": land_us}
         if after is not None:
             row["wait_to_launch"] = after[1] - w1
             row["gpu_late"] = float(gpu_share > after[1])
             if ids_next is not None:
                 row["gpu_attention"] = ids_next[-1] - max(after[2], gpu_share)
-                row["period"] = ids_next[2] - t_sync
+                row["period"] = ids_next[3] - t_sync
         rows.append(row)
     return rows
 

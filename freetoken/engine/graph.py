@@ -36,6 +36,7 @@ what offload does.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ import torch
 from freetoken import env
 from freetoken.cpu.graph_flags import FlagJobs, stream_memops
 from freetoken.cpu.host_node import HostNodes
+from freetoken.engine.graph_launch import launchers
 from freetoken.kvcache.paged import PagedKV
 from freetoken.layers.context import ForwardContext, Segment
 from freetoken.moe.host_steps import Break, HostStep, LateStep
@@ -53,14 +55,15 @@ log = logging.getLogger(__name__)
 
 
 class Launches:
-    """The pieces of one replay, launched in order: by the runner, or by a host step whose plan
-    has queued its own device work (FREETOKEN_HOST_STEPS=early)."""
+    """The pieces of one replay, launched in order (``launch``: one call per piece,
+    ``engine/graph_launch.py``): by the runner, or by a host step whose plan has queued its own
+    device work (FREETOKEN_HOST_STEPS=early)."""
 
-    def __init__(self, pieces: list[torch.cuda.CUDAGraph]) -> None:
-        self.pieces, self.next = pieces, 0
+    def __init__(self, launch: list[Callable[[], None]]) -> None:
+        self.launch, self.next = launch, 0
 
     def __call__(self) -> None:
-        self.pieces[self.next].replay()
+        self.launch[self.next]()
         self.next += 1
 
 
@@ -92,6 +95,7 @@ class _Pieces:
     breaks: list[Break | HostStep | LateStep]
     nodes: HostNodes | None
     out: torch.Tensor
+    launch: list[Callable[[], None]]  # one per piece (engine/graph_launch.py)
 
 
 class _Graph:
@@ -187,7 +191,7 @@ class DecodeGraphs:
             for rt in self.recorders:
                 rt.capture = None
         torch.cuda.current_stream().wait_stream(stream)
-        return _Pieces(cap.pieces, cap.breaks, cap.nodes, out)
+        return _Pieces(cap.pieces, cap.breaks, cap.nodes, out, launchers(cap.pieces))
 
     def fits(self, segments: list[Segment]) -> bool:
         return len(segments) <= self.sizes[-1] and all(s.count == 1 for s in segments)
@@ -227,7 +231,7 @@ class DecodeGraphs:
         if p.nodes is not None:  # the CPU's jobs inside the graph: the rows they compute
             p.nodes.check()
             p.nodes.set_rows(n)
-        go = Launches(p.pieces)
+        go = Launches(p.launch)
         early = self.early
         try:
             for i in range(len(p.pieces)):

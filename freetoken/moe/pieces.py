@@ -134,7 +134,8 @@ class PiecewiseCapture:
     def after(self, finish: Callable[[], torch.Tensor | None],
               like: torch.Tensor) -> torch.Tensor:
         """``finish`` between two pieces, after the device work queued so far (no sync);
-        returns the static buffer (shaped like ``like``) of its result. Flagged (or with
+        returns its result from the static buffer (float32), cast to ``like``'s dtype in the
+        piece that begins. Flagged (or with
         late steps on flags): inside the piece, after the host step before it
         (:class:`FlagLateStep`; a late step on flags is not made where the capture's jobs run
         as host nodes: those are not served on flags)."""
@@ -147,7 +148,7 @@ class PiecewiseCapture:
                                 step.host.cpu_out, self.copier)
             step.cpu_done = late.done_flag
             return late.result
-        return self._between(lambda: LateStep(finish, like)).out
+        return self._between(lambda: LateStep(finish, like)).out.to(like.dtype)
 
     def _flags(self) -> FlagJobs:
         """The flags of this capture's host steps and jobs (made by the first)."""

@@ -6,7 +6,8 @@ piece reads. With ``FREETOKEN_HOST_STEPS=early`` (the default) a plan has the ne
 launched as soon as its own device work is queued (``HostCopies.ready``: its copies, table and
 look-ahead where the library made it), before its bookkeeping. A plan may come with a
 ``prepare`` (what needs no inputs: the library's call found, the split's and look-ahead's rules
-set, the copies' events taken), which runs while the piece before computes.
+set, the copies' events taken), which runs while the piece before computes, or earlier still:
+a late step runs the next plan's while the CPU's job it waits for runs on.
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ class HostStep(_Landing):
                  prepare: Callable[[HostCopies], None] | None = None) -> None:
         super().__init__(x if like is None else like)
         self.plan, self.x, self.ids, self.w = plan, x, ids, w
-        # what the plan does before its inputs arrive: run while the piece before computes
+        # what the plan does before its inputs arrive: run while the piece before computes,
+        # or earlier, by the late step before it (:meth:`prepare_ahead`)
         self.prepare = prepare
+        self._ahead_for: int | None = None  # the rows prepare_ahead ran for, until run
         self.predicted = predicted
         self.copier = copier  # the inputs' copies and the sync in one library call
         self.device = x.device.index or 0
@@ -143,7 +146,8 @@ class HostStep(_Landing):
         piece launched there, before the rest of its work (look-ahead's plan): returns whether
         it was."""
         views = self._views_of(n)
-        if self.prepare is None:
+        ahead, self._ahead_for = self._ahead_for == n, None
+        if self.prepare is None or ahead:
             self._copy_in(views, sync=True)
         else:  # the copies queued, the plan's first part while the piece before runs
             self._copy_in(views, sync=False)
@@ -154,6 +158,16 @@ class HostStep(_Landing):
             return self._plan_once(views, n)
         finally:
             self._go = None
+
+    def prepare_ahead(self, n: int) -> None:
+        """The plan's ``prepare`` for the first ``n`` rows now, before the piece before this
+        step is even launched (a late step calls it while the CPU's job runs on): :meth:`run`
+        then only copies the inputs in and waits for them. A prepare needs no inputs, so it may
+        run this early; the host then meets the routed ids as they arrive, not after it."""
+        if self.prepare is not None:
+            self._ahead_for = None
+            self.prepare(self._views_of(n)[3])
+            self._ahead_for = n
 
     def _plan_once(self, views: tuple[list[tuple[torch.Tensor, torch.Tensor]], Spans | None,
                                       tuple[torch.Tensor, ...], HostCopies], n: int) -> bool:
@@ -231,6 +245,13 @@ class LateStep(_Landing):
     def __init__(self, finish: Callable[[], torch.Tensor | None], like: torch.Tensor) -> None:
         super().__init__(like, torch.zeros(like.shape, dtype=torch.float32, device=like.device))
         self.finish = finish
+        # the host step after the next piece, whose prepare runs here while the CPU's job does
+        # (the engine thread's time before the job ends is otherwise a wait)
+        self.then: HostStep | None = None
 
     def run(self, n: int) -> None:
-        self.land(self.finish(), n)
+        try:
+            if self.then is not None:
+                self.then.prepare_ahead(n)
+        finally:  # the job is collected even where the prepare failed
+            self.land(self.finish(), n)

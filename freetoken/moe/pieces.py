@@ -93,8 +93,11 @@ class PiecewiseCapture:
                                                   predicted, x, self._flags(), self.side,
                                                   len(self.pieces))
             return step.out
+        late = self.breaks[-1] if self.breaks else None
         step = self._between(lambda: HostStep(plan, xf, ids, wf, inputs, self.copier,
                                               predicted, like=x, prepare=prepare))
+        if isinstance(late, LateStep):  # the late step before prepares this step's plan
+            late.then = step
         if self.late_flags:
             self._last_host = step
         return step.out

@@ -500,6 +500,9 @@ def test_decode_graphs_around_host_planned_experts(tmp_path, monkeypatch, strate
             if flagged:
                 assert isinstance(g.split.nodes, FlagJobs)
                 assert len(g.split.nodes.steps) == (2 if strategy == "offload" else 4)
+            lates = [b for b in g.split.breaks if isinstance(b, LateStep)]
+            if lates:  # the first late step prepares the second layer's plan, the last none
+                assert lates[0].then is g.split.breaks[2] and lates[-1].then is None
             if late_flags:  # the two late steps
                 assert isinstance(g.split.nodes, FlagJobs) and len(g.split.nodes.steps) == 2
             if fetching:

@@ -3,7 +3,8 @@
 # 48-layer qwen3-30b-a3b q8_0 file (default router), 4 GB cache, temperature 1, 15 threads.
 # STRATEGIES (default hybrid), TOKENS (default 48), TESTS (a pytest path list run with -m cuda
 # first, while the file is written; default none) and ENVS (space-separated VAR=value sets,
-# one timeline each, ',' between assignments of one set; default the engine's defaults) vary it.
+# one timeline each, ',' between assignments of one set; default the engine's defaults; snap:
+# a carried .snap tree of commit SNAP_SHA, with this tree's script and library) vary it.
 # Run as: GIT_SHA=<commit> bash benchmarks/device/step_timeline.sh (the copied tree has no .git).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,11 +20,16 @@ if [ -n "${TESTS:-}" ]; then
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.log" | tail -30
 fi
 wait $SYNTH
+# a carried .snap (an earlier commit's tree, SNAP_SHA) is timed too, with this tree's script
+if [ -d .snap ]; then
+  cp benchmarks/step_timeline.py .snap/benchmarks/ && cp freetoken/libfreetoken_cpu.so .snap/freetoken/
+fi
 for s in ${STRATEGIES:-hybrid}; do
   for e in ${ENVS:-default}; do
     vars=(); [ "$e" = default ] || IFS=, read -ra vars <<< "$e"
-    env "${vars[@]}" python3 benchmarks/step_timeline.py --model $M --strategy $s \
+    tree=.; sha=${GIT_SHA:-}; [ "$e" = snap ] && { tree=.snap; sha=${SNAP_SHA:-snap}; vars=(); }
+    (cd $tree && env "${vars[@]}" python3 benchmarks/step_timeline.py --model $M --strategy $s \
       --tokens ${TOKENS:-48} --moe-cpu-threads 15 --label "$s-${e//[=,]/_}-$GPU" \
-      --out "$OUT" --git-sha "${GIT_SHA:-}" 2>&1 | grep -v "^Loading\|it/s\]" | tail -45
+      --out "$OUT" --git-sha "$sha" 2>&1 | grep -v "^Loading\|it/s\]" | tail -45)
   done
 done

@@ -128,7 +128,7 @@ def graph_launch() -> str:
     """FREETOKEN_GRAPH_LAUNCH: how the pieces of a decode step in pieces are launched:
     ``driver`` (default: ``cuGraphLaunch`` on the current stream, every piece but the last,
     ``engine/graph_launch.py``) or ``torch`` (``CUDAGraph.replay``, which also refills the
-    random generators' seeds: about 17 us of the host's time a piece on an H100)."""
+    random generators' seeds: 17.5 us of the host's time a piece on an H100)."""
     return _choice("FREETOKEN_GRAPH_LAUNCH", GRAPH_LAUNCHES)
 
 

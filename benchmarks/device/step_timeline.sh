@@ -29,7 +29,7 @@ for s in ${STRATEGIES:-hybrid}; do
     vars=(); [ "$e" = default ] || IFS=, read -ra vars <<< "$e"
     tree=.; sha=${GIT_SHA:-}; [ "$e" = snap ] && { tree=.snap; sha=${SNAP_SHA:-snap}; vars=(); }
     (cd $tree && env "${vars[@]}" python3 benchmarks/step_timeline.py --model $M --strategy $s \
-      --tokens ${TOKENS:-48} --moe-cpu-threads 15 --label "$s-${e//[=,]/_}-$GPU" \
+      --tokens ${TOKENS:-48} --moe-cpu-threads 15 --label "${e//[=,]/_}-$GPU" \
       --out "$OUT" --git-sha "$sha" 2>&1 | grep -v "^Loading\|it/s\]" | tail -45)
   done
 done

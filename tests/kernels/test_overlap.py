@@ -4,15 +4,12 @@ kernel's wait ahead of its first global read is checked in its compile test (``p
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from freetoken.config import CacheSizing
 from freetoken.errors import ConfigError
 from freetoken.kernels.build import overlap
+from tests.engine.graph_helpers import graph_logits, tiny_q8
 
 
 def test_never_on_the_cpu_nor_when_off(monkeypatch):
@@ -40,35 +37,21 @@ def test_decode_graphs_give_the_same_bits_with_overlapped_launches(tmp_path, mon
     before gives the logits of plain launches, bit for bit (the same kernels, the same
     order of sums: only when they start differs); so with the router's matmul in the
     routing kernel (FREETOKEN_GPU_ROUTER=fused, whose counters it then holds)."""
-    from freetoken.config import EngineConfig
-    from freetoken.engine.runner import ModelRunner
     from freetoken.kernels.token_steps import _COUNTS
-    from freetoken.layers.context import Segment
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9 or above")
     monkeypatch.setenv("FREETOKEN_BENCHBW_PATH", str(tmp_path / "none.json"))
     monkeypatch.setenv("FREETOKEN_GPU_ROUTER", router)
     _COUNTS.clear()
-    model = tmp_path / "tiny.gguf"
-    subprocess.run([sys.executable, "-m", "freetoken.cli", "synth", "--preset", "tiny",
-                    "--expert-format", "q8_0", "--out", str(model)], check=True,
-                   capture_output=True, timeout=300)
-    ids = [1, 17, 99, 3, 250, 42, 42, 7, 128, 64, 5, 200, 31, 9]
+    model = tiny_q8(tmp_path)
     logits = {}
     for pdl in ("off", "on"):
         monkeypatch.setenv("FREETOKEN_GPU_PDL", pdl)
-        cfg = EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
-                           moe_strategy=strategy, max_seq_len=256, cuda_graph_max_bs=4,
-                           moe_cpu_threads=1, moe_cache=CacheSizing("size", 5),
-                           moe_hybrid_max_fetch=1, moe_hybrid_online=False)
-        runner = ModelRunner(cfg, kv_tokens=512, progress=False)
-        assert runner.graphs is not None
-        assert bool(overlap(torch.device("cuda"))) == (pdl == "on")
-        pages = runner.kv.allocate(runner.pages_for(len(ids)))
-        logits[pdl] = torch.cat([runner.forward([[t]], [Segment(pages, i, 1)]).float().cpu()
-                                 for i, t in enumerate(ids)])
-        del runner
-        torch.cuda.empty_cache()
+        logits[pdl] = graph_logits(model, strategy, lambda runner, pdl=pdl: _overlaps(pdl))
     assert torch.equal(logits["on"], logits["off"])
     assert bool(_COUNTS) == (router == "fused")
+
+
+def _overlaps(pdl: str) -> None:
+    assert bool(overlap(torch.device("cuda"))) == (pdl == "on")

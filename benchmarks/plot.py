@@ -24,6 +24,7 @@ from benchmarks.plot_hybrid import (  # noqa: E402
     prefetch_share_plot,
     small_box_plot,
     split_runs_plot,
+    timeline_plot,
 )
 
 
@@ -309,3 +310,4 @@ if __name__ == "__main__":
     small_box_plot("a42b429")
     decode_check_plot()
     prefetch_share_plot()
+    timeline_plot("4340331")

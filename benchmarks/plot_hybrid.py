@@ -175,3 +175,42 @@ def prefetch_share_plot(sha: str = "945b265") -> None:
     _decode_bars_done(fig, ax, "hybrid: share of predicted misses fetched early; qwen3 48l "
                       f"q8_0, 4 GB, H100 ({sha})",
                       f"prefetch_share_{sha}.png")
+
+
+# one hybrid layer's critical path, in the order the step runs it (step_timeline.py)
+CHAIN = (("before_plan", "sync -> plan"), ("cpu_job", "CPU job"),
+         ("job_to_host", "job -> host"), ("wait_to_launch", "host -> launch"),
+         ("launch", "launch"), ("gpu_attention", "GPU attention"),
+         ("ids_to_host", "ids -> host"))
+
+
+def timeline_plot(sha: str) -> None:
+    """A layer's period split along its critical path (medians over the layers of a decode
+    run's steps), from ``step_timeline-*`` results at ``sha``."""
+    res = ROOT / "benchmarks/results"
+    runs = [d for f in sorted(res.glob("step_timeline-*.json"))
+            if (d := json.loads(f.read_text()))["sha"] == sha
+            and d["segments_us"].get("layer_rows")]
+    if not runs:
+        return
+    d = runs[0]
+    seg = d["segments_us"]
+    fig, ax = plt.subplots(figsize=(7, 2.3))
+    left = 0.0
+    colours = ("#999999", "#d08c2c", "#999999", "#aa3333", "#aa3333", "#3a6ea5", "#aa3333")
+    for (key, name), colour in zip(CHAIN, colours, strict=True):
+        width = seg[key]["median"]
+        ax.barh(0, width, left=left, color=colour, edgecolor="white")
+        if width > 25:
+            ax.text(left + width / 2, 0, f"{name}\n{width:.0f}", ha="center", va="center",
+                    fontsize=6, color="white")
+        left += width
+    ax.set_yticks([])
+    ax.set_xlabel(f"us of one layer's period (median {seg['period']['median']:.0f}); "
+                  "red: the engine thread, blue: the GPU, orange: the CPU pool", fontsize=7)
+    card = "H100" if "h100" in d["params"]["label"] else "GPU"
+    ax.set_title(f"hybrid on the 48-layer qwen3-30b-a3b q8_0, {card} ({sha}): "
+                 f"{d['tokens_per_s']:.1f} tok/s", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(ROOT / f"docs/img/timeline_{sha}.png", dpi=120)
+    plt.close(fig)

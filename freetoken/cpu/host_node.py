@@ -30,19 +30,13 @@ from freetoken.cpu.cores import core_plan, usable_cores
 from freetoken.cpu.executor import CpuMoeExecutor
 from freetoken.cpu.gpu_wait import GpuWait
 from freetoken.cpu.library import native
-from freetoken.cpu.row_copy import DRIVER
+from freetoken.cpu.row_copy import driver_function
 
 
 @cache
 def launch_host_func() -> ctypes._CFuncPtr | str:
     """The driver's ``cuLaunchHostFunc``, or why there is none."""
-    try:
-        fn = ctypes.CDLL(DRIVER).cuLaunchHostFunc
-    except (OSError, AttributeError) as e:
-        return f"the CUDA driver has no cuLaunchHostFunc: {e}"
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    return fn
+    return driver_function("cuLaunchHostFunc", [ctypes.c_void_p] * 3)
 
 
 class HostNodeError(RuntimeError):

@@ -80,6 +80,18 @@ def driver_api() -> abi.RowCopyApi | str:
     return abi.RowCopyApi(*fns)
 
 
+def driver_function(name: str, argtypes: list[type], restype: type = ctypes.c_int,
+                    ) -> ctypes._CFuncPtr | str:
+    """One entry point of the CUDA driver, typed, to call from Python (a graph's host node, a
+    piece's launch), or why there is none."""
+    try:
+        fn = getattr(ctypes.CDLL(DRIVER), name)
+    except (OSError, AttributeError) as e:
+        return f"the CUDA driver has no {name}: {e}"
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 class RowCopier:
     """Queues row copies in one library call; ``cuda``: through the driver on streams."""
 

@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from freetoken import env
-from freetoken.cpu.row_copy import DRIVER, current_stream
+from freetoken.cpu.row_copy import current_stream, driver_function
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,8 @@ log = logging.getLogger(__name__)
 @cache
 def _driver_launch() -> Callable[[int, int], int] | None:
     """The driver's ``cuGraphLaunch`` (None where it does not load)."""
-    try:
-        fn = ctypes.CDLL(DRIVER).cuGraphLaunch
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int
-    return fn
+    fn = driver_function("cuGraphLaunch", [ctypes.c_void_p] * 2)
+    return None if isinstance(fn, str) else fn
 
 
 def launchers(pieces: list[torch.cuda.CUDAGraph]) -> list[Callable[[], None]]:
